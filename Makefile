@@ -1,0 +1,29 @@
+# Two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# The main job: a character-level GPT on 2 nodes x 4 local simulated CPU devices.
+demo: $(STAMP)
+	$(PY) examples/train_gpt.py --nodes 2 --local 4 --mode zero3 --steps 300 \
+		--json demo_run.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ''
+
+clean:
+	rm -rf $(VENV) demo_run.json

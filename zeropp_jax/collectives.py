@@ -1,0 +1,97 @@
+"""Collectives of the ZeRO data path. Every function here runs inside ``jax.shard_map``.
+
+16-bit data moves as 16-bit integers where the collective does no arithmetic (all-gather,
+all-to-all): XLA's CPU backend widens bf16/fp16 collectives to f32 when it compiles, which
+would double the bytes on the wire. A bitcast to ``uint16`` keeps them at 2 bytes everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from zeropp_jax.mesh import AXES
+
+# all_gather's result is typed device-varying under shard_map's check_vma; the invariant
+# variant (typed replicated) is what an output with PartitionSpec() needs. Not yet exported
+# from jax.lax in JAX 0.10.
+from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+
+AxisNames = str | Sequence[str]
+
+
+def _as_tuple(axis_names: AxisNames) -> tuple[str, ...]:
+    return (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+
+
+def axis_size(axis_names: AxisNames) -> int:
+    """Number of devices spanned by ``axis_names`` (inside ``shard_map``)."""
+    size = 1
+    for a in _as_tuple(axis_names):
+        size *= jax.lax.axis_size(a)
+    return size
+
+
+def axis_index(axis_names: AxisNames) -> jax.Array:
+    """Row-major index of this device over ``axis_names`` (inside ``shard_map``).
+
+    For ``("node", "local")`` that is ``node * L + local``, the owner index of flat slices.
+    """
+    idx = jnp.zeros((), jnp.int32)
+    for a in _as_tuple(axis_names):
+        idx = idx * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return idx
+
+
+def _wire_dtype(dtype: jnp.dtype) -> jnp.dtype | None:
+    """Integer dtype of the same width used to move ``dtype`` untouched, if needed."""
+    if jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+        return jnp.dtype(jnp.uint16)
+    return None
+
+
+def all_gather_flat(
+    shard: jax.Array, axis_names: AxisNames = AXES, *, invariant: bool = False
+) -> jax.Array:
+    """Tiled all-gather of flat shards, in the shard's own dtype on the wire.
+
+    Runs inside ``shard_map``; communicates over ``axis_names`` (default both mesh axes).
+
+    Args:
+      shard: ``[k]`` local slice, any dtype.
+    Returns:
+      ``[k * size]`` with device ``i``'s slice (row-major index over ``axis_names``) at
+      ``[i*k:(i+1)*k]``, same dtype as ``shard``. With ``invariant=True`` the result is
+      typed replicated over ``axis_names`` (its transpose is a slice, not a reduce-scatter).
+    """
+    axes = _as_tuple(axis_names)
+    gather = _all_gather_invariant if invariant else jax.lax.all_gather
+    wire = _wire_dtype(shard.dtype)
+    if wire is None:
+        return gather(shard, axes, axis=0, tiled=True)
+    bits = jax.lax.bitcast_convert_type(shard, wire)
+    gathered = gather(bits, axes, axis=0, tiled=True)
+    return jax.lax.bitcast_convert_type(gathered, shard.dtype)
+
+
+def reduce_scatter_flat(x: jax.Array, axis_names: AxisNames = AXES) -> jax.Array:
+    """Sum over devices, then keep this device's slice: ``psum_scatter(tiled=True)``.
+
+    Runs inside ``shard_map``; communicates over ``axis_names``. The reduction runs in
+    ``x.dtype`` (bf16 for a bf16 model, as DeepSpeed's ZeRO-3 does).
+
+    Args:
+      x: ``[n]`` full local buffer, ``n`` divisible by the number of devices.
+    Returns:
+      ``[n / size]``: slice ``i`` of the sum over devices, ``i`` this device's index.
+    """
+    return jax.lax.psum_scatter(x, _as_tuple(axis_names), scatter_dimension=0, tiled=True)
+
+
+def own_slice(x: jax.Array, axis_names: AxisNames = AXES) -> jax.Array:
+    """This device's ``[n / size]`` slice of a replicated ``[n]`` buffer (no communication)."""
+    size = axis_size(axis_names)
+    k = x.shape[0] // size
+    return jax.lax.dynamic_slice_in_dim(x, axis_index(axis_names) * k, k)

@@ -1,0 +1,174 @@
+"""`ZeroPPConfig`: which ZeRO stage and which ZeRO++ techniques a training run uses.
+
+A frozen dataclass, so a config is hashable and can sit in a jitted function's static
+arguments. Presets `zero3()` and `zeropp()`; `from_deepspeed(dict)` reads the config a DeepSpeed
+user already has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+_VALID_STAGES = (1, 2, 3)
+_VALID_BITS = (4, 8)
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+# Switches whose implementation has not landed yet. Turning one on raises
+# NotImplementedError naming it, rather than silently training without it.
+_NOT_YET_IMPLEMENTED = ("qwz", "hpz", "qgz")
+
+
+def _dtype_name(dtype: Any) -> str:
+    try:
+        return np.dtype(jnp.dtype(dtype)).name
+    except TypeError as e:
+        raise ValueError(f"{dtype!r} is not a dtype; use one of {_FLOAT_DTYPES}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPPConfig:
+    """Settings of one ZeRO / ZeRO++ run.
+
+    Attributes:
+      stage: ZeRO stage, DeepSpeed's meaning. 1: optimizer state sharded over all devices;
+        2: + gradients sharded; 3: + parameters sharded and gathered per unit just before use.
+      qwz: quantize weights (block-wise INT8, or INT4 with ``weight_bits=4``) before the
+        forward all-gather.
+      hpz: keep a secondary weight partition inside each node for the backward gather.
+      qgz: INT4 hierarchical all-to-all gradient reduce-scatter.
+      weight_bits: bits of qwZ's quantized weights (8 or 4).
+      grad_bits: bits of qgZ's quantized gradients (8 or 4).
+      block_size: elements per quantization block (one fp32 scale each).
+      hpz_group_size: devices in one hpZ secondary group; None means the ``"local"`` axis.
+      qgz_pipeline_stages: chunks qgZ sends independently (paper Algorithm 2).
+      compute_dtype: dtype weights are gathered and the model computes in.
+      param_dtype: dtype of the primary (master) shards and the optimizer update.
+    """
+
+    stage: int = 3
+    qwz: bool = False
+    hpz: bool = False
+    qgz: bool = False
+    weight_bits: int = 8
+    grad_bits: int = 4
+    block_size: int = 256
+    hpz_group_size: int | None = None
+    qgz_pipeline_stages: int = 1
+    compute_dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        # Normalise dtypes to canonical names so equal configs hash equal.
+        object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
+        object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.stage not in _VALID_STAGES:
+            raise ValueError(f"stage={self.stage!r} is invalid; valid stages are {_VALID_STAGES}")
+        for name in ("qwz", "hpz", "qgz"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("weight_bits", "grad_bits"):
+            if getattr(self, name) not in _VALID_BITS:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is invalid; valid values are {_VALID_BITS}"
+                )
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.hpz_group_size is not None and (
+            not isinstance(self.hpz_group_size, int) or self.hpz_group_size <= 0
+        ):
+            raise ValueError(
+                f"hpz_group_size must be None (the local axis) or a positive int, "
+                f"got {self.hpz_group_size!r}"
+            )
+        if not isinstance(self.qgz_pipeline_stages, int) or self.qgz_pipeline_stages < 1:
+            raise ValueError(
+                f"qgz_pipeline_stages must be an int >= 1, got {self.qgz_pipeline_stages!r}"
+            )
+        for name in ("compute_dtype", "param_dtype"):
+            if getattr(self, name) not in _FLOAT_DTYPES:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is invalid; valid dtypes are {_FLOAT_DTYPES}"
+                )
+        if (self.qwz or self.hpz or self.qgz) and self.stage != 3:
+            raise ValueError(
+                "qwz, hpz and qgz are ZeRO-3 techniques; set stage=3 or turn them off"
+            )
+        for name in _NOT_YET_IMPLEMENTED:
+            if getattr(self, name):
+                raise NotImplementedError(
+                    f"{name}=True is not implemented yet in this version of zeropp_jax; "
+                    f"set {name}=False (ZeroPPConfig.zero3() has every ZeRO++ switch off)"
+                )
+
+    # -- presets -------------------------------------------------------------------------------
+
+    @classmethod
+    def zero3(cls, **overrides: Any) -> "ZeroPPConfig":
+        """ZeRO-3 with every ZeRO++ switch off (the baseline)."""
+        return cls(**{"stage": 3, "qwz": False, "hpz": False, "qgz": False, **overrides})
+
+    @classmethod
+    def zeropp(cls, **overrides: Any) -> "ZeroPPConfig":
+        """ZeRO-3 with qwZ, hpZ and qgZ all on."""
+        return cls(**{"stage": 3, "qwz": True, "hpz": True, "qgz": True, **overrides})
+
+    @classmethod
+    def from_mode(cls, mode: str, **overrides: Any) -> "ZeroPPConfig":
+        """The config behind the example's ``--mode`` names: zero3, qwz, hpz, qgz, zeropp."""
+        modes = {
+            "zero3": {},
+            "qwz": {"qwz": True},
+            "hpz": {"hpz": True},
+            "qgz": {"qgz": True},
+            "zeropp": {"qwz": True, "hpz": True, "qgz": True},
+        }
+        if mode not in modes:
+            raise ValueError(f"mode={mode!r} is invalid; valid modes are {tuple(modes)}")
+        return cls(**{"stage": 3, **modes[mode], **overrides})
+
+    @classmethod
+    def from_deepspeed(cls, ds_config: Mapping[str, Any], **overrides: Any) -> "ZeroPPConfig":
+        """Reads the ``zero_optimization`` section of a DeepSpeed config dict.
+
+        Understood keys: ``stage``, ``zero_quantized_weights``, ``zero_hpz_partition_size``
+        (> 1 turns hpZ on with that group size; DeepSpeed's default 1 means off),
+        ``zero_quantized_gradients``. The top-level ``bf16.enabled`` / ``fp16.enabled`` pick the
+        compute dtype. Unknown ``zero_optimization`` keys are ignored, as they only tune
+        DeepSpeed's own bucketing.
+        """
+        if not isinstance(ds_config, Mapping):
+            raise TypeError(f"ds_config must be a dict, got {type(ds_config).__name__}")
+        zo = ds_config.get("zero_optimization", {})
+        if not isinstance(zo, Mapping):
+            raise TypeError("ds_config['zero_optimization'] must be a dict")
+        kwargs: dict[str, Any] = {"stage": int(zo.get("stage", 3))}
+        kwargs["qwz"] = bool(zo.get("zero_quantized_weights", False))
+        kwargs["qgz"] = bool(zo.get("zero_quantized_gradients", False))
+        hpz = int(zo.get("zero_hpz_partition_size", 1))
+        if hpz < 1:
+            raise ValueError(f"zero_hpz_partition_size must be >= 1, got {hpz}")
+        kwargs["hpz"] = hpz > 1
+        kwargs["hpz_group_size"] = hpz if hpz > 1 else None
+        if ds_config.get("bf16", {}).get("enabled", False):
+            kwargs["compute_dtype"] = "bfloat16"
+        elif ds_config.get("fp16", {}).get("enabled", False):
+            kwargs["compute_dtype"] = "float16"
+        else:
+            kwargs["compute_dtype"] = "float32"
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @property
+    def compute_jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def param_jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)

@@ -1,0 +1,471 @@
+"""The ZeRO engine: train state on primary shards, and the sharded train step.
+
+A user keeps writing the train step they would write for one device::
+
+    @zeropp_jax.train_step
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["x"])
+            return cross_entropy(logits, batch["y"])
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+``train_step`` jits the function and runs it inside ``jax.shard_map`` over the
+``("node", "local")`` mesh: the batch is split over all devices on its leading dimension,
+``state.params`` holds this device's primary shards, and ``state.apply_fn`` runs the Flax
+model unit by unit (ZeRO-3) or on replicated weights (stages 1 and 2). Returned train states
+keep their shardings; every other returned value is averaged over devices (a per-device
+loss becomes the global mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax import collectives
+from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.flax import apply_units
+from zeropp_jax.mesh import AXES, mesh_shape
+from zeropp_jax.optim import check_elementwise
+from zeropp_jax.partition import (
+    REST,
+    UnitLayout,
+    default_unit_paths,
+    make_unit_layout,
+    merge_units,
+    split_units,
+)
+from zeropp_jax.unit import reduce_gradient
+
+PyTree = Any
+SHARDED = P(AXES)
+REPLICATED = P()
+
+
+@struct.dataclass
+class ShardedParams:
+    """A model's parameters as one flat buffer per unit.
+
+    ``units[name]`` is, outside ``shard_map``, a global ``[n_pad]`` array; inside, the local
+    piece. With ``sharded=True`` it is split over ``("node", "local")`` (primary shards,
+    ``[n_pad / P]`` per device); with ``sharded=False`` every device holds all of it (ZeRO
+    stages 1 and 2 keep full weights in the compute dtype). Use it only through
+    ``state.apply_fn``; ``TrainState.consolidate`` turns it back into a Flax params tree.
+    """
+
+    units: dict[str, jax.Array]
+    sharded: bool = struct.field(pytree_node=False, default=True)
+
+    @property
+    def spec(self) -> P:
+        return SHARDED if self.sharded else REPLICATED
+
+    def specs(self) -> "ShardedParams":
+        return ShardedParams({k: self.spec for k in self.units}, self.sharded)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Engine:
+    """Everything static about a ZeRO run: model, optimizer, mesh, config and unit layouts.
+
+    Compared and hashed by identity: a train state carries its engine as static data, so
+    one engine means one compiled step.
+    """
+
+    model: nn.Module
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    config: ZeroPPConfig
+    layouts: dict[str, UnitLayout]
+    opt_specs: PyTree
+
+    @property
+    def num_devices(self) -> int:
+        nodes, local = mesh_shape(self.mesh)
+        return nodes * local
+
+    # -- inside shard_map ------------------------------------------------------------------
+
+    def apply(
+        self,
+        variables: Mapping[str, Any],
+        *args: Any,
+        method: str | Callable | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``model.apply`` on this device's parameters. Call inside ``train_step``.
+
+        ``variables`` is ``{"params": state.params}``; other arguments as for Flax's
+        ``Module.apply``.
+        """
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            raise TypeError("apply_fn expects {'params': state.params} as its first argument")
+        extra = set(variables) - {"params"}
+        if extra:
+            raise NotImplementedError(
+                f"variable collections {sorted(extra)} are not supported yet; zeropp_jax "
+                "shards the 'params' collection only"
+            )
+        params = variables["params"]
+        if not isinstance(params, ShardedParams):
+            raise TypeError(
+                "apply_fn expects state.params (a ShardedParams), got "
+                f"{type(params).__name__}. Differentiate with respect to state.params and "
+                "pass what you receive to apply_fn; do not build a params dict yourself."
+            )
+        if self.config.stage == 3:
+            return apply_units(
+                self.model, self.layouts, params.units, self.config, *args, method=method, **kwargs
+            )
+        tree = self.unflatten_full(params.units)
+        if method is None:
+            return self.model.apply({"params": tree}, *args, **kwargs)
+        return self.model.apply({"params": tree}, *args, method=method, **kwargs)
+
+    def unflatten_full(self, flats: Mapping[str, jax.Array]) -> PyTree:
+        """Full flat buffers per unit -> the model's params tree."""
+        units = {lay.path: lay.unflatten(flats[name]) for name, lay in self.layouts.items()
+                 if name != REST}
+        rest = self.layouts[REST].unflatten(flats[REST]) if REST in self.layouts else {}
+        return merge_units(rest, units)
+
+    def apply_gradients(self, state: "TrainState", grads: ShardedParams) -> "TrainState":
+        """One optimizer step on primary shards. Call inside ``train_step``.
+
+        Stage 3: ``grads`` are already primary-shard gradients (the units' backward
+        reduce-scattered them). Stage 2: full local gradients, reduce-scattered here over
+        ``("node", "local")``. Stage 1: full local gradients, all-reduced here, then each
+        device keeps its slice. Then the optimizer updates the fp32 primary shards and, for
+        stages 1 and 2, an all-gather rebuilds the replicated compute-dtype weights.
+        """
+        if not isinstance(grads, ShardedParams) or set(grads.units) != set(self.layouts):
+            raise TypeError(
+                "apply_gradients expects the gradient of the loss with respect to "
+                "state.params (a ShardedParams with the same units)"
+            )
+        cfg = self.config
+        if cfg.stage == 3:
+            master = state.params
+            g = grads.units
+        else:
+            master = state.master
+            g = {}
+            for name, full in grads.units.items():
+                if cfg.stage == 2:
+                    g[name] = reduce_gradient(full, cfg.param_jnp_dtype)
+                else:
+                    summed = jax.lax.psum(full, AXES).astype(jnp.float32) / self.num_devices
+                    g[name] = collectives.own_slice(summed, AXES).astype(cfg.param_jnp_dtype)
+        updates, opt_state = self.tx.update(g, state.opt_state, master.units)
+        new_master = optax.apply_updates(master.units, updates)
+        new_master = {k: v.astype(cfg.param_jnp_dtype) for k, v in new_master.items()}
+        if cfg.stage == 3:
+            return state.replace(
+                step=state.step + 1, params=ShardedParams(new_master, True), opt_state=opt_state
+            )
+        full = {
+            k: collectives.all_gather_flat(v.astype(cfg.compute_jnp_dtype), AXES, invariant=True)
+            for k, v in new_master.items()
+        }
+        return state.replace(
+            step=state.step + 1,
+            params=ShardedParams(full, False),
+            master=ShardedParams(new_master, True),
+            opt_state=opt_state,
+        )
+
+    # -- outside shard_map -----------------------------------------------------------------
+
+    def state_specs(self, state: "TrainState") -> "TrainState":
+        return state.replace(
+            step=REPLICATED,
+            params=state.params.specs(),
+            master=None if state.master is None else state.master.specs(),
+            opt_state=self.opt_specs,
+        )
+
+    def shard_batch(self, batch: PyTree) -> PyTree:
+        """Places every leaf of ``batch`` split on its leading dimension over all devices."""
+        n = self.num_devices
+        sharding = NamedSharding(self.mesh, SHARDED)
+
+        def put(path: Any, x: Any) -> jax.Array:
+            shape = np.shape(x)
+            if not shape or shape[0] % n:
+                name = jax.tree_util.keystr(path) or "batch"
+                got = shape[0] if shape else "a scalar"
+                raise ValueError(
+                    f"{name}: leading (batch) dimension {got} is not divisible by the {n} "
+                    f"devices of the mesh; use a global batch size that is a multiple of {n} "
+                    f"(the batch is split over all devices)"
+                )
+            if isinstance(x, jax.Array) and x.sharding == sharding:
+                return x
+            return jax.device_put(x, sharding)
+
+        return jax.tree_util.tree_map_with_path(put, batch)
+
+
+@struct.dataclass
+class TrainState:
+    """Train state on primary shards; mirrors ``flax.training.train_state.TrainState``.
+
+    Attributes:
+      step: number of optimizer steps taken (replicated int32).
+      params: the parameters the step differentiates: primary shards (stage 3) or full
+        replicated compute-dtype weights (stages 1, 2).
+      opt_state: the optax state of the primary shards.
+      master: stages 1 and 2: the param-dtype primary shards the optimizer updates; None
+        for stage 3, where ``params`` are the primary shards.
+      engine: static; the model, optimizer, mesh, config and layouts.
+    """
+
+    step: jax.Array
+    params: ShardedParams
+    opt_state: PyTree
+    master: ShardedParams | None
+    engine: Engine = struct.field(pytree_node=False)
+
+    @property
+    def apply_fn(self) -> Callable[..., Any]:
+        return self.engine.apply
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        return self.engine.tx
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.engine.mesh
+
+    @property
+    def config(self) -> ZeroPPConfig:
+        return self.engine.config
+
+    def apply_gradients(self, *, grads: ShardedParams) -> "TrainState":
+        """Optimizer step on primary shards. Call inside a ``train_step`` function."""
+        return self.engine.apply_gradients(self, grads)
+
+    def consolidate(self) -> PyTree:
+        """The full parameters as a plain Flax params tree of numpy arrays (param dtype)."""
+        source = self.params if self.master is None else self.master
+        flats = {}
+        for name, lay in self.engine.layouts.items():
+            flats[name] = np.asarray(jax.device_get(source.units[name]))[: lay.n]
+        return jax.tree_util.tree_map(np.asarray, self.engine.unflatten_full(flats))
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: nn.Module,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        config: ZeroPPConfig | None = None,
+        units: Sequence[Sequence[str]] | None = None,
+    ) -> "TrainState":
+        """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
+
+        Args:
+          model: the Flax linen model; ``model.apply({"params": params}, ...)`` must work.
+          params: its parameters (the ``"params"`` collection of ``model.init``).
+          tx: an optax transformation acting elementwise (checked).
+          mesh: a ``("node", "local")`` mesh from ``make_mesh``.
+          config: default ``ZeroPPConfig.zero3()``.
+          units: module paths of the units (each a tuple of names). Default: every direct
+            child module of the root. Parameters outside every unit form one rest unit.
+        """
+        config = ZeroPPConfig.zero3() if config is None else config
+        if not isinstance(config, ZeroPPConfig):
+            raise TypeError(f"config must be a ZeroPPConfig, got {type(config).__name__}")
+        nodes, local = mesh_shape(mesh)
+        num_devices = nodes * local
+        if isinstance(params, Mapping) and set(params) == {"params"} and isinstance(
+            params["params"], Mapping
+        ):
+            raise ValueError(
+                "pass the 'params' collection, not the whole variables dict: "
+                "params=variables['params']"
+            )
+        if not isinstance(params, Mapping) or not jax.tree_util.tree_leaves(params):
+            raise ValueError(
+                "the model has no parameters, so there is nothing for ZeRO to shard; "
+                "check that params comes from model.init(...)['params']"
+            )
+        check_elementwise(tx)
+
+        unit_paths = (
+            default_unit_paths(params) if units is None else tuple(tuple(u) for u in units)
+        )
+        unit_trees, rest = split_units(params, unit_paths)
+        layouts: dict[str, UnitLayout] = {}
+        for path, sub in unit_trees.items():
+            lay = make_unit_layout(path, sub, num_devices)
+            layouts[lay.name] = lay
+        if jax.tree_util.tree_leaves(rest):
+            layouts[REST] = make_unit_layout((), rest, num_devices)
+
+        pdt = config.param_jnp_dtype
+        trees = {name: (unit_trees[lay.path] if name != REST else rest)
+                 for name, lay in layouts.items()}
+        sharded = NamedSharding(mesh, SHARDED)
+        master = {
+            name: jax.device_put(
+                np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt)),
+                sharded,
+            )
+            for name, lay in layouts.items()
+        }
+
+        local_shapes = {k: jax.ShapeDtypeStruct((lay.shard_len,), pdt) for k, lay in layouts.items()}
+        global_shapes = {k: jax.ShapeDtypeStruct((lay.n_pad,), pdt) for k, lay in layouts.items()}
+        local_state = jax.eval_shape(tx.init, local_shapes)
+        global_state = jax.eval_shape(tx.init, global_shapes)
+        opt_specs = jax.tree_util.tree_map(
+            lambda lo, gl: REPLICATED if lo.shape == gl.shape else SHARDED,
+            local_state,
+            global_state,
+        )
+        opt_state = jax.jit(
+            jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
+        )(master)
+
+        engine = Engine(model, tx, mesh, config, layouts, opt_specs)
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, REPLICATED))
+        if config.stage == 3:
+            return cls(step, ShardedParams(master, True), opt_state, None, engine)
+        cdt = config.compute_jnp_dtype
+        replicated = NamedSharding(mesh, REPLICATED)
+        full = {
+            name: jax.device_put(
+                np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt))
+                .astype(cdt),
+                replicated,
+            )
+            for name, lay in layouts.items()
+        }
+        return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine)
+
+
+# -- the decorator --------------------------------------------------------------------------
+
+
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (TrainState, ShardedParams))
+
+
+def _out_specs(out: PyTree) -> PyTree:
+    def spec(x: Any) -> Any:
+        if isinstance(x, TrainState):
+            return x.engine.state_specs(x)
+        if isinstance(x, ShardedParams):
+            return x.specs()
+        return REPLICATED
+
+    return jax.tree_util.tree_map(spec, out, is_leaf=_is_container)
+
+
+def _average_metrics(out: PyTree) -> PyTree:
+    def avg(x: Any) -> Any:
+        if _is_container(x):
+            return x
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jax.lax.pmean(x, AXES)
+        return x
+
+    return jax.tree_util.tree_map(avg, out, is_leaf=_is_container)
+
+
+def _varying_params(state: TrainState) -> TrainState:
+    # Stages 1/2: replicated weights enter shard_map invariant, and autodiff would psum their
+    # gradient by itself. Marking them device-varying keeps gradients local, so
+    # apply_gradients decides the collective (all-reduce vs reduce-scatter) and its dtype.
+    if state.params.sharded:
+        return state
+    units = {k: jax.lax.pcast(v, AXES, to="varying") for k, v in state.params.units.items()}
+    return state.replace(params=ShardedParams(units, False))
+
+
+def train_step(
+    fn: Callable[..., Any] | None = None, *, donate_state: bool = False
+) -> Callable[..., Any]:
+    """Turns a one-device train step ``fn(state, batch, *extra)`` into a ZeRO step.
+
+    ``state`` is a ``zeropp_jax.TrainState``; every leaf of ``batch`` is split over all
+    devices on its leading dimension (which must be divisible by the device count);
+    ``extra`` arguments (an RNG key, a learning-rate scale) are replicated. Inside, ``fn``
+    runs per device under ``jax.shard_map`` over ``("node", "local")``. Of what ``fn``
+    returns, train states and ``ShardedParams`` keep their shardings and every other array
+    is averaged over devices (``pmean``; integer arrays are returned as they are).
+
+    The returned function is jitted once per input structure; ``.lower(state, batch,
+    *extra)`` gives the lowered program (for HLO inspection). With ``donate_state=True``
+    the input state's buffers are donated to the output.
+    """
+    if fn is None:
+        return functools.partial(train_step, donate_state=donate_state)
+
+    def run(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+        engine = state.engine
+        in_specs = (
+            engine.state_specs(state),
+            jax.tree_util.tree_map(lambda _: SHARDED, batch),
+            *[jax.tree_util.tree_map(lambda _: REPLICATED, e) for e in extra],
+        )
+        recorded: dict[str, Any] = {}
+
+        def probe(state: TrainState, batch: PyTree, *extra: Any) -> jax.Array:
+            recorded["specs"] = _out_specs(fn(_varying_params(state), batch, *extra))
+            return jnp.zeros((), jnp.float32)
+
+        # First pass (abstract): learn the output structure, so the real shard_map can be
+        # given exact out_specs. Runs once per compilation.
+        jax.eval_shape(
+            jax.shard_map(probe, mesh=engine.mesh, in_specs=in_specs, out_specs=REPLICATED),
+            state,
+            batch,
+            *extra,
+        )
+
+        def body(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+            return _average_metrics(fn(_varying_params(state), batch, *extra))
+
+        return jax.shard_map(
+            body, mesh=engine.mesh, in_specs=in_specs, out_specs=recorded["specs"]
+        )(state, batch, *extra)
+
+    jitted = jax.jit(run, donate_argnums=(0,) if donate_state else ())
+
+    def _check(state: Any) -> Engine:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                "a train_step function takes a zeropp_jax.TrainState as its first argument "
+                f"(from zeropp_jax.TrainState.create), got {type(state).__name__}"
+            )
+        return state.engine
+
+    @functools.wraps(fn)
+    def wrapper(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+        engine = _check(state)
+        return jitted(state, engine.shard_batch(batch), *extra)
+
+    def lower(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+        engine = _check(state)
+        return jitted.lower(state, engine.shard_batch(batch), *extra)
+
+    wrapper.lower = lower  # type: ignore[attr-defined]
+    wrapper.jitted = jitted  # type: ignore[attr-defined]
+    return wrapper

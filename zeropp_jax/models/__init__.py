@@ -1,0 +1,1 @@
+"""Reference models used by the examples, benchmarks and tests."""

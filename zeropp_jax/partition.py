@@ -1,0 +1,179 @@
+"""A unit's parameters <-> one padded flat buffer <-> per-device primary shards.
+
+Each unit (a submodule whose weights are gathered together) is stored as one flat buffer of
+``n_pad`` elements, ``n_pad`` a multiple of ``num_shards * align``. Device ``d`` owns
+``flat[d * shard_len:(d + 1) * shard_len]`` — its *primary shard*. As a global array the
+buffer has shape ``[n_pad]`` and sharding ``PartitionSpec(("node", "local"))``.
+
+Parameters that belong to no unit (for example a scalar declared directly on the root module)
+form the *rest* unit, named ``REST``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+REST = "<rest>"
+
+
+def unit_name(path: Sequence[str]) -> str:
+    return "/".join(path) if path else REST
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """Flat layout of one unit's parameters.
+
+    Attributes:
+      name: ``"/"``-joined module path, or ``REST``.
+      path: module path of the unit (``()`` for the rest unit).
+      treedef: tree structure of the unit's parameter subtree.
+      shapes: shape of each leaf, in ``treedef`` order.
+      n: number of real elements.
+      n_pad: padded length, a multiple of ``num_shards * align``.
+      num_shards: devices the buffer is split over.
+    """
+
+    name: str
+    path: tuple[str, ...]
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    n: int
+    n_pad: int
+    num_shards: int
+
+    @property
+    def shard_len(self) -> int:
+        return self.n_pad // self.num_shards
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    def flatten(self, tree: PyTree, dtype: Any) -> jax.Array:
+        """Unit subtree -> flat ``[n_pad]`` buffer of ``dtype``, zero padded."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"unit {self.name!r}: parameter tree structure {treedef} does not match the "
+                f"layout's {self.treedef}"
+            )
+        parts = [jnp.ravel(x).astype(dtype) for x in leaves]
+        pad = self.n_pad - self.n
+        if pad:
+            parts.append(jnp.zeros((pad,), dtype))
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def unflatten(self, flat: jax.Array) -> PyTree:
+        """Flat ``[n_pad]`` (or ``[n]``) buffer -> unit subtree, in ``flat``'s dtype."""
+        if flat.shape[0] < self.n:
+            raise ValueError(f"unit {self.name!r}: flat buffer {flat.shape} shorter than {self.n}")
+        leaves, offset = [], 0
+        for shape, size in zip(self.shapes, self.sizes):
+            leaves.append(jax.lax.slice_in_dim(flat, offset, offset + size).reshape(shape))
+            offset += size
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def make_unit_layout(
+    path: tuple[str, ...], subtree: PyTree, num_shards: int, align: int = 1
+) -> UnitLayout:
+    """The layout of one unit, its flat length padded to a multiple of ``num_shards*align``."""
+    leaves, treedef = jax.tree_util.tree_flatten(subtree)
+    name = unit_name(path)
+    for leaf_path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
+        if not _is_float(leaf):
+            raise TypeError(
+                f"parameter {name}{jax.tree_util.keystr(leaf_path)} has dtype "
+                f"{jnp.result_type(leaf)}; ZeRO shards only floating-point parameters. Keep "
+                "integer state in another Flax collection (not 'params')."
+            )
+    shapes = tuple(tuple(int(d) for d in jnp.shape(x)) for x in leaves)
+    n = sum(math.prod(s) for s in shapes)
+    quantum = num_shards * align
+    n_pad = max(quantum, -(-n // quantum) * quantum)
+    return UnitLayout(name, path, treedef, shapes, n, n_pad, num_shards)
+
+
+# -- splitting a model's params tree into units -----------------------------------------------
+
+
+def default_unit_paths(params: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
+    """Every direct child module of the root (top-level keys whose value is a dict)."""
+    return tuple((k,) for k, v in params.items() if isinstance(v, Mapping))
+
+
+def _get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
+    for k in path:
+        if not isinstance(tree, Mapping) or k not in tree:
+            raise KeyError("/".join(path))
+        tree = tree[k]
+    return tree
+
+
+def _without(tree: Mapping[str, Any], paths: Iterable[tuple[str, ...]]) -> dict:
+    """Copy of ``tree`` without the subtrees at ``paths`` (empty dicts left behind dropped)."""
+    paths = [p for p in paths if p]
+    out = {}
+    for k, v in tree.items():
+        inner = [p[1:] for p in paths if p[0] == k]
+        if any(len(p) == 0 for p in inner):
+            continue
+        if inner and isinstance(v, Mapping):
+            v = _without(v, inner)
+            if not v:
+                continue
+        out[k] = v
+    return out
+
+
+def split_units(
+    params: Mapping[str, Any], unit_paths: Sequence[tuple[str, ...]]
+) -> tuple[dict[tuple[str, ...], PyTree], dict]:
+    """``params`` -> ({unit path: subtree}, rest subtree without any unit)."""
+    units = {}
+    for p in unit_paths:
+        try:
+            units[p] = _get(params, p)
+        except KeyError:
+            raise ValueError(
+                f"unit path {'/'.join(p)!r} is not in the model's params; top-level names "
+                f"are {list(params)}"
+            ) from None
+    for a in unit_paths:
+        for b in unit_paths:
+            if a != b and b[: len(a)] == a:
+                raise ValueError(f"unit {'/'.join(b)!r} is nested inside unit {'/'.join(a)!r}")
+    return units, _without(params, unit_paths)
+
+
+def merge_units(rest: Mapping[str, Any], units: Mapping[tuple[str, ...], PyTree]) -> dict:
+    """Inverse of ``split_units``."""
+    def put(tree: dict, path: tuple[str, ...], value: Any) -> None:
+        for k in path[:-1]:
+            tree = tree.setdefault(k, {})
+        tree[path[-1]] = value
+
+    def copy_dicts(t: Any) -> Any:
+        return {k: copy_dicts(v) for k, v in t.items()} if isinstance(t, Mapping) else t
+
+    out = copy_dicts(rest)
+    for path, sub in units.items():
+        put(out, path, sub)
+    return out
+
+
+def numpy_shards(flat: np.ndarray, num_shards: int) -> np.ndarray:
+    """``[n_pad]`` -> ``[num_shards, shard_len]`` view (device d's primary shard is row d)."""
+    return np.asarray(flat).reshape(num_shards, -1)

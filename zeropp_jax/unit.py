@@ -1,0 +1,90 @@
+"""`zero_unit`: the custom_vjp around one unit of a ZeRO-3 model. Runs inside ``shard_map``.
+
+Forward: gather the unit's flat weights from the primary shards (all devices, in the compute
+dtype), run the unit. Saved for backward: the primary shard and the unit's inputs, never the
+gathered weights. Backward: gather again, recompute the unit under ``jax.vjp``, and
+reduce-scatter the flat weight gradient back to a primary-shard gradient (mean over devices).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from zeropp_jax.collectives import all_gather_flat, reduce_scatter_flat
+from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.mesh import AXES
+from zeropp_jax.partition import UnitLayout
+
+PyTree = Any
+
+
+def gather_weights(shard: jax.Array, config: ZeroPPConfig) -> jax.Array:
+    """Primary shard ``[n_pad / P]`` (param dtype) -> full flat ``[n_pad]`` (compute dtype).
+
+    Inside ``shard_map``; an all-gather over ``("node", "local")`` carrying the compute dtype.
+    """
+    return all_gather_flat(shard.astype(config.compute_jnp_dtype), AXES)
+
+
+def reduce_gradient(g_full: jax.Array, shard_dtype: Any) -> jax.Array:
+    """Flat weight gradient ``[n_pad]`` -> this device's ``[n_pad / P]`` slice of the mean.
+
+    Inside ``shard_map``; a reduce-scatter over ``("node", "local")`` in ``g_full``'s dtype
+    (the compute dtype), divided by the device count in fp32 afterwards.
+    """
+    num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
+    summed = reduce_scatter_flat(g_full, AXES)
+    return (summed.astype(jnp.float32) / num_devices).astype(shard_dtype)
+
+
+def zero_unit(
+    fn: Callable[..., Any], layout: UnitLayout, config: ZeroPPConfig
+) -> Callable[..., Any]:
+    """Wraps ``fn(params_tree, *arrays)`` into ``unit(primary_shard, *arrays)``.
+
+    Args:
+      fn: the unit's computation, a pure function of its parameter subtree (in the compute
+        dtype) and array inputs.
+      layout: the unit's flat layout.
+      config: the run's settings (compute dtype).
+
+    Returns:
+      ``unit(shard, *arrays)`` with the outputs of ``fn``. To be called inside ``shard_map``
+      with ``shard`` the local ``[layout.shard_len]`` primary shard. Its gradient with
+      respect to ``shard`` is this device's slice of the gradient averaged over all devices.
+    """
+
+    def run(full: jax.Array, arrays: tuple) -> Any:
+        return fn(layout.unflatten(full), *arrays)
+
+    @jax.custom_vjp
+    def unit(shard: jax.Array, arrays: tuple) -> Any:
+        return run(gather_weights(shard, config), arrays)
+
+    def unit_fwd(shard: jax.Array, arrays: tuple) -> tuple[Any, tuple]:
+        out = run(gather_weights(shard, config), arrays)
+        # Residuals: the shard (held anyway) and the unit's inputs. The gathered weights are
+        # dropped here and regathered in backward; that is ZeRO-3's memory saving.
+        return out, (shard, arrays)
+
+    def unit_bwd(res: tuple, g: Any) -> tuple[jax.Array, tuple]:
+        shard, arrays = res
+        full = gather_weights(shard, config)
+        _, vjp = jax.vjp(run, full, arrays)
+        g_full, g_arrays = vjp(g)
+        return reduce_gradient(g_full, shard.dtype), g_arrays
+
+    unit.defvjp(unit_fwd, unit_bwd)
+
+    def call(shard: jax.Array, *arrays: Any) -> Any:
+        if shard.shape != (layout.shard_len,):
+            raise ValueError(
+                f"unit {layout.name!r} expects its local primary shard of shape "
+                f"({layout.shard_len},) inside shard_map, got {shard.shape}"
+            )
+        return unit(shard, tuple(arrays))
+
+    return call

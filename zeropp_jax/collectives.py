@@ -45,15 +45,35 @@ def axis_index(axis_names: AxisNames) -> jax.Array:
     return idx
 
 
-def _wire_dtype(dtype: jnp.dtype) -> jnp.dtype | None:
-    """Integer dtype of the same width used to move ``dtype`` untouched, if needed."""
-    if jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
-        return jnp.dtype(jnp.uint16)
+_UNSIGNED = {2: jnp.uint16, 4: jnp.uint32}
+_SIGNED = {2: jnp.int16, 4: jnp.int32}
+
+
+def _wire_dtype(dtype: jnp.dtype, distinct: bool) -> jnp.dtype | None:
+    """Integer dtype of the same width used to move ``dtype`` untouched, if one is needed.
+
+    ``distinct=True`` picks a signed integer (and bitcasts 4-byte floats too), so the
+    gather differs from an otherwise identical unsigned one: XLA's CSE cannot merge the
+    backward regather of a unit with its forward gather (the CPU pipeline drops
+    optimization barriers early, and a merged gather would keep the full weights alive from
+    forward to backward).
+    """
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return None
+    if distinct:
+        return jnp.dtype(_SIGNED[dtype.itemsize]) if dtype.itemsize in _SIGNED else None
+    if dtype.itemsize == 2:
+        return jnp.dtype(_UNSIGNED[2])
     return None
 
 
 def all_gather_flat(
-    shard: jax.Array, axis_names: AxisNames = AXES, *, invariant: bool = False
+    shard: jax.Array,
+    axis_names: AxisNames = AXES,
+    *,
+    invariant: bool = False,
+    distinct: bool = False,
 ) -> jax.Array:
     """Tiled all-gather of flat shards, in the shard's own dtype on the wire.
 
@@ -65,10 +85,12 @@ def all_gather_flat(
       ``[k * size]`` with device ``i``'s slice (row-major index over ``axis_names``) at
       ``[i*k:(i+1)*k]``, same dtype as ``shard``. With ``invariant=True`` the result is
       typed replicated over ``axis_names`` (its transpose is a slice, not a reduce-scatter).
+      ``distinct=True`` moves the bits as a different integer type, so XLA never merges this
+      gather with another of the same data (see ``_wire_dtype``).
     """
     axes = _as_tuple(axis_names)
     gather = _all_gather_invariant if invariant else jax.lax.all_gather
-    wire = _wire_dtype(shard.dtype)
+    wire = _wire_dtype(shard.dtype, distinct)
     if wire is None:
         return gather(shard, axes, axis=0, tiled=True)
     bits = jax.lax.bitcast_convert_type(shard, wire)

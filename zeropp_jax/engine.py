@@ -140,6 +140,14 @@ class Engine:
         rest = self.layouts[REST].unflatten(flats[REST]) if REST in self.layouts else {}
         return merge_units(rest, units)
 
+    def consolidate(self, params: ShardedParams) -> PyTree:
+        """Global ``ShardedParams`` (outside ``shard_map``) -> plain params tree of numpy
+        arrays. Works for parameters and for gradients returned from a ``train_step``."""
+        flats = {}
+        for name, lay in self.layouts.items():
+            flats[name] = np.asarray(jax.device_get(params.units[name]))[: lay.n]
+        return jax.tree_util.tree_map(np.asarray, self.unflatten_full(flats))
+
     def apply_gradients(self, state: "TrainState", grads: ShardedParams) -> "TrainState":
         """One optimizer step on primary shards. Call inside ``train_step``.
 
@@ -259,11 +267,7 @@ class TrainState:
 
     def consolidate(self) -> PyTree:
         """The full parameters as a plain Flax params tree of numpy arrays (param dtype)."""
-        source = self.params if self.master is None else self.master
-        flats = {}
-        for name, lay in self.engine.layouts.items():
-            flats[name] = np.asarray(jax.device_get(source.units[name]))[: lay.n]
-        return jax.tree_util.tree_map(np.asarray, self.engine.unflatten_full(flats))
+        return self.engine.consolidate(self.params if self.master is None else self.master)
 
     @classmethod
     def create(

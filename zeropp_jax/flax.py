@@ -61,16 +61,24 @@ class _UnitInterceptor:
 
         unbound = module.clone(parent=None)
         method = context.method_name
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        # RNG streams the caller passed to apply (e.g. "dropout"): draw one key per stream
+        # from the unit's place in the outer model, so the unit gets the keys it would have
+        # had, and backward's recomputation reuses them (they are residuals like any input).
+        streams = sorted(module.scope.rngs) if module.scope.rngs else []
+        rngs = {name: module.make_rng(name) for name in streams}
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs, rngs))
         dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
         def fn(params: PyTree, *arrays: jax.Array) -> Any:
             filled = list(leaves)
             for i, a in zip(dynamic, arrays):
                 filled[i] = a
-            call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, filled)
+            call_args, call_kwargs, call_rngs = jax.tree_util.tree_unflatten(treedef, filled)
             with self._inside_unit():
-                return unbound.apply({"params": params}, *call_args, method=method, **call_kwargs)
+                return unbound.apply(
+                    {"params": params}, *call_args, method=method, rngs=call_rngs or None,
+                    **call_kwargs,
+                )
 
         unit = zero_unit(fn, layout, self.config)
         return unit(self.shards[layout.name], *[leaves[i] for i in dynamic])

@@ -21,12 +21,16 @@ from zeropp_jax.partition import UnitLayout
 PyTree = Any
 
 
-def gather_weights(shard: jax.Array, config: ZeroPPConfig) -> jax.Array:
+def gather_weights(
+    shard: jax.Array, config: ZeroPPConfig, *, backward: bool = False
+) -> jax.Array:
     """Primary shard ``[n_pad / P]`` (param dtype) -> full flat ``[n_pad]`` (compute dtype).
 
-    Inside ``shard_map``; an all-gather over ``("node", "local")`` carrying the compute dtype.
+    Inside ``shard_map``; an all-gather over ``("node", "local")`` carrying the compute dtype
+    (as same-width integers). ``backward=True`` marks the regather so XLA keeps it apart
+    from the forward gather.
     """
-    return all_gather_flat(shard.astype(config.compute_jnp_dtype), AXES)
+    return all_gather_flat(shard.astype(config.compute_jnp_dtype), AXES, distinct=backward)
 
 
 def reduce_gradient(g_full: jax.Array, shard_dtype: Any) -> jax.Array:
@@ -72,7 +76,10 @@ def zero_unit(
 
     def unit_bwd(res: tuple, g: Any) -> tuple[jax.Array, tuple]:
         shard, arrays = res
-        full = gather_weights(shard, config)
+        # Tie the regather to the incoming cotangent: without the barrier XLA's CSE merges it
+        # with the forward gather and keeps the full weights alive from forward to backward.
+        shard, arrays, g = jax.lax.optimization_barrier((shard, arrays, g))
+        full = gather_weights(shard, config, backward=True)
         _, vjp = jax.vjp(run, full, arrays)
         g_full, g_arrays = vjp(g)
         return reduce_gradient(g_full, shard.dtype), g_arrays

@@ -22,6 +22,7 @@ class GPTConfig:
     heads: int = 4
     mlp_ratio: int = 4
     dtype: str = "float32"  # computation dtype of activations
+    logit_scale: bool = False  # a learnable scalar on the root module (CLIP-style)
 
 
 class CausalSelfAttention(nn.Module):
@@ -74,6 +75,8 @@ class GPT(nn.Module):
             x = Block(cfg, name=f"block_{i}")(x)
         x = nn.LayerNorm(dtype=cfg.dtype, name="ln_f")(x)
         logits = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="head")(x)
+        if cfg.logit_scale:
+            logits = logits * self.param("logit_scale", nn.initializers.ones, ())
         return logits.astype(jnp.float32)
 
 

@@ -1,0 +1,100 @@
+"""Shared pieces of the tests: a small GPT, a single-device reference, comparisons."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+import zeropp_jax as zpp
+from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+
+# d_model=20 makes every unit's size a non-multiple of 8 devices (padding needed), and
+# logit_scale is a root-level scalar: a unit with fewer elements than devices.
+SMALL = GPTConfig(vocab_size=64, seq_len=12, layers=2, d_model=20, heads=4, logit_scale=True)
+
+
+def tokens(batch: int, seq_len: int = SMALL.seq_len, *, seed: int) -> np.ndarray:
+    """Fresh random tokens ``int32 [batch, seq_len + 1]``."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, SMALL.vocab_size, (batch, seq_len + 1)).astype(np.int32)
+
+
+def init_params(cfg: GPTConfig = SMALL, seed: int = 0) -> dict:
+    model = GPT(cfg)
+    params = model.init(jax.random.PRNGKey(seed), tokens(2, cfg.seq_len, seed=seed)[:, :-1])
+    params = params["params"]
+    # Perturb the init so no parameter sits at a special value (ones/zeros of LayerNorm).
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    rng = np.random.default_rng(seed + 1)
+    leaves = [np.asarray(x) + 0.1 * rng.standard_normal(np.shape(x)).astype(np.float32)
+              for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def make_step(with_grads: bool = False):
+    """A train step written as for one device; optionally also returns the gradients."""
+
+    @zpp.train_step
+    def step(state, batch):
+        def loss_of(p):
+            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        out = {"loss": loss}
+        if with_grads:
+            out["grads"] = grads
+        return state.apply_gradients(grads=grads), out
+
+    return step
+
+
+def reference_loss_and_grads(model, params, batch):
+    def loss_of(p):
+        return loss_fn(model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+    with jax.default_device(jax.devices()[0]):
+        return jax.value_and_grad(loss_of)(params)
+
+
+def reference_train(model, params, tx, batches):
+    """Plain single-device training: params after ``len(batches)`` steps and the losses."""
+    with jax.default_device(jax.devices()[0]):
+        state = tx.init(params)
+        losses = []
+        for b in batches:
+            loss, g = reference_loss_and_grads(model, params, b)
+            u, state = tx.update(g, state, params)
+            params = optax.apply_updates(params, u)
+            losses.append(float(loss))
+    return params, losses
+
+
+def assert_trees_close(actual, expected, *, rtol: float, atol: float = 0.0) -> None:
+    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+    flat_e = jax.tree_util.tree_leaves(expected)
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e in zip(flat_a, flat_e):
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+def assert_leaves_rel_close(actual, expected, rel: float) -> None:
+    """Per leaf: max |a - e| <= rel * max |e| (a relative error that does not blow up on
+    elements that happen to be near zero)."""
+    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+    flat_e = jax.tree_util.tree_leaves(expected)
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e in zip(flat_a, flat_e):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, jax.tree_util.keystr(path)
+        err, scale = np.max(np.abs(a - e)), np.max(np.abs(e))
+        assert err <= rel * scale, f"{jax.tree_util.keystr(path)}: {err:.3g} > {rel} * {scale:.3g}"
+
+
+def relative_error(actual, expected) -> float:
+    """max |a - e| / max |e| over a whole tree (scale-free, robust to tiny elements)."""
+    a = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(actual)])
+    e = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(expected)])
+    return float(np.max(np.abs(a - e)) / np.max(np.abs(e)))

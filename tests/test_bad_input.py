@@ -1,0 +1,89 @@
+"""Bad input gets a clear error naming the fix."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zpp
+from zeropp_jax.models.gpt import GPT
+
+from helpers import SMALL, init_params, make_step, tokens
+
+
+@pytest.fixture(scope="module")
+def state():
+    return zpp.TrainState.create(
+        model=GPT(SMALL), params=init_params(), tx=optax.adam(1e-3), mesh=zpp.make_mesh(2, 4)
+    )
+
+
+def test_batch_not_divisible_by_devices(state):
+    with pytest.raises(ValueError, match="not divisible by the 8 devices"):
+        make_step()(state, tokens(12, seed=0))
+
+
+def test_scalar_batch_leaf(state):
+    @zpp.train_step
+    def step(state, batch):
+        return state, {}
+
+    with pytest.raises(ValueError, match="not divisible"):
+        step(state, {"x": tokens(8, seed=0), "lr": np.float32(1.0)})
+
+
+def test_model_without_parameters():
+    class NoParams(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(x)
+
+    model = NoParams()
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((2, 3))).get("params", {})
+    with pytest.raises(ValueError, match="no parameters"):
+        zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                              mesh=zpp.make_mesh(2, 4))
+
+
+def test_whole_variables_dict_instead_of_params():
+    model = GPT(SMALL)
+    variables = {"params": init_params()}
+    with pytest.raises(ValueError, match=r"variables\['params'\]"):
+        zpp.TrainState.create(model=model, params=variables, tx=optax.sgd(0.1),
+                              mesh=zpp.make_mesh(2, 4))
+
+
+def test_non_elementwise_optimizer():
+    with pytest.raises(ValueError, match="not elementwise"):
+        zpp.TrainState.create(
+            model=GPT(SMALL), params=init_params(),
+            tx=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+            mesh=zpp.make_mesh(2, 4),
+        )
+
+
+def test_wrong_mesh_axes():
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+    with pytest.raises(ValueError, match="make_mesh"):
+        zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                              mesh=mesh)
+
+
+def test_first_argument_must_be_train_state():
+    with pytest.raises(TypeError, match="TrainState"):
+        make_step()({"params": init_params()}, tokens(8, seed=0))
+
+
+def test_apply_fn_with_a_plain_params_dict(state):
+    plain = init_params()
+
+    @zpp.train_step
+    def step(state, batch):
+        return state, {"y": state.apply_fn({"params": plain}, batch).sum()}
+
+    with pytest.raises(TypeError, match="state.params"):
+        step(state, tokens(8, seed=0)[:, :-1])

@@ -1,0 +1,166 @@
+"""ZeRO-3 (and stages 1, 2) against single-device training, in fp32."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zpp
+from zeropp_jax.models.gpt import GPT
+from zeropp_jax.partition import REST
+
+from helpers import (
+    SMALL,
+    assert_leaves_rel_close,
+    init_params,
+    make_step,
+    reference_loss_and_grads,
+    reference_train,
+    tokens,
+)
+
+FP32 = dict(compute_dtype="float32")
+
+
+@pytest.mark.parametrize("nodes,local", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_loss_and_grads_equal_single_device(nodes, local):
+    model = GPT(SMALL)
+    params = init_params(seed=nodes)
+    batch = tokens(16, seed=100 + nodes)
+    mesh = zpp.make_mesh(nodes, local)
+    state = zpp.TrainState.create(
+        model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
+        config=zpp.ZeroPPConfig.zero3(**FP32),
+    )
+    # The test model exercises padding and a unit smaller than the device count.
+    layouts = state.engine.layouts
+    assert any(lay.n_pad > lay.n for lay in layouts.values())
+    assert layouts[REST].n < 8
+    _, out = make_step(with_grads=True)(state, batch)
+    ref_loss, ref_grads = reference_loss_and_grads(model, params, batch)
+    # fp32 everywhere; only the summation order differs (8 partial means vs one mean).
+    np.testing.assert_allclose(float(out["loss"]), float(ref_loss), rtol=1e-5)
+    grads = state.engine.consolidate(out["grads"])
+    assert_leaves_rel_close(grads, ref_grads, rel=1e-5)
+
+
+def test_three_adam_steps_equal_single_device():
+    model = GPT(SMALL)
+    params = init_params(seed=3)
+    batches = [tokens(16, seed=200 + i) for i in range(3)]
+    # eps=1e-3: some gradients are identically zero in exact arithmetic (attention's key
+    # bias: softmax is shift invariant) and come out as ~1e-10 rounding noise; Adam divides
+    # by sqrt(v)+eps, so with a tiny eps it turns that noise into full +-lr steps. With
+    # eps=1e-3 an update changes by at most lr * |noise| / eps ~ 1e-10.
+    tx = optax.adam(1e-2, eps=1e-3)
+    state = zpp.TrainState.create(
+        model=model, params=params, tx=tx, mesh=zpp.make_mesh(2, 4),
+        config=zpp.ZeroPPConfig.zero3(**FP32),
+    )
+    step = make_step()
+    losses = []
+    for b in batches:
+        state, out = step(state, b)
+        losses.append(float(out["loss"]))
+    ref_params, ref_losses = reference_train(model, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_leaves_rel_close(state.consolidate(), ref_params, rel=1e-6)
+    assert int(state.step) == 3
+
+
+def test_stages_1_2_3_agree():
+    model = GPT(SMALL)
+    params = init_params(seed=4)
+    batches = [tokens(8, seed=300 + i) for i in range(3)]
+    tx = optax.adam(1e-2, eps=1e-3)  # eps: see test_three_adam_steps_equal_single_device
+    results = {}
+    for stage in (1, 2, 3):
+        state = zpp.TrainState.create(
+            model=model, params=params, tx=tx, mesh=zpp.make_mesh(2, 4),
+            config=zpp.ZeroPPConfig(stage=stage, **FP32),
+        )
+        step = make_step()
+        for b in batches:
+            state, _ = step(state, b)
+        results[stage] = state.consolidate()
+    ref_params, _ = reference_train(model, params, tx, batches)
+    for stage in (1, 2, 3):
+        assert_leaves_rel_close(results[stage], ref_params, rel=1e-6)
+    assert_leaves_rel_close(results[1], results[3], rel=1e-6)
+    assert_leaves_rel_close(results[2], results[3], rel=1e-6)
+
+
+def test_stage_3_shards_and_stage_1_2_replicate():
+    model = GPT(SMALL)
+    params = init_params()
+    mesh = zpp.make_mesh(2, 4)
+    s3 = zpp.TrainState.create(model=model, params=params, tx=optax.adam(1e-3), mesh=mesh)
+    for arr in s3.params.units.values():
+        assert arr.sharding.spec == zpp.engine.SHARDED
+        shard_lens = {s.data.shape for s in arr.addressable_shards}
+        assert shard_lens == {(arr.shape[0] // 8,)}
+    # Adam's moments are sharded like the params; its step count is replicated.
+    mu = s3.opt_state[0].mu
+    assert all(x.sharding.spec == zpp.engine.SHARDED for x in mu.values())
+    assert s3.opt_state[0].count.sharding.spec == zpp.engine.REPLICATED
+    s2 = zpp.TrainState.create(
+        model=model, params=params, tx=optax.adam(1e-3), mesh=mesh,
+        config=zpp.ZeroPPConfig(stage=2),
+    )
+    for name, arr in s2.params.units.items():
+        assert arr.sharding.spec == zpp.engine.REPLICATED
+        assert arr.dtype == np.dtype("bfloat16")
+        assert s2.master.units[name].sharding.spec == zpp.engine.SHARDED
+
+
+def test_device_d_owns_flat_slice_d():
+    model = GPT(SMALL)
+    params = init_params()
+    mesh = zpp.make_mesh(2, 4)
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1), mesh=mesh)
+    for name, lay in state.engine.layouts.items():
+        arr = state.params.units[name]
+        full = np.asarray(arr)
+        for node in range(2):
+            for local in range(4):
+                d = node * 4 + local
+                dev = mesh.devices[node, local]
+                (shard,) = [s for s in arr.addressable_shards if s.device == dev]
+                np.testing.assert_array_equal(
+                    np.asarray(shard.data), full[d * lay.shard_len:(d + 1) * lay.shard_len]
+                )
+
+
+def test_no_recompile_and_stable_shardings():
+    model = GPT(SMALL)
+    state = zpp.TrainState.create(
+        model=model, params=init_params(), tx=optax.adam(1e-3), mesh=zpp.make_mesh(2, 4)
+    )
+    traces = []
+
+    @zpp.train_step
+    def step(state, batch):
+        traces.append(1)
+
+        def loss_of(p):
+            from zeropp_jax.models.gpt import loss_fn
+            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    def shardings(s):
+        return jax.tree_util.tree_map(lambda x: (x.sharding, x.shape, x.dtype), s)
+
+    before = shardings(state)
+    state, _ = step(state, tokens(16, seed=1))
+    n_traces = len(traces)
+    assert n_traces > 0
+    assert shardings(state) == before
+    for i in range(2):
+        state, _ = step(state, tokens(16, seed=2 + i))
+        assert shardings(state) == before
+    assert len(traces) == n_traces, "the train step was traced again on a later call"
+    assert step.jitted._cache_size() == 1

@@ -7,7 +7,7 @@ would double the bytes on the wire. A bitcast to ``uint16`` keeps them at 2 byte
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -117,3 +117,58 @@ def own_slice(x: jax.Array, axis_names: AxisNames = AXES) -> jax.Array:
     size = axis_size(axis_names)
     k = x.shape[0] // size
     return jax.lax.dynamic_slice_in_dim(x, axis_index(axis_names) * k, k)
+
+
+def qwz_all_gather(
+    shard: jax.Array,
+    *,
+    axis_names: AxisNames = AXES,
+    bits: int = 8,
+    block_size: int = 256,
+    out_dtype: Any = None,
+    implementation: str | None = None,
+    distinct: bool = False,
+) -> jax.Array:
+    """qwZ: quantize the local shard in blocks, all-gather values and scales, dequantize.
+
+    Runs inside ``shard_map``; communicates over ``axis_names`` (default both mesh axes):
+    int8 values (or INT4 packed two per byte in uint8) plus one fp32 scale per block.
+
+    Args:
+      shard: ``[k]`` local slice, bf16/fp16/fp32, ``k`` a multiple of ``block_size``, so
+        every device's blocks stay whole and the gathered blocks line up.
+      bits: 8 or 4.
+      block_size: elements per quantization block.
+      out_dtype: dtype of the result; default ``shard.dtype``.
+      distinct: move the bits under other integer types so XLA cannot merge this gather
+        with an identical one (used for backward regathers; see ``_wire_dtype``).
+    Returns:
+      ``[k * size]``: the dequantized shards of all devices in row-major device order —
+      exactly ``all_gather`` of each device's dequantized shard.
+    """
+    from zeropp_jax.quantization import check_settings, dequantize_flat, quantize_flat
+
+    check_settings(bits, block_size)
+    (k,) = shard.shape
+    if k % block_size:
+        raise ValueError(f"qwz_all_gather: shard length {k=} must be a multiple of {block_size=}")
+    out_dtype = shard.dtype if out_dtype is None else out_dtype
+    axes = _as_tuple(axis_names)
+    values, scales = quantize_flat(shard, bits=bits, block_size=block_size,
+                                   implementation=implementation)
+    if distinct:
+        # Same bytes, other integer types: int8 -> uint8 / uint8 -> int8, f32 -> int32.
+        v_wire = jnp.uint8 if values.dtype == jnp.int8 else jnp.int8
+        values = jax.lax.all_gather(
+            jax.lax.bitcast_convert_type(values, v_wire), axes, axis=0, tiled=True
+        )
+        values = jax.lax.bitcast_convert_type(values, jnp.int8 if bits == 8 else jnp.uint8)
+        scales = jax.lax.all_gather(
+            jax.lax.bitcast_convert_type(scales, jnp.int32), axes, axis=0, tiled=True
+        )
+        scales = jax.lax.bitcast_convert_type(scales, jnp.float32)
+    else:
+        values = jax.lax.all_gather(values, axes, axis=0, tiled=True)
+        scales = jax.lax.all_gather(scales, axes, axis=0, tiled=True)
+    return dequantize_flat(values, scales, bits=bits, block_size=block_size, dtype=out_dtype,
+                           implementation=implementation)

@@ -19,7 +19,8 @@ _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 # Switches whose implementation has not landed yet. Turning one on raises
 # NotImplementedError naming it, rather than silently training without it.
-_NOT_YET_IMPLEMENTED = ("qwz", "hpz", "qgz")
+_NOT_YET_IMPLEMENTED = ("hpz", "qgz")
+_IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -47,6 +48,8 @@ class ZeroPPConfig:
       qgz_pipeline_stages: chunks qgZ sends independently (paper Algorithm 2).
       compute_dtype: dtype weights are gathered and the model computes in.
       param_dtype: dtype of the primary (master) shards and the optimizer update.
+      quantization_impl: ``"pallas"`` (the kernels in ``pallas_kernels``), ``"xla"``
+        (plain jnp) or None: Pallas on GPU, jnp elsewhere.
     """
 
     stage: int = 3
@@ -60,6 +63,7 @@ class ZeroPPConfig:
     qgz_pipeline_stages: int = 1
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"
+    quantization_impl: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise dtypes to canonical names so equal configs hash equal.
@@ -80,6 +84,16 @@ class ZeroPPConfig:
                 )
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.weight_bits == 4 and self.block_size % 2:
+            raise ValueError(
+                f"weight_bits=4 packs two values per byte: block_size={self.block_size} "
+                "must be even"
+            )
+        if self.quantization_impl not in _IMPLEMENTATIONS:
+            raise ValueError(
+                f"quantization_impl={self.quantization_impl!r} is invalid; valid values are "
+                f"{_IMPLEMENTATIONS}"
+            )
         if self.hpz_group_size is not None and (
             not isinstance(self.hpz_group_size, int) or self.hpz_group_size <= 0
         ):
@@ -164,6 +178,12 @@ class ZeroPPConfig:
             kwargs["compute_dtype"] = "float32"
         kwargs.update(overrides)
         return cls(**kwargs)
+
+    @property
+    def flat_alignment(self) -> int:
+        """Each primary shard's length is a multiple of this: whole quantization blocks
+        when any quantized collective is on."""
+        return self.block_size if (self.qwz or self.qgz) else 1
 
     @property
     def compute_jnp_dtype(self) -> jnp.dtype:

@@ -315,11 +315,12 @@ class TrainState:
         )
         unit_trees, rest = split_units(params, unit_paths)
         layouts: dict[str, UnitLayout] = {}
+        align = config.flat_alignment
         for path, sub in unit_trees.items():
-            lay = make_unit_layout(path, sub, num_devices)
+            lay = make_unit_layout(path, sub, num_devices, align)
             layouts[lay.name] = lay
         if jax.tree_util.tree_leaves(rest):
-            layouts[REST] = make_unit_layout((), rest, num_devices)
+            layouts[REST] = make_unit_layout((), rest, num_devices, align)
 
         pdt = config.param_jnp_dtype
         trees = {name: (unit_trees[lay.path] if name != REST else rest)

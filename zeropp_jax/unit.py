@@ -13,7 +13,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.collectives import all_gather_flat, reduce_scatter_flat
+from zeropp_jax.collectives import all_gather_flat, qwz_all_gather, reduce_scatter_flat
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.mesh import AXES
 from zeropp_jax.partition import UnitLayout
@@ -26,10 +26,22 @@ def gather_weights(
 ) -> jax.Array:
     """Primary shard ``[n_pad / P]`` (param dtype) -> full flat ``[n_pad]`` (compute dtype).
 
-    Inside ``shard_map``; an all-gather over ``("node", "local")`` carrying the compute dtype
-    (as same-width integers). ``backward=True`` marks the regather so XLA keeps it apart
-    from the forward gather.
+    Inside ``shard_map``; an all-gather over ``("node", "local")``. ZeRO-3 carries the
+    compute dtype (as same-width integers); with qwZ, block-quantized values plus fp32
+    scales (the fp32 shard is quantized directly: one rounding, not two). ``backward=True``
+    marks the regather so XLA keeps it apart from the forward gather. Quantization is
+    deterministic, so forward and backward see identical weights.
     """
+    if config.qwz:
+        return qwz_all_gather(
+            shard,
+            axis_names=AXES,
+            bits=config.weight_bits,
+            block_size=config.block_size,
+            out_dtype=config.compute_jnp_dtype,
+            implementation=config.quantization_impl,
+            distinct=backward,
+        )
     return all_gather_flat(shard.astype(config.compute_jnp_dtype), AXES, distinct=backward)
 
 

@@ -1,0 +1,172 @@
+"""qwZ: block-quantized weight all-gather, alone and inside the train step."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zeropp_jax as zpp
+from pallas_kernels.quantize import dequantize_reference, quantize_reference
+from zeropp_jax.collectives import qwz_all_gather
+from zeropp_jax.models.gpt import GPT
+from zeropp_jax.partition import REST, merge_units
+
+from helpers import (
+    SMALL,
+    assert_leaves_rel_close,
+    init_params,
+    make_step,
+    reference_loss_and_grads,
+    tokens,
+)
+
+AXES = ("node", "local")
+
+
+def _run_gather(mesh, x, **kwargs):
+    fn = jax.shard_map(
+        lambda s: qwz_all_gather(s, **kwargs), mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)
+    )
+    # Every device returns the full gathered array; out_specs stacks them: [P * n].
+    return np.asarray(jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P(AXES)))))
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 4), (3, 2)])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwz_all_gather_equals_gather_of_dequantized_shards(nodes, local, bits, dtype):
+    devices = nodes * local
+    mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:devices])
+    block, blocks_per_shard = 32, 3
+    k = block * blocks_per_shard
+    rng = np.random.default_rng(nodes * 100 + bits)
+    # Heavy tails and a different scale per shard, so blocks get very different scales.
+    x = rng.standard_t(3, size=devices * k) * np.repeat(10.0 ** rng.uniform(-3, 2, devices), k)
+    x = jnp.asarray(x, dtype)
+    out = _run_gather(mesh, x, bits=bits, block_size=block)
+    expected = []
+    for d in range(devices):
+        v, s = quantize_reference(x[d * k:(d + 1) * k], bits=bits, block_size=block)
+        expected.append(dequantize_reference(v, s, bits=bits, block_size=block, dtype=x.dtype))
+    expected = np.asarray(jnp.concatenate(expected))
+    for d in range(devices):  # each device holds the same gathered array
+        np.testing.assert_array_equal(out[d * devices * k:(d + 1) * devices * k], expected)
+    # And it is close to x: within half a quantization step per element (fp32 case).
+    if dtype == "float32":
+        scales = np.concatenate([
+            np.asarray(quantize_reference(x[d * k:(d + 1) * k], bits=bits, block_size=block)[1])
+            for d in range(devices)
+        ])
+        bound = np.repeat(scales, block) * (0.5 + 2.0 ** -20)
+        assert np.all(np.abs(expected - np.asarray(x)) <= bound)
+
+
+def test_qwz_all_gather_rejects_partial_blocks():
+    mesh = zpp.make_mesh(2, 4)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        _run_gather(mesh, jnp.ones(8 * 48, jnp.float32), bits=8, block_size=32)
+    with pytest.raises(ValueError, match="valid values"):
+        _run_gather(mesh, jnp.ones(8 * 32, jnp.float32), bits=3, block_size=32)
+
+
+_MLIR_GATHER = re.compile(
+    r'"stablehlo\.all_gather".*?\(tensor<(\d+)x(\w+)>\) -> tensor<(\d+)x(\w+)>'
+)
+
+
+@pytest.mark.parametrize("bits,value_type", [(8, "i8"), (4, "ui8")])
+def test_train_step_gathers_quantized_values_and_scales_only(bits, value_type):
+    block = 64
+    cfg = zpp.ZeroPPConfig(qwz=True, weight_bits=bits, block_size=block)
+    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.adam(1e-3),
+                                  mesh=zpp.make_mesh(2, 4), config=cfg)
+    text = make_step().lower(state, tokens(16, seed=0)).as_text()
+    gathers = _MLIR_GATHER.findall(text)
+    assert gathers
+    values = [(int(n_in), t) for n_in, t, _, _ in gathers if t in ("i8", "ui8")]
+    scales = [int(n_in) for n_in, t, _, _ in gathers if t in ("f32", "i32")]
+    others = [t for _, t, _, _ in gathers if t not in ("i8", "ui8", "f32", "i32")]
+    assert not others, f"weights gathered unquantized: {others}"
+    # Forward gathers carry the value type itself; backward regathers move the same bytes
+    # under the other signedness (kept apart from the forward gather).
+    assert value_type in {t for _, t in values}
+    # One scale per block: each value gather pairs with a scale gather of 1/block the
+    # elements (INT4: 2 elements per byte).
+    per_byte = 2 if bits == 4 else 1
+    assert sorted(n * per_byte // block for n, _ in values) == sorted(scales)
+    # Every unit's weights travel quantized, forward and backward.
+    assert len(values) >= len(state.engine.layouts)
+
+
+def _dequantized_params(state, block, bits):
+    """The weights a qwZ step computes with: every unit's flat buffer through Q and Q^-1."""
+    engine = state.engine
+    units, rest = {}, {}
+    for name, lay in engine.layouts.items():
+        flat = jnp.asarray(np.asarray(state.params.units[name]))
+        v, s = quantize_reference(flat, bits=bits, block_size=block)
+        deq = dequantize_reference(v, s, bits=bits, block_size=block, dtype=jnp.float32)
+        tree = jax.tree_util.tree_map(np.asarray, lay.unflatten(deq))
+        if name == REST:
+            rest = tree
+        else:
+            units[lay.path] = tree
+    return merge_units(rest, units)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_qwz_step_is_exact_at_dequantized_weights(bits):
+    """fp32: loss and gradients of the qwZ step equal those of the plain model evaluated
+    at the dequantized weights — forward and backward saw the same (quantized) weights."""
+    block = 64
+    model = GPT(SMALL)
+    params = init_params(seed=11)
+    batch = tokens(16, seed=12)
+    cfg = zpp.ZeroPPConfig(qwz=True, weight_bits=bits, block_size=block, compute_dtype="float32")
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=cfg)
+    _, out = make_step(with_grads=True)(state, batch)
+    deq = _dequantized_params(state, block, bits)
+    ref_loss, ref_grads = reference_loss_and_grads(model, deq, batch)
+    np.testing.assert_allclose(float(out["loss"]), float(ref_loss), rtol=1e-5)
+    assert_leaves_rel_close(state.engine.consolidate(out["grads"]), ref_grads, rel=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_qwz_loss_within_derived_bound_of_zero3(bits):
+    """|L(w + d) - L(w)| <= sum_i |dL/dw_i| * |d_i| to first order, and |d_i| <= s_b / 2
+    (half a quantization step of the element's block). So the bound is
+    B = sum_i |g_i| * s_b(i) / 2; the first-order term alone is usually far below B (signs
+    cancel), which leaves room for the second-order term."""
+    block = 64
+    model = GPT(SMALL)
+    params = init_params(seed=21)
+    batch = tokens(16, seed=22)
+    mesh = zpp.make_mesh(2, 4)
+    z3 = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
+                               config=zpp.ZeroPPConfig(compute_dtype="float32"))
+    qw = zpp.TrainState.create(
+        model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
+        config=zpp.ZeroPPConfig(qwz=True, weight_bits=bits, block_size=block,
+                                compute_dtype="float32"),
+    )
+    step = make_step(with_grads=True)
+    _, out_z3 = step(z3, batch)
+    _, out_qw = step(qw, batch)
+    bound = 0.0
+    for name, lay in qw.engine.layouts.items():
+        flat = jnp.asarray(np.asarray(qw.params.units[name]))
+        _, s = quantize_reference(flat, bits=bits, block_size=block)
+        # Same flat order in both runs; only the padding differs (qwZ pads to whole blocks).
+        g = np.zeros(lay.n_pad, np.float32)
+        g[: lay.n] = np.asarray(jax.device_get(out_z3["grads"].units[name]))[: lay.n]
+        bound += float(np.sum(np.abs(g) * np.repeat(np.asarray(s), block) / 2))
+    diff = abs(float(out_qw["loss"]) - float(out_z3["loss"]))
+    assert 0 < diff <= bound, (diff, bound)

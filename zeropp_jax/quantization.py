@@ -1,0 +1,140 @@
+"""Block-wise symmetric quantization (INT8, INT4 packed two per byte), any shape.
+
+``quantize_blockwise`` flattens its input, pads it with zeros to whole blocks, and keeps one
+fp32 scale per block of ``block_size`` consecutive elements: ``scale = absmax / (2**(bits-1)
+- 1)``. The numerics (rounding half away from zero, NaN scale for blocks holding inf/NaN, zero
+scale for all-zero blocks) are stated once, in ``pallas_kernels/quantize.py``, whose jnp
+reference (``implementation="xla"``) and Pallas kernels (``"pallas"``) agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import quantize as _kernels
+
+IMPLEMENTATIONS = ("xla", "pallas")
+_FLOAT_INPUTS = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A block-quantized array: a pytree whose children are ``values`` and ``scales``.
+
+    Attributes:
+      values: int8 ``[n_pad]`` (bits=8) or uint8 ``[n_pad / 2]`` (bits=4, two per byte).
+      scales: fp32 ``[n_pad / block_size]``, one per block.
+      shape: shape of the original array (static).
+      bits: 8 or 4 (static).
+      block_size: elements per block (static).
+    """
+
+    values: jax.Array
+    scales: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values plus scales (what a collective moves)."""
+        return self.values.size * self.values.dtype.itemsize + self.scales.size * 4
+
+
+def default_implementation() -> str:
+    """``"pallas"`` on GPU, ``"xla"`` (plain jnp) elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def _resolve(implementation: str | None) -> str:
+    impl = default_implementation() if implementation is None else implementation
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={impl!r} is invalid; valid values are {IMPLEMENTATIONS}")
+    return impl
+
+
+def check_settings(bits: int, block_size: int) -> None:
+    if bits not in _kernels.VALID_BITS:
+        raise ValueError(f"bits={bits!r} is invalid; valid values are {_kernels.VALID_BITS}")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if bits == 4 and block_size % 2:
+        raise ValueError(f"INT4 packs two values per byte: block_size={block_size} must be even")
+
+
+def quantize_blockwise(
+    x: jax.Array, *, bits: int = 8, block_size: int = 256, implementation: str | None = None
+) -> QuantizedArray:
+    """Quantizes ``x`` (bf16, fp16 or fp32, any shape) in blocks of its flattened elements.
+
+    Returns a ``QuantizedArray`` holding ``ceil(x.size / block_size)`` blocks.
+    """
+    check_settings(bits, block_size)
+    x = jnp.asarray(x)
+    if not any(x.dtype == jnp.dtype(d) for d in _FLOAT_INPUTS):
+        raise TypeError(
+            f"quantize_blockwise takes bf16, fp16 or fp32 input, got {x.dtype}; "
+            "cast with x.astype(jnp.float32) first"
+        )
+    if x.size == 0:
+        raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
+    flat = x.reshape(-1)
+    pad = -flat.shape[0] % block_size
+    if pad:
+        flat = jnp.pad(flat, (0, pad))
+    if _resolve(implementation) == "pallas":
+        values, scales = _kernels.quantize(flat, bits=bits, block_size=block_size)
+    else:
+        values, scales = _kernels.quantize_reference(flat, bits=bits, block_size=block_size)
+    return QuantizedArray(values, scales, tuple(x.shape), bits, block_size)
+
+
+def dequantize_blockwise(
+    q: QuantizedArray, dtype: Any = jnp.float32, *, implementation: str | None = None
+) -> jax.Array:
+    """Inverse of ``quantize_blockwise``: an array of ``q.shape`` and ``dtype``."""
+    if not isinstance(q, QuantizedArray):
+        raise TypeError(f"dequantize_blockwise takes a QuantizedArray, got {type(q).__name__}")
+    kwargs = dict(bits=q.bits, block_size=q.block_size, dtype=jnp.dtype(dtype))
+    if _resolve(implementation) == "pallas":
+        flat = _kernels.dequantize(q.values, q.scales, **kwargs)
+    else:
+        flat = _kernels.dequantize_reference(q.values, q.scales, **kwargs)
+    return flat[: q.size].reshape(q.shape)
+
+
+def quantize_flat(
+    x: jax.Array, *, bits: int, block_size: int, implementation: str | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """1-D ``x`` of whole blocks -> ``(values, scales)`` (no padding, no metadata)."""
+    if x.shape[0] % block_size:
+        raise ValueError(f"n={x.shape[0]} must be a multiple of block_size={block_size}")
+    if _resolve(implementation) == "pallas":
+        return _kernels.quantize(x, bits=bits, block_size=block_size)
+    return _kernels.quantize_reference(x, bits=bits, block_size=block_size)
+
+
+def dequantize_flat(
+    values: jax.Array,
+    scales: jax.Array,
+    *,
+    bits: int,
+    block_size: int,
+    dtype: Any,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Inverse of ``quantize_flat``: ``[len(scales) * block_size]`` of ``dtype``."""
+    kwargs = dict(bits=bits, block_size=block_size, dtype=jnp.dtype(dtype))
+    if _resolve(implementation) == "pallas":
+        return _kernels.dequantize(values, scales, **kwargs)
+    return _kernels.dequantize_reference(values, scales, **kwargs)

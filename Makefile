@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 # The main job: a character-level GPT on 2 nodes x 4 local simulated CPU devices.

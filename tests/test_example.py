@@ -47,3 +47,15 @@ def test_same_seed_same_losses_on_every_mesh_shape(tmp_path):
     # fp32: only the order of the per-device partial sums differs between meshes.
     np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
     np.testing.assert_allclose(a["losses"], c["losses"], rtol=1e-5)
+
+
+def test_qwz_mode_runs(tmp_path):
+    """The CLI's --mode qwz engages quantized gathers (losses differ from zero3's) and
+    trains. How far qwZ may move the loss is pinned, with a derived bound, in test_qwz."""
+    common = ["--nodes", "2", "--local", "2", "--steps", "12", "--compute-dtype", "float32"]
+    z3 = _run(tmp_path, "z3", *common)
+    q = _run(tmp_path, "qwz", "--mode", "qwz", *common)
+    assert q["mode"] == "qwz"
+    assert q["losses"] != z3["losses"]
+    assert np.all(np.isfinite(q["losses"]))
+    assert np.mean(q["losses"][-3:]) < np.mean(q["losses"][:3])

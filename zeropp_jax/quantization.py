@@ -56,6 +56,11 @@ def default_implementation() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
+def _interpret() -> bool:
+    # Pallas kernels compile for GPUs; elsewhere they run in interpret mode (slow, exact).
+    return jax.default_backend() != "gpu"
+
+
 def _resolve(implementation: str | None) -> str:
     impl = default_implementation() if implementation is None else implementation
     if impl not in IMPLEMENTATIONS:
@@ -93,7 +98,9 @@ def quantize_blockwise(
     if pad:
         flat = jnp.pad(flat, (0, pad))
     if _resolve(implementation) == "pallas":
-        values, scales = _kernels.quantize(flat, bits=bits, block_size=block_size)
+        values, scales = _kernels.quantize(
+            flat, bits=bits, block_size=block_size, interpret=_interpret()
+        )
     else:
         values, scales = _kernels.quantize_reference(flat, bits=bits, block_size=block_size)
     return QuantizedArray(values, scales, tuple(x.shape), bits, block_size)
@@ -107,7 +114,7 @@ def dequantize_blockwise(
         raise TypeError(f"dequantize_blockwise takes a QuantizedArray, got {type(q).__name__}")
     kwargs = dict(bits=q.bits, block_size=q.block_size, dtype=jnp.dtype(dtype))
     if _resolve(implementation) == "pallas":
-        flat = _kernels.dequantize(q.values, q.scales, **kwargs)
+        flat = _kernels.dequantize(q.values, q.scales, interpret=_interpret(), **kwargs)
     else:
         flat = _kernels.dequantize_reference(q.values, q.scales, **kwargs)
     return flat[: q.size].reshape(q.shape)
@@ -120,7 +127,7 @@ def quantize_flat(
     if x.shape[0] % block_size:
         raise ValueError(f"n={x.shape[0]} must be a multiple of block_size={block_size}")
     if _resolve(implementation) == "pallas":
-        return _kernels.quantize(x, bits=bits, block_size=block_size)
+        return _kernels.quantize(x, bits=bits, block_size=block_size, interpret=_interpret())
     return _kernels.quantize_reference(x, bits=bits, block_size=block_size)
 
 
@@ -136,5 +143,5 @@ def dequantize_flat(
     """Inverse of ``quantize_flat``: ``[len(scales) * block_size]`` of ``dtype``."""
     kwargs = dict(bits=bits, block_size=block_size, dtype=jnp.dtype(dtype))
     if _resolve(implementation) == "pallas":
-        return _kernels.dequantize(values, scales, **kwargs)
+        return _kernels.dequantize(values, scales, interpret=_interpret(), **kwargs)
     return _kernels.dequantize_reference(values, scales, **kwargs)

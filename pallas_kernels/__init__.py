@@ -1,0 +1,1 @@
+"""Pallas kernels for ZeRO++ quantization, each with a plain-jnp reference beside it."""

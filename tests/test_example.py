@@ -59,3 +59,12 @@ def test_qwz_mode_runs(tmp_path):
     assert q["losses"] != z3["losses"]
     assert np.all(np.isfinite(q["losses"]))
     assert np.mean(q["losses"][-3:]) < np.mean(q["losses"][:3])
+
+
+def test_hpz_mode_equals_zero3(tmp_path):
+    common = ["--nodes", "2", "--local", "2", "--steps", "5", "--compute-dtype", "float32"]
+    z3 = _run(tmp_path, "z3", *common)
+    h = _run(tmp_path, "hpz", "--mode", "hpz", *common)
+    assert h["mode"] == "hpz"
+    # fp32 hpZ moves the same weights by another route: identical training.
+    np.testing.assert_allclose(h["losses"], z3["losses"], rtol=1e-6)

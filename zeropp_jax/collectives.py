@@ -68,6 +68,17 @@ def _wire_dtype(dtype: jnp.dtype, distinct: bool) -> jnp.dtype | None:
     return None
 
 
+def to_wire(x: jax.Array, *, distinct: bool = False) -> jax.Array:
+    """``x`` as the integer type it travels under (itself if none is needed)."""
+    wire = _wire_dtype(x.dtype, distinct)
+    return x if wire is None else jax.lax.bitcast_convert_type(x, wire)
+
+
+def from_wire(x: jax.Array, dtype: Any) -> jax.Array:
+    """Inverse of ``to_wire``."""
+    return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def all_gather_flat(
     shard: jax.Array,
     axis_names: AxisNames = AXES,
@@ -90,12 +101,8 @@ def all_gather_flat(
     """
     axes = _as_tuple(axis_names)
     gather = _all_gather_invariant if invariant else jax.lax.all_gather
-    wire = _wire_dtype(shard.dtype, distinct)
-    if wire is None:
-        return gather(shard, axes, axis=0, tiled=True)
-    bits = jax.lax.bitcast_convert_type(shard, wire)
-    gathered = gather(bits, axes, axis=0, tiled=True)
-    return jax.lax.bitcast_convert_type(gathered, shard.dtype)
+    gathered = gather(to_wire(shard, distinct=distinct), axes, axis=0, tiled=True)
+    return from_wire(gathered, shard.dtype)
 
 
 def reduce_scatter_flat(x: jax.Array, axis_names: AxisNames = AXES) -> jax.Array:

@@ -19,7 +19,7 @@ _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 # Switches whose implementation has not landed yet. Turning one on raises
 # NotImplementedError naming it, rather than silently training without it.
-_NOT_YET_IMPLEMENTED = ("hpz", "qgz")
+_NOT_YET_IMPLEMENTED = ("qgz",)
 _IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
@@ -44,7 +44,9 @@ class ZeroPPConfig:
       weight_bits: bits of qwZ's quantized weights (8 or 4).
       grad_bits: bits of qgZ's quantized gradients (8 or 4).
       block_size: elements per quantization block (one fp32 scale each).
-      hpz_group_size: devices in one hpZ secondary group; None means the ``"local"`` axis.
+      hpz_group_size: devices in one hpZ secondary group: ``k * L`` for ``k`` whole nodes
+        (``k`` dividing the node count; checked against the mesh); None means the
+        ``"local"`` axis (one node).
       qgz_pipeline_stages: chunks qgZ sends independently (paper Algorithm 2).
       compute_dtype: dtype weights are gathered and the model computes in.
       param_dtype: dtype of the primary (master) shards and the optimizer update.

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax import collectives
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.flax import apply_units
+from zeropp_jax.hpz import group_nodes
 from zeropp_jax.mesh import AXES, mesh_shape
 from zeropp_jax.optim import check_elementwise
 from zeropp_jax.partition import (
@@ -309,6 +310,8 @@ class TrainState:
                 "check that params comes from model.init(...)['params']"
             )
         check_elementwise(tx)
+        if config.hpz:
+            group_nodes(config.hpz_group_size, nodes, local)  # raises naming the valid sizes
 
         unit_paths = (
             default_unit_paths(params) if units is None else tuple(tuple(u) for u in units)

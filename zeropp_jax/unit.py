@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from zeropp_jax.collectives import all_gather_flat, qwz_all_gather, reduce_scatter_flat
 from zeropp_jax.config import ZeroPPConfig
-from zeropp_jax.mesh import AXES
+from zeropp_jax.hpz import group_nodes, hpz_all_gather, secondary_slice
+from zeropp_jax.mesh import AXES, LOCAL, NODE
 from zeropp_jax.partition import UnitLayout
 
 PyTree = Any
@@ -80,21 +81,36 @@ def zero_unit(
     def unit(shard: jax.Array, arrays: tuple) -> Any:
         return run(gather_weights(shard, config), arrays)
 
+    grad_dtype = config.param_jnp_dtype
+
+    def hpz_k() -> int:
+        return group_nodes(
+            config.hpz_group_size, jax.lax.axis_size(NODE), jax.lax.axis_size(LOCAL)
+        )
+
     def unit_fwd(shard: jax.Array, arrays: tuple) -> tuple[Any, tuple]:
-        out = run(gather_weights(shard, config), arrays)
-        # Residuals: the shard (held anyway) and the unit's inputs. The gathered weights are
-        # dropped here and regathered in backward; that is ZeRO-3's memory saving.
+        full = gather_weights(shard, config)
+        out = run(full, arrays)
+        # Residuals: the unit's inputs, and either the primary shard (held anyway; ZeRO-3
+        # regathers across all devices) or, with hpZ, this device's secondary slice of the
+        # very weights just used (dequantized, if qwZ is on). The full gathered weights are
+        # dropped here in both cases; that is ZeRO-3's memory saving.
+        if config.hpz:
+            return out, (secondary_slice(full, hpz_k()), arrays)
         return out, (shard, arrays)
 
     def unit_bwd(res: tuple, g: Any) -> tuple[jax.Array, tuple]:
-        shard, arrays = res
+        weights, arrays = res
         # Tie the regather to the incoming cotangent: without the barrier XLA's CSE merges it
         # with the forward gather and keeps the full weights alive from forward to backward.
-        shard, arrays, g = jax.lax.optimization_barrier((shard, arrays, g))
-        full = gather_weights(shard, config, backward=True)
+        weights, arrays, g = jax.lax.optimization_barrier((weights, arrays, g))
+        if config.hpz:
+            full = hpz_all_gather(weights, hpz_k())
+        else:
+            full = gather_weights(weights, config, backward=True)
         _, vjp = jax.vjp(run, full, arrays)
         g_full, g_arrays = vjp(g)
-        return reduce_gradient(g_full, shard.dtype), g_arrays
+        return reduce_gradient(g_full, grad_dtype), g_arrays
 
     unit.defvjp(unit_fwd, unit_bwd)
 

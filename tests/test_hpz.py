@@ -1,0 +1,172 @@
+"""hpZ: secondary weight partition inside a node (group), carried into backward."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zeropp_jax as zpp
+from zeropp_jax.analysis import secondary_bytes
+from zeropp_jax.models.gpt import GPT, loss_fn
+
+from helpers import (
+    SMALL,
+    assert_leaves_rel_close,
+    init_params,
+    make_step,
+    reference_loss_and_grads,
+    tokens,
+)
+from test_qwz import _dequantized_params
+
+FP32 = dict(compute_dtype="float32")
+
+
+def _loss_and_grads(config, mesh_shape, params, batch):
+    state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(*mesh_shape), config=config)
+    _, out = make_step(with_grads=True)(state, batch)
+    return state, float(out["loss"]), state.engine.consolidate(out["grads"])
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,group",
+    [((2, 4), None), ((4, 2), None), ((4, 2), 4), ((2, 4), 8), ((8, 1), 4)],
+)
+def test_hpz_alone_equals_zero3(mesh_shape, group):
+    params, batch = init_params(seed=31), tokens(16, seed=32)
+    _, l3, g3 = _loss_and_grads(zpp.ZeroPPConfig(**FP32), mesh_shape, params, batch)
+    _, lh, gh = _loss_and_grads(zpp.ZeroPPConfig(hpz=True, hpz_group_size=group, **FP32),
+                                mesh_shape, params, batch)
+    # Same fp32 weights, same computation: only the gather path differs.
+    np.testing.assert_allclose(lh, l3, rtol=1e-6)
+    assert_leaves_rel_close(gh, g3, rel=1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_qwz_hpz_gradient_is_exact_at_dequantized_weights(bits):
+    """Backward rebuilds the weights from the secondary slices of the *dequantized* forward
+    weights, so the gradient is the exact gradient at the dequantized weights."""
+    block = 64
+    params, batch = init_params(seed=41), tokens(16, seed=42)
+    cfg = zpp.ZeroPPConfig(qwz=True, hpz=True, weight_bits=bits, block_size=block, **FP32)
+    state, loss, grads = _loss_and_grads(cfg, (2, 4), params, batch)
+    ref_loss, ref_grads = reference_loss_and_grads(
+        GPT(SMALL), _dequantized_params(state, block, bits), batch
+    )
+    np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
+    assert_leaves_rel_close(grads, ref_grads, rel=1e-5)
+
+
+_GATHER = re.compile(
+    r'"stablehlo\.all_gather".*?replica_groups = dense<(\[\[.*?\]\])>.*?'
+    r"-> tensor<\d+x(\w+)>"
+)
+_PERMUTE = re.compile(r'"stablehlo\.collective_permute".*?source_target_pairs = dense<(\[\[.*?\]\])>')
+
+
+def _groups(text: str) -> list[list[int]]:
+    return [[int(v) for v in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", text)]
+
+
+@pytest.mark.parametrize("mesh_shape,group", [((2, 4), None), ((4, 2), 4)])
+def test_backward_gathers_stay_inside_the_group(mesh_shape, group):
+    nodes, local = mesh_shape
+    group_devices = group or local
+    cfg = zpp.ZeroPPConfig(hpz=True, hpz_group_size=group)  # bf16: forward ui16, backward i16
+    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(nodes, local), config=cfg)
+    text = make_step().lower(state, tokens(16, seed=0)).as_text()
+    gathers = [(_groups(g), t) for g, t in _GATHER.findall(text)]
+    forward = [g for g, t in gathers if t == "ui16"]
+    backward = [g for g, t in gathers if t == "i16"]
+    assert len(forward) == len(state.engine.layouts)
+    assert backward, "no backward regathers found"
+    node_of = lambda d: d // local  # noqa: E731
+    for groups in forward:  # forward: one group spanning every node
+        assert groups == [list(range(nodes * local))]
+    for groups in backward:  # backward: inside a node, over "local"
+        for grp in groups:
+            assert len({node_of(d) for d in grp}) == 1, groups
+    permutes = [_groups(p) for p in _PERMUTE.findall(text)]
+    if group is None:
+        assert not permutes
+    else:  # k > 1 nodes per group: exchanges only between nodes of the same group
+        assert permutes
+        for pairs in permutes:
+            for src, dst in pairs:
+                assert src // group_devices == dst // group_devices, pairs
+
+
+def _residuals(state, batch):
+    from jax._src.ad_checkpoint import saved_residuals
+
+    engine = state.engine
+
+    def per_device(units, batch):
+        sp = zpp.ShardedParams(units, True)
+        loss = loss_fn(engine.apply({"params": sp}, batch[:, :-1]), batch[:, 1:])
+        return jax.lax.pmean(loss, ("node", "local"))
+
+    axes = P(("node", "local"))
+    f = jax.shard_map(per_device, mesh=engine.mesh, in_specs=(axes, axes), out_specs=P())
+    b = engine.shard_batch(batch)
+    return [aval for aval, _ in saved_residuals(lambda u: f(u, b), state.params.units)]
+
+
+def test_residuals_hold_secondary_slices_not_full_weights():
+    """Saved residuals of the step, as seen from outside shard_map: a per-device residual
+    of m elements shows up stacked, as [P * m]. A kept full weight would be [P * n_pad]."""
+    nodes, local = 2, 4
+    num = nodes * local
+    batch = tokens(16, seed=0)
+    for cfg in (zpp.ZeroPPConfig(hpz=True, **FP32), zpp.ZeroPPConfig(**FP32)):
+        state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(),
+                                      tx=optax.sgd(0.1), mesh=zpp.make_mesh(nodes, local),
+                                      config=cfg)
+        sizes = [int(np.prod(a.shape)) for a in _residuals(state, batch) if a.ndim == 1]
+        for name, lay in state.engine.layouts.items():
+            assert num * lay.n_pad not in sizes, f"full weights of {name} saved for backward"
+            if cfg.hpz:
+                assert num * lay.n_pad // local in sizes, f"no secondary slice for {name}"
+                assert lay.n_pad not in sizes or name == "<rest>"  # primary shards not needed
+    # The model: each unit keeps n_pad / L compute-dtype elements per device.
+    assert secondary_bytes(state.engine) == 0  # ZeRO-3 state from the last loop iteration
+    hpz_state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                                      mesh=zpp.make_mesh(nodes, local),
+                                      config=zpp.ZeroPPConfig(hpz=True))
+    expected = sum(lay.n_pad // local * 2 for lay in hpz_state.engine.layouts.values())
+    assert secondary_bytes(hpz_state.engine) == expected
+
+
+def test_secondary_is_rebuilt_every_step():
+    """Two steps whose parameters change in between: each step's backward must use that
+    step's weights (a stale secondary would give the first step's gradient again)."""
+    params = init_params(seed=51)
+    batches = [tokens(16, seed=52), tokens(16, seed=53)]
+    results = {}
+    for name, cfg in (("z3", zpp.ZeroPPConfig(**FP32)),
+                      ("hpz", zpp.ZeroPPConfig(hpz=True, **FP32))):
+        state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.5),
+                                      mesh=zpp.make_mesh(2, 4), config=cfg)
+        step = make_step(with_grads=True)
+        grads = []
+        for b in batches:
+            state, out = step(state, b)
+            grads.append(state.engine.consolidate(out["grads"]))
+        results[name] = grads
+    for i in range(2):
+        assert_leaves_rel_close(results["hpz"][i], results["z3"][i], rel=1e-6)
+
+
+@pytest.mark.parametrize("group", [3, 12, 2])
+def test_invalid_group_size(group):
+    cfg = zpp.ZeroPPConfig(hpz=True, hpz_group_size=group)
+    with pytest.raises(ValueError, match=r"valid sizes are \[4, 8\]"):
+        zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                              mesh=zpp.make_mesh(2, 4), config=cfg)

@@ -27,14 +27,30 @@ def test_dtype_names_are_normalised():
     assert ZeroPPConfig(compute_dtype="bf16" if False else jnp.bfloat16) == ZeroPPConfig()
 
 
-@pytest.mark.parametrize("switch", ["qgz"])
-def test_unimplemented_switches_raise_naming_the_switch(switch):
-    with pytest.raises(NotImplementedError, match=switch):
-        ZeroPPConfig(**{switch: True})
-    with pytest.raises(NotImplementedError):
-        ZeroPPConfig.zeropp()
-    with pytest.raises(NotImplementedError, match=switch):
-        ZeroPPConfig.from_mode(switch)
+def test_presets_turn_on_every_technique():
+    c = ZeroPPConfig.zeropp()
+    assert (c.qwz, c.hpz, c.qgz) == (True, True, True)
+    for mode in ("qwz", "hpz", "qgz"):
+        assert getattr(ZeroPPConfig.from_mode(mode), mode)
+
+
+def test_qgz_until():
+    assert ZeroPPConfig(qgz=True, qgz_until=10).qgz_until_step == 10
+    c = ZeroPPConfig(qgz=True, qgz_until=0.5, planned_steps=101)
+    assert c.qgz_until_step == 50
+    with pytest.raises(ValueError, match="planned_steps"):
+        ZeroPPConfig(qgz=True, qgz_until=0.5)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        ZeroPPConfig(qgz=True, qgz_until=1.5, planned_steps=10)
+    with pytest.raises(ValueError, match="only applies"):
+        ZeroPPConfig(qgz_until=3)
+    with pytest.raises(ValueError, match=">= 0"):
+        ZeroPPConfig(qgz=True, qgz_until=-1)
+
+
+def test_zeropp_switches_need_stage_3():
+    with pytest.raises(ValueError, match="stage=3"):
+        ZeroPPConfig(stage=2, qwz=True)
 
 
 @pytest.mark.parametrize(
@@ -77,18 +93,17 @@ def test_from_deepspeed():
     c2 = ZeroPPConfig.from_deepspeed(ds2)
     assert (c2.stage, c2.compute_dtype) == (2, "float16")
     assert ZeroPPConfig.from_deepspeed({}).compute_dtype == "float32"
-    # DeepSpeed's ZeRO++ keys reach the switches (not implemented yet -> clear error).
+    # DeepSpeed's ZeRO++ keys reach the switches.
     c = ZeroPPConfig.from_deepspeed(
         {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
     )
     assert c.qwz and not c.hpz and not c.qgz
     c = ZeroPPConfig.from_deepspeed({"zero_optimization": {"zero_hpz_partition_size": 8}})
     assert c.hpz and c.hpz_group_size == 8
-    for key, value in [
-        ("zero_quantized_gradients", True),
-    ]:
-        with pytest.raises(NotImplementedError):
-            ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 3, key: value}})
+    c = ZeroPPConfig.from_deepspeed(
+        {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
+    )
+    assert c.qgz and not c.qwz
     # DeepSpeed's default hpz partition size 1 means off.
     c = ZeroPPConfig.from_deepspeed({"zero_optimization": {"zero_hpz_partition_size": 1}})
     assert not c.hpz and c.hpz_group_size is None

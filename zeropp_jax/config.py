@@ -17,9 +17,6 @@ _VALID_STAGES = (1, 2, 3)
 _VALID_BITS = (4, 8)
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
-# Switches whose implementation has not landed yet. Turning one on raises
-# NotImplementedError naming it, rather than silently training without it.
-_NOT_YET_IMPLEMENTED = ("qgz",)
 _IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
@@ -52,6 +49,10 @@ class ZeroPPConfig:
       param_dtype: dtype of the primary (master) shards and the optimizer update.
       quantization_impl: ``"pallas"`` (the kernels in ``pallas_kernels``), ``"xla"``
         (plain jnp) or None: Pallas on GPU, jnp elsewhere.
+      qgz_until: with qgZ, use it only for steps ``< qgz_until`` and a full-precision
+        reduce-scatter after (the paper's "qgZ for the first 50%"). An int is a step
+        count; a float in (0, 1] a fraction of ``planned_steps``. None: always.
+      planned_steps: total steps of the run; needed when ``qgz_until`` is a fraction.
     """
 
     stage: int = 3
@@ -66,6 +67,8 @@ class ZeroPPConfig:
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"
     quantization_impl: str | None = None
+    qgz_until: int | float | None = None
+    planned_steps: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise dtypes to canonical names so equal configs hash equal.
@@ -112,16 +115,32 @@ class ZeroPPConfig:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is invalid; valid dtypes are {_FLOAT_DTYPES}"
                 )
+        if self.planned_steps is not None and (
+            not isinstance(self.planned_steps, int) or self.planned_steps < 1
+        ):
+            raise ValueError(f"planned_steps must be a positive int, got {self.planned_steps!r}")
+        if self.qgz_until is not None:
+            if isinstance(self.qgz_until, bool) or not isinstance(self.qgz_until, (int, float)):
+                raise ValueError(f"qgz_until must be an int, a float or None, got {self.qgz_until!r}")
+            if isinstance(self.qgz_until, float):
+                if not 0.0 < self.qgz_until <= 1.0:
+                    raise ValueError(
+                        f"qgz_until={self.qgz_until} as a fraction must be in (0, 1]; give an "
+                        "int for a step count"
+                    )
+                if self.planned_steps is None:
+                    raise ValueError(
+                        f"qgz_until={self.qgz_until} is a fraction of the planned steps: also "
+                        "set planned_steps (the run's total step count)"
+                    )
+            elif self.qgz_until < 0:
+                raise ValueError(f"qgz_until must be >= 0, got {self.qgz_until}")
+            if not self.qgz:
+                raise ValueError("qgz_until only applies with qgz=True")
         if (self.qwz or self.hpz or self.qgz) and self.stage != 3:
             raise ValueError(
                 "qwz, hpz and qgz are ZeRO-3 techniques; set stage=3 or turn them off"
             )
-        for name in _NOT_YET_IMPLEMENTED:
-            if getattr(self, name):
-                raise NotImplementedError(
-                    f"{name}=True is not implemented yet in this version of zeropp_jax; "
-                    f"set {name}=False (ZeroPPConfig.zero3() has every ZeRO++ switch off)"
-                )
 
     # -- presets -------------------------------------------------------------------------------
 
@@ -185,7 +204,18 @@ class ZeroPPConfig:
     def flat_alignment(self) -> int:
         """Each primary shard's length is a multiple of this: whole quantization blocks
         when any quantized collective is on."""
-        return self.block_size if (self.qwz or self.qgz) else 1
+        if self.qgz:  # qgZ cuts each slice into stages of whole blocks
+            return self.block_size * self.qgz_pipeline_stages
+        return self.block_size if self.qwz else 1
+
+    @property
+    def qgz_until_step(self) -> int | None:
+        """``qgz_until`` as a step count (None: qgZ for every step)."""
+        if self.qgz_until is None:
+            return None
+        if isinstance(self.qgz_until, float):
+            return int(round(self.qgz_until * self.planned_steps))
+        return self.qgz_until
 
     @property
     def compute_jnp_dtype(self) -> jnp.dtype:

@@ -20,6 +20,7 @@ loss becomes the global mean).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Mapping, Sequence
@@ -47,7 +48,7 @@ from zeropp_jax.partition import (
     merge_units,
     split_units,
 )
-from zeropp_jax.unit import reduce_gradient
+from zeropp_jax.unit import qgz_schedule, reduce_gradient
 
 PyTree = Any
 SHARDED = P(AXES)
@@ -193,6 +194,13 @@ class Engine:
             master=ShardedParams(new_master, True),
             opt_state=opt_state,
         )
+
+    def step_context(self, state: "TrainState") -> Any:
+        """Context for tracing one step of ``state``: the qgZ schedule (``qgz_until``)."""
+        until = self.config.qgz_until_step if self.config.qgz else None
+        if until is None:
+            return contextlib.nullcontext()
+        return qgz_schedule(state.step < until)
 
     # -- outside shard_map -----------------------------------------------------------------
 
@@ -436,7 +444,8 @@ def train_step(
         recorded: dict[str, Any] = {}
 
         def probe(state: TrainState, batch: PyTree, *extra: Any) -> jax.Array:
-            recorded["specs"] = _out_specs(fn(_varying_params(state), batch, *extra))
+            with engine.step_context(state):
+                recorded["specs"] = _out_specs(fn(_varying_params(state), batch, *extra))
             return jnp.zeros((), jnp.float32)
 
         # First pass (abstract): learn the output structure, so the real shard_map can be
@@ -449,7 +458,8 @@ def train_step(
         )
 
         def body(state: TrainState, batch: PyTree, *extra: Any) -> Any:
-            return _average_metrics(fn(_varying_params(state), batch, *extra))
+            with engine.step_context(state):
+                return _average_metrics(fn(_varying_params(state), batch, *extra))
 
         return jax.shard_map(
             body, mesh=engine.mesh, in_specs=in_specs, out_specs=recorded["specs"]

@@ -8,7 +8,9 @@ reduce-scatter the flat weight gradient back to a primary-shard gradient (mean o
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +20,23 @@ from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.hpz import group_nodes, hpz_all_gather, secondary_slice
 from zeropp_jax.mesh import AXES, LOCAL, NODE
 from zeropp_jax.partition import UnitLayout
+from zeropp_jax.qgz import qgz_reduce_scatter
 
 PyTree = Any
+
+# While a train step is traced: a traced bool, True while qgZ is on (config.qgz_until).
+_QGZ_ON: contextvars.ContextVar = contextvars.ContextVar("zeropp_qgz_on", default=None)
+
+
+@contextlib.contextmanager
+def qgz_schedule(qgz_on: jax.Array | None) -> Iterator[None]:
+    """Within this context, units choose qgZ or a full-precision reduce-scatter by the
+    traced bool ``qgz_on`` (one compiled program serves both phases of the run)."""
+    token = _QGZ_ON.set(qgz_on)
+    try:
+        yield
+    finally:
+        _QGZ_ON.reset(token)
 
 
 def gather_weights(
@@ -46,15 +63,42 @@ def gather_weights(
     return all_gather_flat(shard.astype(config.compute_jnp_dtype), AXES, distinct=backward)
 
 
-def reduce_gradient(g_full: jax.Array, shard_dtype: Any) -> jax.Array:
+def reduce_gradient(
+    g_full: jax.Array,
+    shard_dtype: Any,
+    config: ZeroPPConfig | None = None,
+    qgz_on: jax.Array | None = None,
+) -> jax.Array:
     """Flat weight gradient ``[n_pad]`` -> this device's ``[n_pad / P]`` slice of the mean.
 
-    Inside ``shard_map``; a reduce-scatter over ``("node", "local")`` in ``g_full``'s dtype
-    (the compute dtype), divided by the device count in fp32 afterwards.
+    Inside ``shard_map``. ZeRO-3: a reduce-scatter over ``("node", "local")`` in
+    ``g_full``'s dtype (the compute dtype). With ``config.qgz``: qgZ's two all-to-all hops
+    (``"local"``, then ``"node"``) carrying INT4 blocks; if ``qgz_on`` (a traced bool) is
+    given, ``lax.cond`` picks qgZ or the plain reduce-scatter at run time. Divided by the
+    device count in fp32 afterwards.
     """
     num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
-    summed = reduce_scatter_flat(g_full, AXES)
-    return (summed.astype(jnp.float32) / num_devices).astype(shard_dtype)
+
+    def plain(g: jax.Array) -> jax.Array:
+        return reduce_scatter_flat(g, AXES).astype(jnp.float32)
+
+    if config is None or not config.qgz:
+        summed = plain(g_full)
+    else:
+
+        def quantized(g: jax.Array) -> jax.Array:
+            return qgz_reduce_scatter(
+                g,
+                bits=config.grad_bits,
+                block_size=config.block_size,
+                stages=config.qgz_pipeline_stages,
+                implementation=config.quantization_impl,
+            )
+
+        summed = quantized(g_full) if qgz_on is None else jax.lax.cond(
+            qgz_on, quantized, plain, g_full
+        )
+    return (summed / num_devices).astype(shard_dtype)
 
 
 def zero_unit(
@@ -78,7 +122,7 @@ def zero_unit(
         return fn(layout.unflatten(full), *arrays)
 
     @jax.custom_vjp
-    def unit(shard: jax.Array, arrays: tuple) -> Any:
+    def unit(shard: jax.Array, arrays: tuple, flags: tuple) -> Any:
         return run(gather_weights(shard, config), arrays)
 
     grad_dtype = config.param_jnp_dtype
@@ -88,7 +132,7 @@ def zero_unit(
             config.hpz_group_size, jax.lax.axis_size(NODE), jax.lax.axis_size(LOCAL)
         )
 
-    def unit_fwd(shard: jax.Array, arrays: tuple) -> tuple[Any, tuple]:
+    def unit_fwd(shard: jax.Array, arrays: tuple, flags: tuple) -> tuple[Any, tuple]:
         full = gather_weights(shard, config)
         out = run(full, arrays)
         # Residuals: the unit's inputs, and either the primary shard (held anyway; ZeRO-3
@@ -96,11 +140,11 @@ def zero_unit(
         # very weights just used (dequantized, if qwZ is on). The full gathered weights are
         # dropped here in both cases; that is ZeRO-3's memory saving.
         if config.hpz:
-            return out, (secondary_slice(full, hpz_k()), arrays)
-        return out, (shard, arrays)
+            return out, (secondary_slice(full, hpz_k()), arrays, flags)
+        return out, (shard, arrays, flags)
 
-    def unit_bwd(res: tuple, g: Any) -> tuple[jax.Array, tuple]:
-        weights, arrays = res
+    def unit_bwd(res: tuple, g: Any) -> tuple[jax.Array, tuple, tuple]:
+        weights, arrays, flags = res
         # Tie the regather to the incoming cotangent: without the barrier XLA's CSE merges it
         # with the forward gather and keeps the full weights alive from forward to backward.
         weights, arrays, g = jax.lax.optimization_barrier((weights, arrays, g))
@@ -110,7 +154,9 @@ def zero_unit(
             full = gather_weights(weights, config, backward=True)
         _, vjp = jax.vjp(run, full, arrays)
         g_full, g_arrays = vjp(g)
-        return reduce_gradient(g_full, grad_dtype), g_arrays
+        qgz_on = flags[0] if flags else None
+        flag_cts = tuple(None for _ in flags)  # a bool schedule has no cotangent
+        return reduce_gradient(g_full, grad_dtype, config, qgz_on), g_arrays, flag_cts
 
     unit.defvjp(unit_fwd, unit_bwd)
 
@@ -120,6 +166,7 @@ def zero_unit(
                 f"unit {layout.name!r} expects its local primary shard of shape "
                 f"({layout.shard_len},) inside shard_map, got {shard.shape}"
             )
-        return unit(shard, tuple(arrays))
+        qgz_on = _QGZ_ON.get() if (config.qgz and config.qgz_until is not None) else None
+        return unit(shard, tuple(arrays), () if qgz_on is None else (qgz_on,))
 
     return call

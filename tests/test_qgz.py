@@ -1,0 +1,192 @@
+"""qgZ: placement of psum_scatter, a derived error bound, stages, the lowered step."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zeropp_jax as zpp
+from pallas_kernels.quantize import dequantize_reference, quantize_reference
+from zeropp_jax.models.gpt import GPT
+from zeropp_jax.qgz import qgz_reduce_scatter
+
+from helpers import SMALL, assert_leaves_rel_close, init_params, make_step, tokens
+
+AXES = ("node", "local")
+
+
+def _run(mesh, x_dev, **kwargs):
+    """x_dev [P, n] (row d = device d's gradient) -> qgZ result of each device, [P, n/P]."""
+    num = x_dev.shape[0]
+    fn = jax.shard_map(lambda v: qgz_reduce_scatter(v, **kwargs), mesh=mesh,
+                       in_specs=P(AXES), out_specs=P(AXES))
+    x = jax.device_put(jnp.asarray(x_dev).reshape(-1), NamedSharding(mesh, P(AXES)))
+    return np.asarray(jax.jit(fn)(x)).reshape(num, -1)
+
+
+def _q_dq(v: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    vals, scales = quantize_reference(jnp.asarray(v, jnp.float32), bits=bits, block_size=block)
+    deq = dequantize_reference(vals, scales, bits=bits, block_size=block, dtype=jnp.float32)
+    return np.asarray(deq, np.float64), np.repeat(np.asarray(scales, np.float64), block)
+
+
+def _bound(x_dev: np.ndarray, nodes: int, local: int, bits: int, block: int) -> np.ndarray:
+    """Per-element error bound of qgZ against the exact sum, derived hop by hop.
+
+    Hop 1 quantizes each device's slice once: error <= s1/2 per element (s1: the scale of the
+    element's block on that device). The fp32 sum of the L dequantized slices is then
+    requantized: error <= s2/2 (s2: the partial sum's block scale). Hop 2 adds the N
+    dequantized partial sums. Total: sum over devices of s1/2 + sum over nodes of s2/2, plus
+    fp32 rounding of the quantizer (2**-22 * qmax * scale, see pallas_kernels/quantize.py)
+    and of the sums (2**-23 per addition of the magnitudes involved).
+    """
+    num = nodes * local
+    n = x_dev.shape[1]
+    m = n // num
+    m_pad = -(-m // block) * block
+    slices = np.zeros((num, num, m_pad))  # [source device, destination slice, element]
+    slices[:, :, :m] = x_dev.astype(np.float64).reshape(num, num, m)
+    qmax = 2 ** (bits - 1) - 1
+    rounding = 2.0**-22 * qmax
+    bound = np.zeros((num, m_pad))
+    for d in range(num):
+        for a in range(nodes):
+            partial = np.zeros(m_pad)
+            magnitude = np.zeros(m_pad)
+            for l in range(local):
+                deq, s1 = _q_dq(slices[a * local + l, d], bits, block)
+                partial += deq
+                magnitude += np.abs(deq)
+                bound[d] += s1 * (0.5 + rounding)
+            bound[d] += 2.0**-23 * local * magnitude
+            if nodes > 1 and local > 1:  # the middle requantization
+                deq2, s2 = _q_dq(partial.astype(np.float32), bits, block)
+                bound[d] += s2 * (0.5 + rounding) + 2.0**-23 * nodes * np.abs(deq2)
+    return bound[:, :m]
+
+
+MESHES = [(2, 4), (4, 2), (3, 2), (1, 8), (8, 1)]
+
+
+@pytest.mark.parametrize("nodes,local", MESHES)
+@pytest.mark.parametrize("m", [96, 100])  # slice length: whole blocks, and not
+@pytest.mark.parametrize("bits", [4, 8])
+def test_placement_and_error_bound(nodes, local, m, bits):
+    num = nodes * local
+    mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:num])
+    rng = np.random.default_rng(1000 * nodes + m + bits)
+    # Heavy tails and per-device scales: blocks with very different scales.
+    x = (rng.standard_t(3, size=(num, num * m))
+         * 10.0 ** rng.uniform(-2, 1, size=(num, 1))).astype(np.float32)
+    exact = x.astype(np.float64).sum(axis=0).reshape(num, m)  # slice d of the sum
+    single = "quantize" if nodes == 1 else "reduce_scatter"
+    out = _run(mesh, x, bits=bits, block_size=32, single_node=single)
+    assert out.shape == (num, m) and out.dtype == np.float32
+    err = np.abs(out - exact)
+    bound = _bound(x, nodes, local, bits, 32)
+    assert np.all(err <= bound), float(np.max(err / bound))
+    # The bound is not vacuous: errors reach a good fraction of it somewhere, and a slice
+    # sent to the wrong device would be off by the size of the sums themselves.
+    assert np.max(err / bound) > 0.1
+    assert np.max(bound) < 0.5 * np.max(np.abs(exact))
+
+
+def test_single_node_falls_back_to_exact_reduce_scatter():
+    mesh = zpp.make_mesh(1, 8)
+    x = np.random.default_rng(5).standard_normal((8, 8 * 64)).astype(np.float32)
+    out = _run(mesh, x, bits=4, block_size=32)
+    ref = jax.jit(jax.shard_map(lambda v: jax.lax.psum_scatter(v, AXES, tiled=True),
+                                mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)))(
+        jax.device_put(jnp.asarray(x).reshape(-1), NamedSharding(mesh, P(AXES))))
+    np.testing.assert_array_equal(out.reshape(-1), np.asarray(ref))
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 4), (3, 2)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_stages_give_identical_results(nodes, local, dtype):
+    num = nodes * local
+    mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:num])
+    x = np.random.default_rng(7).standard_normal((num, num * 4 * 40)).astype(np.float32)
+    x = np.asarray(jnp.asarray(x, dtype))
+    results = [_run(mesh, jnp.asarray(x, dtype), bits=4, block_size=16, stages=s)
+               for s in (1, 2, 4)]
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+def test_bad_input():
+    mesh = zpp.make_mesh(2, 4)
+    x = np.ones((8, 8 * 32), np.float32)
+    with pytest.raises(ValueError, match="valid values"):
+        _run(mesh, x, bits=2, block_size=32)
+    with pytest.raises(ValueError, match="stages"):
+        _run(mesh, x, bits=4, block_size=32, stages=0)
+    with pytest.raises(ValueError, match="divisible"):
+        _run(mesh, np.ones((8, 8 * 32 + 8), np.float32)[:, :-1], bits=4, block_size=32)
+
+
+_A2A = re.compile(
+    r'"stablehlo\.all_to_all".*?replica_groups = dense<(\[\[.*?\]\])>.*?'
+    r"-> tensor<[\dx]+x(\w+)>", re.S
+)
+
+
+def _groups(text):
+    return [[int(v) for v in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", text)]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_lowered_step_has_two_hops_per_unit_and_stage(stages):
+    nodes, local = 2, 4
+    cfg = zpp.ZeroPPConfig(qgz=True, block_size=32, qgz_pipeline_stages=stages)
+    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(nodes, local), config=cfg)
+    text = make_step().lower(state, tokens(16, seed=0)).as_text()
+    assert "stablehlo.reduce_scatter" not in text  # no bf16/fp32 reduce-scatter remains
+    a2a = [(_groups(g), t) for g, t in _A2A.findall(text)]
+    intra = [(g, t) for g, t in a2a if all(len({d // local for d in grp}) == 1 for grp in g)]
+    cross = [(g, t) for g, t in a2a if all(len({d % local for d in grp}) == 1 for grp in g)
+             and (g, t) not in intra]
+    assert len(intra) + len(cross) == len(a2a)
+    units = len(state.engine.layouts)
+    # Per unit and stage: values (packed INT4 in ui8) and scales (f32) on each hop.
+    for hop in (intra, cross):
+        assert sorted(t for _, t in hop) == sorted(["ui8", "f32"] * units * stages)
+
+
+def test_qgz_until_switches_without_recompiling():
+    """qgz_until=0: never quantized -> identical to ZeRO-3; qgz_until=2: quantized for
+    steps 0 and 1 only, by one compiled program."""
+    params = init_params(seed=61)
+    batches = [tokens(16, seed=62 + i) for i in range(4)]
+    mesh = zpp.make_mesh(2, 4)
+
+    def run(cfg):
+        state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
+                                      mesh=mesh, config=cfg)
+        step = make_step(with_grads=True)
+        grads = []
+        for b in batches:
+            state, out = step(state, b)
+            grads.append(state.engine.consolidate(out["grads"]))
+        return grads, step
+
+    fp32 = dict(compute_dtype="float32", block_size=32)
+    z3, _ = run(zpp.ZeroPPConfig(**fp32))
+    never, _ = run(zpp.ZeroPPConfig(qgz=True, qgz_until=0, **fp32))
+    always, _ = run(zpp.ZeroPPConfig(qgz=True, **fp32))
+    half, step = run(zpp.ZeroPPConfig(qgz=True, qgz_until=0.5, planned_steps=4, **fp32))
+    for i in range(4):
+        assert_leaves_rel_close(never[i], z3[i], rel=1e-6)
+    assert step.jitted._cache_size() == 1
+    for i in (0, 1):  # quantized: same as always-on (same params so far for step 0)
+        flat = lambda t: np.concatenate([np.ravel(v) for v in jax.tree_util.tree_leaves(t)])  # noqa: E731
+        assert not np.allclose(flat(half[i]), flat(z3[i]), rtol=1e-6, atol=0)
+    assert_leaves_rel_close(half[0], always[0], rel=1e-6)

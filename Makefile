@@ -14,9 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
-# The main job: a character-level GPT on 2 nodes x 4 local simulated CPU devices.
+# The main job: a byte-level GPT with ZeRO++ (qwZ + hpZ + qgZ) on 2 nodes x 4 local
+# simulated CPU devices.
 demo: $(STAMP)
-	$(PY) examples/train_gpt.py --nodes 2 --local 4 --mode zero3 --steps 300 \
+	$(PY) examples/train_gpt.py --nodes 2 --local 4 --mode zeropp --steps 300 \
 		--json demo_run.json
 
 test: $(STAMP)

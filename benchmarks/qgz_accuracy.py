@@ -23,6 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
+
+# Run as a script from anywhere: make the repository root importable (benchmarks.common).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,38 +48,19 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from benchmarks.common import brief_training, example_model_and_data
     from pallas_kernels.quantize import dequantize_reference, quantize_reference
-    from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_jax.models.gpt import loss_fn
     from zeropp_jax.qgz import qgz_reduce_scatter
 
     num = args.nodes * args.local
     bs = args.block_size
     mesh = zpp.make_mesh(args.nodes, args.local)
-    cfg = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=128, layers=4, d_model=128, heads=4)
-    model = GPT(cfg)
-    data, _ = train_val_split(stdlib_corpus())
-    batch0 = sample_batch(data, 8 * num, cfg.seq_len, seed=args.seed, step=0)
-    init = jax.jit(model.init)(jax.random.PRNGKey(args.seed), batch0[:, :-1])["params"]
-
-    state = zpp.TrainState.create(model=model, params=init, tx=optax.adam(3e-3), mesh=mesh,
-                                  config=zpp.ZeroPPConfig.zero3(compute_dtype="float32"))
-
-    @zpp.train_step
-    def step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-    for i in range(args.train_steps):
-        state, _ = step(state, sample_batch(data, 32, cfg.seq_len, seed=args.seed, step=i + 1))
-    trained = state.consolidate()
+    model, init, data, batch0 = example_model_and_data(args.seed, 8 * num)
+    trained, _ = brief_training(model, init, data, mesh, steps=args.train_steps, seed=args.seed)
 
     @jax.jit
     def flat_grad(params, batch):
@@ -106,12 +91,14 @@ def main() -> None:
             out[c] = acc
         return out
 
-    def qgz(g: np.ndarray, bits: int) -> np.ndarray:
+    def qgz(g: np.ndarray, bits: int, on=None, single_node="reduce_scatter") -> np.ndarray:
+        on = mesh if on is None else on
         fn = jax.jit(jax.shard_map(
-            lambda v: qgz_reduce_scatter(v, bits=bits, block_size=bs), mesh=mesh,
+            lambda v: qgz_reduce_scatter(v, bits=bits, block_size=bs, single_node=single_node),
+            mesh=on,
             in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
         x = jax.device_put(jnp.asarray(g, jnp.float32).reshape(-1),
-                           NamedSharding(mesh, P(("node", "local"))))
+                           NamedSharding(on, P(("node", "local"))))
         return np.asarray(fn(x), np.float64).reshape(num, -1)
 
     def bf16(v: np.ndarray) -> np.ndarray:
@@ -143,6 +130,14 @@ def main() -> None:
         ratio4 = row[f"ring ({num - 1} requantizations)"][4] / row["qgz (1 quantization/hop)"][4]
         row["ring_over_qgz_int4"] = ratio4
         print(f"{name:<10} ring / qgz at INT4: {ratio4:.2f}x")
+        # One node: what quantizing the only (intra-node) hop would cost in accuracy. The
+        # default falls back to the unquantized reduce-scatter (error 0 in fp32).
+        one_node = zpp.make_mesh(1, num)
+        row["single_node_quantized_int4"] = rel(qgz(g, 4, one_node, "quantize"))
+        row["single_node_fallback"] = rel(qgz(g, 4, one_node))
+        print(f"{name:<10} 1x{num}: quantized local hop INT4 "
+              f"{row['single_node_quantized_int4']:.5f}, fallback "
+              f"{row['single_node_fallback']:.5f}")
         results["errors"][name] = row
 
     args.out.mkdir(parents=True, exist_ok=True)

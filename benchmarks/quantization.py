@@ -17,6 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
+
+# Run as a script from anywhere: make the repository root importable (benchmarks.common).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import time
 
 
@@ -39,38 +43,14 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
 
-    from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+    from benchmarks.common import brief_training, example_model_and_data
     from zeropp_jax.quantization import dequantize_blockwise, quantize_blockwise
 
-    cfg = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=128, layers=4, d_model=128, heads=4)
-    model = GPT(cfg)
-    data, _ = train_val_split(stdlib_corpus())
-    first = sample_batch(data, 32, cfg.seq_len, seed=args.seed, step=0)
-    init = jax.jit(model.init)(jax.random.PRNGKey(args.seed), first[:, :-1])["params"]
-
-    # Briefly trained weights: ZeRO-3 via zeropp_jax itself.
+    model, init, data, _ = example_model_and_data(args.seed, 32)
     t0 = time.perf_counter()
-    state = zpp.TrainState.create(
-        model=model, params=init, tx=optax.adam(3e-3), mesh=zpp.make_mesh(args.nodes, args.local),
-        config=zpp.ZeroPPConfig.zero3(compute_dtype="float32"),
-    )
-
-    @zpp.train_step
-    def step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-    losses = []
-    for i in range(args.train_steps):
-        state, m = step(state, sample_batch(data, 32, cfg.seq_len, seed=args.seed, step=i))
-        losses.append(float(m["loss"]))
-    trained = state.consolidate()
+    trained, losses = brief_training(model, init, data, zpp.make_mesh(args.nodes, args.local),
+                                     steps=args.train_steps, seed=args.seed)
     print(f"trained {args.train_steps} steps in {time.perf_counter() - t0:.0f} s: "
           f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}")
 

@@ -25,3 +25,6 @@ def secondary_bytes(engine: Engine) -> int:
     group = group_nodes(config.hpz_group_size, nodes, local) * local
     itemsize = config.compute_jnp_dtype.itemsize
     return sum(lay.n_pad // group * itemsize for lay in engine.layouts.values())
+
+
+from zeropp_jax.comm_report import CollectiveRow, CommReport, comm_report  # noqa: E402,F401

@@ -18,6 +18,7 @@ _VALID_BITS = (4, 8)
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 _IMPLEMENTATIONS = (None, "xla", "pallas")
+_REDUCE_SCATTERS = ("flat", "hierarchical")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -53,6 +54,10 @@ class ZeroPPConfig:
         reduce-scatter after (the paper's "qgZ for the first 50%"). An int is a step
         count; a float in (0, 1] a fraction of ``planned_steps``. None: always.
       planned_steps: total steps of the run; needed when ``qgz_until`` is a fraction.
+      reduce_scatter: the unquantized gradient reduce-scatter (ZeRO-3, and qgZ after
+        ``qgz_until``): ``"flat"`` is XLA's ``psum_scatter`` over all devices;
+        ``"hierarchical"`` is qgZ's two-hop all-to-all without quantization, which keeps
+        16-bit gradients 16-bit on the wire where a backend widens reduce-scatters (XLA CPU).
     """
 
     stage: int = 3
@@ -69,6 +74,7 @@ class ZeroPPConfig:
     quantization_impl: str | None = None
     qgz_until: int | float | None = None
     planned_steps: int | None = None
+    reduce_scatter: str = "flat"
 
     def __post_init__(self) -> None:
         # Normalise dtypes to canonical names so equal configs hash equal.
@@ -115,6 +121,11 @@ class ZeroPPConfig:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is invalid; valid dtypes are {_FLOAT_DTYPES}"
                 )
+        if self.reduce_scatter not in _REDUCE_SCATTERS:
+            raise ValueError(
+                f"reduce_scatter={self.reduce_scatter!r} is invalid; valid values are "
+                f"{_REDUCE_SCATTERS}"
+            )
         if self.planned_steps is not None and (
             not isinstance(self.planned_steps, int) or self.planned_steps < 1
         ):

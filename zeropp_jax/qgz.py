@@ -59,6 +59,40 @@ def _all_to_all(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.all_to_all(x, axis, split_axis=0, concat_axis=0, tiled=True)
 
 
+def hierarchical_reduce_scatter(
+    x: jax.Array, *, node_axis: str = "node", local_axis: str = "local"
+) -> jax.Array:
+    """qgZ's two-hop algorithm without quantization: ``psum_scatter``'s placement and value.
+
+    Runs inside ``shard_map``. Reorder (Algorithm 2), all-to-all over ``local_axis``, sum
+    the ``L`` contributions in fp32, round the partial sums back to ``x``'s dtype,
+    all-to-all over ``node_axis``, sum in fp32. Both hops move ``x``'s dtype as same-width
+    integers (an all-to-all does no arithmetic), so a bf16 gradient puts bf16 bytes on the
+    wire even where XLA's CPU backend would widen a bf16 reduce-scatter to f32. Cross-node
+    bytes per device: ``(N-1)/N * n / L`` elements, a bandwidth-optimal reduce-scatter's.
+
+    Returns fp32 ``[n / P]``.
+    """
+    from zeropp_jax.collectives import from_wire, to_wire
+    from pallas_kernels.reorder import reorder_reference
+
+    nodes = jax.lax.axis_size(node_axis)
+    local = jax.lax.axis_size(local_axis)
+    (n,) = x.shape
+    if n % (nodes * local):
+        raise ValueError(f"{n=} must be divisible by the {nodes * local} devices")
+    dtype = x.dtype
+    y = reorder_reference(x, nodes=nodes, local=local)
+    if local > 1:
+        y = from_wire(_all_to_all(to_wire(y).reshape(local, -1), local_axis), dtype)
+        y = jnp.sum(y.astype(jnp.float32), axis=0)
+        if nodes == 1:
+            return y
+        y = y.astype(dtype)
+    y = from_wire(_all_to_all(to_wire(y).reshape(nodes, -1), node_axis), dtype)
+    return jnp.sum(y.astype(jnp.float32), axis=0)
+
+
 def _one_stage(x, *, nodes, local, bits, block_size, stages, stage, impl, node_axis,
                local_axis):
     kw = dict(bits=bits, block_size=block_size)

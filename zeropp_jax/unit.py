@@ -20,7 +20,7 @@ from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.hpz import group_nodes, hpz_all_gather, secondary_slice
 from zeropp_jax.mesh import AXES, LOCAL, NODE
 from zeropp_jax.partition import UnitLayout
-from zeropp_jax.qgz import qgz_reduce_scatter
+from zeropp_jax.qgz import hierarchical_reduce_scatter, qgz_reduce_scatter
 
 PyTree = Any
 
@@ -80,6 +80,8 @@ def reduce_gradient(
     num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
 
     def plain(g: jax.Array) -> jax.Array:
+        if config is not None and config.reduce_scatter == "hierarchical":
+            return hierarchical_reduce_scatter(g)
         return reduce_scatter_flat(g, AXES).astype(jnp.float32)
 
     if config is None or not config.qgz:

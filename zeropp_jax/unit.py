@@ -1,9 +1,11 @@
 """`zero_unit`: the custom_vjp around one unit of a ZeRO-3 model. Runs inside ``shard_map``.
 
-Forward: gather the unit's flat weights from the primary shards (all devices, in the compute
-dtype), run the unit. Saved for backward: the primary shard and the unit's inputs, never the
-gathered weights. Backward: gather again, recompute the unit under ``jax.vjp``, and
-reduce-scatter the flat weight gradient back to a primary-shard gradient (mean over devices).
+Forward: gather the unit's flat weights from the primary shards (all devices; compute dtype,
+or qwZ's quantized blocks), run the unit. Saved for backward: the unit's inputs and either
+the primary shard (ZeRO-3) or hpZ's secondary slice of the weights just used — never the
+full gathered weights. Backward: regather (over all devices, or with hpZ inside the node),
+recompute the unit under ``jax.vjp``, and reduce-scatter the flat weight gradient (plain, or
+qgZ's quantized two-hop all-to-all) back to a primary-shard gradient, averaged over devices.
 """
 
 from __future__ import annotations

@@ -57,6 +57,16 @@ def _inv_qmax(bits: int) -> jax.Array:
     return jnp.float32(1.0 / qmax(bits))
 
 
+def out_struct(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A ``pallas_call`` output type that varies over mesh axes as ``like`` does.
+
+    Inside ``shard_map`` (with its default ``check_vma=True``) every ``pallas_call`` output
+    must say how it varies across the mesh; a kernel's outputs vary as its input does.
+    Outside ``shard_map`` this is the plain type.
+    """
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
 def _check(n: int, bits: int, block_size: int) -> None:
     if bits not in VALID_BITS:
         raise ValueError(f"bits={bits} is invalid; valid values are {VALID_BITS}")
@@ -314,8 +324,8 @@ def quantize(
         values, scales = pl.pallas_call(
             functools.partial(_quantize_kernel, bits=bits, block_size=block_size, ptx_div=ptx_div),
             out_shape=(
-                jax.ShapeDtypeStruct((nb_pad, width), value_dtype),
-                jax.ShapeDtypeStruct((nb_pad, 1), jnp.float32),
+                out_struct((nb_pad, width), value_dtype, x),
+                out_struct((nb_pad, 1), jnp.float32, x),
             ),
             grid=(nb_pad // rows,),
             in_specs=[pl.BlockSpec((rows, block_size), lambda i: (i, 0))],
@@ -384,7 +394,7 @@ def dequantize(
         # Padding blocks get scale 0 (not NaN), so they stay finite; they are dropped anyway.
         out = pl.pallas_call(
             functools.partial(_dequantize_kernel, bits=bits, block_size=block_size),
-            out_shape=jax.ShapeDtypeStruct((nb_pad, block_size), dtype),
+            out_shape=out_struct((nb_pad, block_size), dtype, values),
             grid=(nb_pad // rows,),
             in_specs=[
                 pl.BlockSpec((rows, width), lambda i: (i, 0)),

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quantize import (
+    out_struct,
     _check,
     _check_block_size_type,
     _per_platform,
@@ -258,7 +259,7 @@ def _reduce_call(
 
     return pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((nb, w), dt) for w, dt in outs],
+        out_shape=[out_struct((nb, w), dt, values) for w, dt in outs],
         grid=(pl.cdiv(nb, rows),),
         in_specs=[in_spec(width), in_spec(1)],
         out_specs=[out_spec(w) for w, _ in outs],

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quantize import (
+    out_struct,
     _check,
     _check_block_size_type,
     _check_float_input,
@@ -177,8 +178,8 @@ def reorder_quantize(
         values, scales = pl.pallas_call(
             functools.partial(_quantize_kernel, bits=bits, block_size=block_size, ptx_div=ptx_div),
             out_shape=(
-                jax.ShapeDtypeStruct((num, nb_sub, width), value_dtype),
-                jax.ShapeDtypeStruct((num, nb_sub, 1), jnp.float32),
+                out_struct((num, nb_sub, width), value_dtype, x),
+                out_struct((num, nb_sub, 1), jnp.float32, x),
             ),
             grid=(num, pl.cdiv(nb_sub, rows)),
             in_specs=[

@@ -229,3 +229,14 @@ def test_hierarchical_reduce_scatter_in_the_step_moves_16_bit():
         _, out = make_step(with_grads=True)(st, batch)
         grads.append(st.engine.consolidate(out["grads"]))
     assert_leaves_rel_close(grads[0], grads[1], rel=1e-5)
+
+
+def test_pallas_inside_shard_map_on_cpu_is_a_clear_error():
+    """On CPU the kernels would run in Pallas interpret mode, which JAX 0.10 cannot trace
+    inside shard_map; the error names the fix. (Kernels equal the references bit for bit
+    outside shard_map: tests/test_pallas_*.py; the shard_map'd GPU path is lowered for CUDA
+    in tests/test_gpu_lowering.py.)"""
+    mesh = zpp.make_mesh(2, 4)
+    x = np.ones((8, 8 * 64), np.float32)
+    with pytest.raises(NotImplementedError, match="implementation='xla'"):
+        _run(mesh, x, bits=4, block_size=16, implementation="pallas")

@@ -37,19 +37,20 @@ SINGLE_NODE_MODES = ("reduce_scatter", "quantize")
 
 def _reorder_quantize(x, impl, **kw):
     if impl == "pallas":
-        return _reorder.reorder_quantize(x, interpret=_interpret(), **kw)
+        return _reorder.reorder_quantize(x, interpret=_interpret(x), **kw)
     return _reorder.reorder_quantize_reference(x, **kw)
 
 
 def _dequantize_reduce_requantize(values, scales, impl, **kw):
     if impl == "pallas":
-        return _reduce.dequantize_reduce_requantize(values, scales, interpret=_interpret(), **kw)
+        return _reduce.dequantize_reduce_requantize(values, scales,
+                                                    interpret=_interpret(values), **kw)
     return _reduce.dequantize_reduce_requantize_reference(values, scales, **kw)
 
 
 def _dequantize_reduce(values, scales, impl, **kw):
     if impl == "pallas":
-        return _reduce.dequantize_reduce(values, scales, interpret=_interpret(), **kw)
+        return _reduce.dequantize_reduce(values, scales, interpret=_interpret(values), **kw)
     return _reduce.dequantize_reduce_reference(values, scales, **kw)
 
 

@@ -9,9 +9,11 @@ reference (``implementation="xla"``) and Pallas kernels (``"pallas"``) agree bit
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +58,39 @@ def default_implementation() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _interpret() -> bool:
-    # Pallas kernels compile for GPUs; elsewhere they run in interpret mode (slow, exact).
-    return jax.default_backend() != "gpu"
+_COMPILED_KERNELS: contextvars.ContextVar = contextvars.ContextVar(
+    "zeropp_compiled_kernels", default=False
+)
+
+
+@contextlib.contextmanager
+def compiled_kernels() -> Iterator[None]:
+    """Trace Pallas kernels for compilation (not interpret mode) even on a CPU host.
+
+    For cross-lowering checks: ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``
+    of a program that uses ``implementation="pallas"``.
+    """
+    token = _COMPILED_KERNELS.set(True)
+    try:
+        yield
+    finally:
+        _COMPILED_KERNELS.reset(token)
+
+
+def _interpret(like: jax.Array | None = None) -> bool:
+    """Pallas kernels compile for GPUs; elsewhere they run in interpret mode (slow, exact)."""
+    if _COMPILED_KERNELS.get() or jax.default_backend() == "gpu":
+        return False
+    if like is not None and jax.typeof(like).manual_axis_type.varying:
+        # JAX 0.10's Pallas interpreter fails shard_map's varying-axes check (its index
+        # arithmetic mixes device-varying and invariant values), so interpret mode cannot
+        # run inside shard_map. The jnp reference is bit-identical to the kernels.
+        raise NotImplementedError(
+            "implementation='pallas' inside shard_map needs a GPU: on CPU the kernels would "
+            "run in Pallas interpret mode, which JAX 0.10 cannot trace inside shard_map. Use "
+            "implementation='xla' (the default on CPU; bit-identical to the kernels)."
+        )
+    return True
 
 
 def _resolve(implementation: str | None) -> str:
@@ -99,7 +131,7 @@ def quantize_blockwise(
         flat = jnp.pad(flat, (0, pad))
     if _resolve(implementation) == "pallas":
         values, scales = _kernels.quantize(
-            flat, bits=bits, block_size=block_size, interpret=_interpret()
+            flat, bits=bits, block_size=block_size, interpret=_interpret(flat)
         )
     else:
         values, scales = _kernels.quantize_reference(flat, bits=bits, block_size=block_size)
@@ -114,7 +146,7 @@ def dequantize_blockwise(
         raise TypeError(f"dequantize_blockwise takes a QuantizedArray, got {type(q).__name__}")
     kwargs = dict(bits=q.bits, block_size=q.block_size, dtype=jnp.dtype(dtype))
     if _resolve(implementation) == "pallas":
-        flat = _kernels.dequantize(q.values, q.scales, interpret=_interpret(), **kwargs)
+        flat = _kernels.dequantize(q.values, q.scales, interpret=_interpret(q.values), **kwargs)
     else:
         flat = _kernels.dequantize_reference(q.values, q.scales, **kwargs)
     return flat[: q.size].reshape(q.shape)
@@ -127,7 +159,7 @@ def quantize_flat(
     if x.shape[0] % block_size:
         raise ValueError(f"n={x.shape[0]} must be a multiple of block_size={block_size}")
     if _resolve(implementation) == "pallas":
-        return _kernels.quantize(x, bits=bits, block_size=block_size, interpret=_interpret())
+        return _kernels.quantize(x, bits=bits, block_size=block_size, interpret=_interpret(x))
     return _kernels.quantize_reference(x, bits=bits, block_size=block_size)
 
 
@@ -143,5 +175,5 @@ def dequantize_flat(
     """Inverse of ``quantize_flat``: ``[len(scales) * block_size]`` of ``dtype``."""
     kwargs = dict(bits=bits, block_size=block_size, dtype=jnp.dtype(dtype))
     if _resolve(implementation) == "pallas":
-        return _kernels.dequantize(values, scales, interpret=_interpret(), **kwargs)
+        return _kernels.dequantize(values, scales, interpret=_interpret(values), **kwargs)
     return _kernels.dequantize_reference(values, scales, **kwargs)

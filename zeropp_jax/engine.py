@@ -55,6 +55,29 @@ SHARDED = P(AXES)
 REPLICATED = P()
 
 
+def _place(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Puts a host value that every process holds in full onto ``sharding``.
+
+    One process (or a sharding whose devices are all local): ``jax.device_put``. Several
+    processes (the mesh spans devices of other processes): every process must pass the
+    same global value, and each one places only the slices its own devices hold, so no
+    data moves between processes.
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The global value of ``x`` as numpy; a collective over processes if it spans several."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 @struct.dataclass
 class ShardedParams:
     """A model's parameters as one flat buffer per unit.
@@ -144,10 +167,13 @@ class Engine:
 
     def consolidate(self, params: ShardedParams) -> PyTree:
         """Global ``ShardedParams`` (outside ``shard_map``) -> plain params tree of numpy
-        arrays. Works for parameters and for gradients returned from a ``train_step``."""
+        arrays. Works for parameters and for gradients returned from a ``train_step``.
+
+        With several processes (multi-host) this is a collective: every process must call
+        it, and every process receives the full parameters."""
         flats = {}
         for name, lay in self.layouts.items():
-            flats[name] = np.asarray(jax.device_get(params.units[name]))[: lay.n]
+            flats[name] = _to_host(params.units[name])[: lay.n]
         return jax.tree_util.tree_map(np.asarray, self.unflatten_full(flats))
 
     def apply_gradients(self, state: "TrainState", grads: ShardedParams) -> "TrainState":
@@ -213,7 +239,11 @@ class Engine:
         )
 
     def shard_batch(self, batch: PyTree) -> PyTree:
-        """Places every leaf of ``batch`` split on its leading dimension over all devices."""
+        """Places every leaf of ``batch`` split on its leading dimension over all devices.
+
+        With several processes every process passes the same global batch (for example
+        built from the same seed and step); each places only its own devices' rows.
+        """
         n = self.num_devices
         sharding = NamedSharding(self.mesh, SHARDED)
 
@@ -229,7 +259,9 @@ class Engine:
                 )
             if isinstance(x, jax.Array) and x.sharding == sharding:
                 return x
-            return jax.device_put(x, sharding)
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return jax.device_put(x, sharding)  # a global array: reshard it
+            return _place(x, sharding)
 
         return jax.tree_util.tree_map_with_path(put, batch)
 
@@ -294,6 +326,8 @@ class TrainState:
         Args:
           model: the Flax linen model; ``model.apply({"params": params}, ...)`` must work.
           params: its parameters (the ``"params"`` collection of ``model.init``).
+            Multi-host: every process passes the same values (same init seed); each places
+            only its own devices' shards.
           tx: an optax transformation acting elementwise (checked).
           mesh: a ``("node", "local")`` mesh from ``make_mesh``.
           config: default ``ZeroPPConfig.zero3()``.
@@ -338,7 +372,7 @@ class TrainState:
                  for name, lay in layouts.items()}
         sharded = NamedSharding(mesh, SHARDED)
         master = {
-            name: jax.device_put(
+            name: _place(
                 np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt)),
                 sharded,
             )
@@ -359,13 +393,13 @@ class TrainState:
         )(master)
 
         engine = Engine(model, tx, mesh, config, layouts, opt_specs)
-        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, REPLICATED))
+        step = _place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         if config.stage == 3:
             return cls(step, ShardedParams(master, True), opt_state, None, engine)
         cdt = config.compute_jnp_dtype
         replicated = NamedSharding(mesh, REPLICATED)
         full = {
-            name: jax.device_put(
+            name: _place(
                 np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt))
                 .astype(cdt),
                 replicated,

@@ -1,0 +1,309 @@
+"""The example GPT trained across several processes (one per node) with jax.distributed.
+
+Start one process per node; each simulates ``--local-devices`` CPU devices and they join
+through ``jax.distributed`` (coordinator on process 0) with gloo CPU collectives::
+
+    # two nodes on one machine (two shells), 2 devices each: a 2x2 mesh
+    python examples/multihost.py --coordinator 127.0.0.1:12355 --num-processes 2 \\
+        --process-id 0 --local-devices 2 --mode zeropp --steps 50 --json run.json
+    python examples/multihost.py --coordinator 127.0.0.1:12355 --num-processes 2 \\
+        --process-id 1 --local-devices 2 --mode zeropp --steps 50
+
+``--coordinator``, ``--num-processes`` and ``--process-id`` default to the environment
+variables ZEROPP_COORDINATOR, ZEROPP_NUM_PROCESSES and ZEROPP_PROCESS_ID. The mesh is
+``make_mesh()``: nodes = processes, local = devices per process. The model, optimizer and
+data are those of ``examples/train_gpt.py``; every process builds the same global batch
+from (seed, step) and places only its own devices' rows, so the losses equal a one-process
+``train_gpt.py --nodes N --local L`` run. Process 0 prints the summary and writes ``--json``.
+
+Gloo binds to the address this machine's hostname resolves to; on a real cluster that is
+the node's address. (``benchmarks/cluster.py`` runs each process in a network namespace
+whose ``/etc/hosts`` maps the hostname to that namespace's address.)
+
+For ``benchmarks/cluster.py``: ``--net-iface IF`` counts the bytes this node sends and
+receives on IF (``/sys/class/net/IF/statistics``) during the timed steps, and
+``--control stdin`` runs timed phases on command after the first (compiling) step: each
+stdin line ``{"steps": k, "warmup": w, "label": ...}`` runs w untimed then k timed steps
+and prints one ``ZPP-PHASE {json}`` line per process; ``quit`` or end of input stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+MODES = ["zero3", "qwz", "hpz", "qgz", "zeropp"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    g = p.add_argument_group("cluster")
+    g.add_argument("--coordinator", default=env("ZEROPP_COORDINATOR"),
+                   help="host:port of process 0's coordinator (env ZEROPP_COORDINATOR)")
+    g.add_argument("--num-processes", type=int, default=env("ZEROPP_NUM_PROCESSES"),
+                   help="number of processes = nodes (env ZEROPP_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=env("ZEROPP_PROCESS_ID"),
+                   help="this process's index, 0 .. n-1 (env ZEROPP_PROCESS_ID)")
+    g.add_argument("--local-devices", type=int, default=int(env("ZEROPP_LOCAL_DEVICES", "2")),
+                   help="simulated CPU devices per process (default 2; env ZEROPP_LOCAL_DEVICES)")
+    g.add_argument("--init-timeout", type=int, default=120,
+                   help="seconds to wait for all processes to join (default 120)")
+    t = p.add_argument_group("training (as in train_gpt.py)")
+    t.add_argument("--mode", default="zero3", choices=MODES)
+    t.add_argument("--stage", type=int, default=3, choices=[1, 2, 3], help="ZeRO stage")
+    t.add_argument("--reduce-scatter", default=None, choices=["flat", "hierarchical"],
+                   help="unquantized gradient reduce-scatter (ZeroPPConfig.reduce_scatter); "
+                        "default: the config's default")
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--batch", type=int, default=32, help="global batch (split over all devices)")
+    t.add_argument("--seq-len", type=int, default=128)
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--d-model", type=int, default=128)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--json", type=pathlib.Path, default=None,
+                   help="process 0 writes a run summary here")
+    t.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    t.add_argument("--save-params", type=pathlib.Path, default=None,
+                   help="after training, state.consolidate() (a collective over processes) "
+                        "and process 0 saves the full params here (.npz, '/'-joined names)")
+    b = p.add_argument_group("benchmark hooks (benchmarks/cluster.py)")
+    b.add_argument("--net-iface", default=None,
+                   help="count this node's tx/rx bytes on this interface over the timed steps")
+    b.add_argument("--control", choices=["none", "stdin"], default="none",
+                   help="stdin: after the compiling step, run timed phases read from stdin")
+    b.add_argument("--comm-report", action="store_true",
+                   help="process 0 adds zeropp_jax.analysis.comm_report's predicted bytes")
+    args = p.parse_args(argv)
+    missing = [f for f, v in (("--coordinator", args.coordinator),
+                              ("--num-processes", args.num_processes),
+                              ("--process-id", args.process_id)) if v is None]
+    if missing:
+        p.error(f"{', '.join(missing)} missing (flags or ZEROPP_COORDINATOR, "
+                "ZEROPP_NUM_PROCESSES, ZEROPP_PROCESS_ID)")
+    args.num_processes, args.process_id = int(args.num_processes), int(args.process_id)
+    if not 0 <= args.process_id < args.num_processes:
+        p.error(f"--process-id {args.process_id} is not in 0..{args.num_processes - 1}")
+    if args.local_devices < 1:
+        p.error("--local-devices must be >= 1")
+    return args
+
+
+def net_counters(iface: str | None) -> tuple[int, int] | None:
+    """(tx_bytes, rx_bytes) of ``iface`` in this process's network namespace."""
+    if iface is None:
+        return None
+    base = pathlib.Path("/sys/class/net") / iface / "statistics"
+    return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """CPU devices, gloo collectives and jax.distributed, before JAX touches its backend."""
+    import jax
+
+    import zeropp_jax as zpp
+
+    zpp.simulate_cpu_devices(args.local_devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=args.init_timeout,
+    )
+
+
+def build(args: argparse.Namespace) -> dict:
+    """Config, model, initial params, optimizer and data exactly as in train_gpt.py.
+
+    Deterministic in ``args``: every process (and a one-process reference) gets the same.
+    """
+    import jax
+    import numpy as np
+    import optax
+
+    import zeropp_jax as zpp
+    from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
+    from zeropp_jax.models.gpt import GPT, GPTConfig
+
+    overrides = {} if args.reduce_scatter is None else {"reduce_scatter": args.reduce_scatter}
+    if args.stage == 3:
+        config = zpp.ZeroPPConfig.from_mode(args.mode, compute_dtype=args.compute_dtype,
+                                            **overrides)
+    elif args.mode != "zero3":
+        sys.exit(f"--mode {args.mode} needs --stage 3 (ZeRO++ techniques extend ZeRO-3)")
+    else:
+        config = zpp.ZeroPPConfig(stage=args.stage, compute_dtype=args.compute_dtype, **overrides)
+    model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, layers=args.layers,
+                          d_model=args.d_model, heads=args.heads, dtype=args.compute_dtype))
+    data, _ = train_val_split(stdlib_corpus())
+    first = sample_batch(data, args.batch, args.seq_len, seed=args.seed, step=0)
+    # Runs on this process's first device; the same seed gives every process the same values.
+    params = jax.jit(model.init)(jax.random.PRNGKey(args.seed), first[:, :-1])["params"]
+    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, max(args.steps, 21)),
+                     weight_decay=0.01)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    return {"config": config, "model": model, "params": params, "tx": tx, "data": data,
+            "first": first, "n_params": n_params}
+
+
+def lm_train_step():
+    """The example's train step (next-byte cross-entropy), decorated for zeropp_jax."""
+    import jax
+
+    import zeropp_jax as zpp
+    from zeropp_jax.models.gpt import loss_fn
+
+    @zpp.train_step
+    def train_step(state, batch):
+        def loss_of(p):
+            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    return train_step
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    init_distributed(args)
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from tqdm import tqdm
+
+    import zeropp_jax as zpp
+    from zeropp_jax.data import sample_batch
+
+    lead = jax.process_index() == 0
+    mesh = zpp.make_mesh()  # nodes = processes, local = devices per process
+    nodes, local = mesh.shape["node"], mesh.shape["local"]
+    parts = build(args)
+    config, train_data, first = parts["config"], parts["data"], parts["first"]
+    n_params = parts["n_params"]
+    state = zpp.TrainState.create(model=parts["model"], params=parts["params"], tx=parts["tx"],
+                                  mesh=mesh, config=config)
+    train_step = lm_train_step()
+
+    predicted = None
+    if args.comm_report:
+        t0 = time.perf_counter()
+        try:
+            from zeropp_jax.analysis import comm_report
+        except ImportError as e:  # an older zeropp_jax without the report
+            predicted = {"error": f"zeropp_jax.analysis.comm_report unavailable: {e}"}
+        else:
+            # Compiling here fills the cache the first step then uses.
+            lowered = train_step.lower(state, first)
+            asked, moved = comm_report(lowered, mesh), comm_report(lowered.compile(), mesh)
+            predicted = {
+                "lowered_cross_node_bytes_per_node": asked.cross_node_bytes_per_node,
+                "compiled_cross_node_bytes_per_node": moved.cross_node_bytes_per_node,
+                "compiled_by_kind": moved.by_kind(),
+                "lower_and_compile_s": time.perf_counter() - t0,
+            }
+
+    step_no = 0
+    losses: list[float] = []
+
+    def one_step() -> tuple[float, float]:
+        nonlocal state, step_no
+        batch = sample_batch(train_data, args.batch, args.seq_len, seed=args.seed, step=step_no)
+        t0 = time.perf_counter()
+        state, metrics = train_step(state, batch)
+        loss = float(metrics["loss"])  # replicated on every device; blocks until done
+        dt = time.perf_counter() - t0
+        step_no += 1
+        losses.append(loss)
+        return loss, dt
+
+    def phase(steps: int, warmup: int = 0, progress: bool = False) -> dict:
+        for _ in range(warmup):
+            one_step()
+        multihost_utils.sync_global_devices(f"zpp-phase-start-{step_no}")
+        c0 = net_counters(args.net_iface)
+        times = []
+        bar = tqdm(range(steps), disable=not progress, desc=f"{args.mode} {nodes}x{local}")
+        for _ in bar:
+            loss, dt = one_step()
+            times.append(dt)
+            bar.set_postfix(loss=f"{loss:.3f}")
+        bar.close()
+        c1 = net_counters(args.net_iface)
+        multihost_utils.sync_global_devices(f"zpp-phase-end-{step_no}")
+        out = {"process": jax.process_index(), "steps": steps, "times": times,
+               "step_time_median_s": statistics.median(times) if times else None,
+               "losses": losses[-steps:] if steps else []}
+        if c0 is not None:
+            out["iface"] = args.net_iface
+            out["tx_bytes"] = c1[0] - c0[0]
+            out["rx_bytes"] = c1[1] - c0[1]
+        return out
+
+    # Step 0 compiles the step (every process compiles its own copy).
+    _, compile_s = one_step()
+    info = {"mode": args.mode, "stage": args.stage, "nodes": nodes, "local": local, "params": n_params,
+            "compute_dtype": args.compute_dtype, "reduce_scatter": config.reduce_scatter,
+            "batch": args.batch, "seq_len": args.seq_len,
+            "compile_and_first_step_s": compile_s, "predicted": predicted}
+
+    if args.control == "stdin":
+        print("ZPP-READY " + json.dumps({**info, "process": jax.process_index()}), flush=True)
+        for line in sys.stdin:
+            line = line.strip()
+            if not line:
+                continue
+            if line == "quit":
+                break
+            cmd = json.loads(line)
+            result = phase(int(cmd["steps"]), int(cmd.get("warmup", 0)))
+            result["label"] = cmd.get("label")
+            print("ZPP-PHASE " + json.dumps(result), flush=True)
+        jax.distributed.shutdown()
+        return None
+
+    timed = phase(args.steps - 1, progress=lead and not args.no_progress)
+    summary = {**info, "steps": args.steps, "losses": losses,
+               "step_time_median_s": timed["step_time_median_s"] or compile_s,
+               "processes": jax.process_count(), "coordinator": args.coordinator}
+    if args.save_params is not None:
+        full = state.consolidate()  # every process takes part and gets the full params
+        if lead:
+            flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+                    for path, v in jax.tree_util.tree_leaves_with_path(full)}
+            args.save_params.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(args.save_params, **flat)
+    if "tx_bytes" in timed:
+        summary["net"] = {"iface": args.net_iface, "timed_steps": args.steps - 1,
+                          "tx_bytes": timed["tx_bytes"], "rx_bytes": timed["rx_bytes"]}
+    if lead:
+        k = max(1, min(10, len(losses) // 5))
+        print()
+        print(f"zeropp_jax multihost — {args.mode} on {nodes} process(es) x {local} "
+              f"device(s), {jax.devices()[0].platform}, gloo collectives")
+        print(f"  model      {n_params / 1e6:.2f}M params, {args.layers} layers, d_model "
+              f"{args.d_model}, {args.heads} heads, seq {args.seq_len}, {args.compute_dtype}")
+        print(f"  loss       {statistics.mean(losses[:k]):.3f} (first {k} steps) -> "
+              f"{statistics.mean(losses[-k:]):.3f} (last {k} steps)")
+        print(f"  step time  {summary['step_time_median_s'] * 1e3:.1f} ms median (first step "
+              f"incl. compile {compile_s:.1f} s)")
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(summary, indent=1))
+            print(f"  wrote      {args.json}")
+    jax.distributed.shutdown()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -238,25 +238,43 @@ class Engine:
             opt_state=self.opt_specs,
         )
 
-    def shard_batch(self, batch: PyTree) -> PyTree:
-        """Places every leaf of ``batch`` split on its leading dimension over all devices.
+    def shard_batch(self, batch: PyTree, spec: P = SHARDED) -> PyTree:
+        """Places every leaf of ``batch`` with ``PartitionSpec`` ``spec`` on the mesh.
 
-        With several processes every process passes the same global batch (for example
-        built from the same seed and step); each places only its own devices' rows.
+        The default splits the leading (batch) dimension over all devices. Sequence
+        parallelism passes ``P("node", "local")``: batch over nodes, sequence over the
+        devices of a node. With several processes every process passes the same global
+        batch (for example built from the same seed and step); each places only its own
+        devices' pieces.
         """
-        n = self.num_devices
-        sharding = NamedSharding(self.mesh, SHARDED)
+        sharding = NamedSharding(self.mesh, spec)
+        sizes = dict(self.mesh.shape)
 
         def put(path: Any, x: Any) -> jax.Array:
             shape = np.shape(x)
-            if not shape or shape[0] % n:
-                name = jax.tree_util.keystr(path) or "batch"
-                got = shape[0] if shape else "a scalar"
+            name = jax.tree_util.keystr(path) or "batch"
+            if not shape:
                 raise ValueError(
-                    f"{name}: leading (batch) dimension {got} is not divisible by the {n} "
-                    f"devices of the mesh; use a global batch size that is a multiple of {n} "
-                    f"(the batch is split over all devices)"
+                    f"{name}: a scalar is not divisible over devices; every batch leaf needs "
+                    "a leading batch dimension (pass scalars such as a learning rate as extra "
+                    "arguments of the step: step(state, batch, lr))"
                 )
+            if len(shape) < len(spec):
+                raise ValueError(
+                    f"{name}: shape {shape} has fewer dimensions than the batch spec {spec}"
+                )
+            for dim, axes in enumerate(spec):
+                if axes is None:
+                    continue
+                axes = (axes,) if isinstance(axes, str) else tuple(axes)
+                n = int(np.prod([sizes[a] for a in axes]))
+                if shape[dim] % n:
+                    what = "batch" if dim == 0 else f"dimension {dim}"
+                    raise ValueError(
+                        f"{name}: {what} size {shape[dim]} is not divisible by the {n} "
+                        f"devices of mesh axes {axes} it is split over; use a size that is "
+                        f"a multiple of {n}"
+                    )
             if isinstance(x, jax.Array) and x.sharding == sharding:
                 return x
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -450,7 +468,10 @@ def _varying_params(state: TrainState) -> TrainState:
 
 
 def train_step(
-    fn: Callable[..., Any] | None = None, *, donate_state: bool = False
+    fn: Callable[..., Any] | None = None,
+    *,
+    donate_state: bool = False,
+    batch_spec: P = SHARDED,
 ) -> Callable[..., Any]:
     """Turns a one-device train step ``fn(state, batch, *extra)`` into a ZeRO step.
 
@@ -463,16 +484,20 @@ def train_step(
 
     The returned function is jitted once per input structure; ``.lower(state, batch,
     *extra)`` gives the lowered program (for HLO inspection). With ``donate_state=True``
-    the input state's buffers are donated to the output.
+    the input state's buffers are donated to the output. ``batch_spec`` is the
+    ``PartitionSpec`` of every batch leaf: default ``P(("node", "local"))`` (batch split
+    over all devices); ``P("node", "local")`` for sequence parallelism (batch over nodes,
+    sequence over each node's devices).
     """
     if fn is None:
-        return functools.partial(train_step, donate_state=donate_state)
+        return functools.partial(train_step, donate_state=donate_state, batch_spec=batch_spec)
+    batch_spec = P(*batch_spec) if not isinstance(batch_spec, P) else batch_spec
 
     def run(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = state.engine
         in_specs = (
             engine.state_specs(state),
-            jax.tree_util.tree_map(lambda _: SHARDED, batch),
+            jax.tree_util.tree_map(lambda _: batch_spec, batch),
             *[jax.tree_util.tree_map(lambda _: REPLICATED, e) for e in extra],
         )
         recorded: dict[str, Any] = {}
@@ -512,11 +537,11 @@ def train_step(
     @functools.wraps(fn)
     def wrapper(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = _check(state)
-        return jitted(state, engine.shard_batch(batch), *extra)
+        return jitted(state, engine.shard_batch(batch, batch_spec), *extra)
 
     def lower(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = _check(state)
-        return jitted.lower(state, engine.shard_batch(batch), *extra)
+        return jitted.lower(state, engine.shard_batch(batch, batch_spec), *extra)
 
     wrapper.lower = lower  # type: ignore[attr-defined]
     wrapper.jitted = jitted  # type: ignore[attr-defined]

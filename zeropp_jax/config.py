@@ -58,6 +58,16 @@ class ZeroPPConfig:
         ``qgz_until``): ``"flat"`` is XLA's ``psum_scatter`` over all devices;
         ``"hierarchical"`` is qgZ's two-hop all-to-all without quantization, which keeps
         16-bit gradients 16-bit on the wire where a backend widens reduce-scatters (XLA CPU).
+      blockwise: True (default): one quantization scale per ``block_size`` elements. False:
+        the paper's *non-blocked* baseline, one scale per quantized message — a device's
+        whole primary shard in qwZ, a whole destination slice in each qgZ hop. Exists to
+        measure what blocks buy (the paper reports non-blocked training diverges).
+      gradient_clipping: clip the gradient to this global L2 norm before the optimizer
+        (DeepSpeed's ``gradient_clipping``; ``optax.clip_by_global_norm`` on the whole
+        gradient). The norm is summed over all devices' shards. None: no clipping.
+      skip_nonfinite: if any gradient element is inf or NaN on any device, skip the update
+        (parameters and optimizer state stay as they were) and count it in
+        ``state.skipped_steps``. False applies such updates.
     """
 
     stage: int = 3
@@ -75,6 +85,9 @@ class ZeroPPConfig:
     qgz_until: int | float | None = None
     planned_steps: int | None = None
     reduce_scatter: str = "flat"
+    blockwise: bool = True
+    gradient_clipping: float | None = None
+    skip_nonfinite: bool = True
 
     def __post_init__(self) -> None:
         # Normalise dtypes to canonical names so equal configs hash equal.
@@ -85,7 +98,7 @@ class ZeroPPConfig:
     def _validate(self) -> None:
         if self.stage not in _VALID_STAGES:
             raise ValueError(f"stage={self.stage!r} is invalid; valid stages are {_VALID_STAGES}")
-        for name in ("qwz", "hpz", "qgz"):
+        for name in ("qwz", "hpz", "qgz", "blockwise", "skip_nonfinite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("weight_bits", "grad_bits"):
@@ -125,6 +138,15 @@ class ZeroPPConfig:
             raise ValueError(
                 f"reduce_scatter={self.reduce_scatter!r} is invalid; valid values are "
                 f"{_REDUCE_SCATTERS}"
+            )
+        if self.gradient_clipping is not None and (
+            isinstance(self.gradient_clipping, bool)
+            or not isinstance(self.gradient_clipping, (int, float))
+            or not self.gradient_clipping > 0
+        ):
+            raise ValueError(
+                f"gradient_clipping must be a positive number (the maximum global norm) or "
+                f"None, got {self.gradient_clipping!r}"
             )
         if self.planned_steps is not None and (
             not isinstance(self.planned_steps, int) or self.planned_steps < 1
@@ -186,7 +208,7 @@ class ZeroPPConfig:
         Understood keys: ``stage``, ``zero_quantized_weights``, ``zero_hpz_partition_size``
         (> 1 turns hpZ on with that group size; DeepSpeed's default 1 means off),
         ``zero_quantized_gradients``. The top-level ``bf16.enabled`` / ``fp16.enabled`` pick the
-        compute dtype. Unknown ``zero_optimization`` keys are ignored, as they only tune
+        compute dtype; a top-level ``gradient_clipping`` > 0 sets ``gradient_clipping``. Unknown ``zero_optimization`` keys are ignored, as they only tune
         DeepSpeed's own bucketing.
         """
         if not isinstance(ds_config, Mapping):
@@ -208,6 +230,9 @@ class ZeroPPConfig:
             kwargs["compute_dtype"] = "float16"
         else:
             kwargs["compute_dtype"] = "float32"
+        clip = ds_config.get("gradient_clipping", 0.0)
+        if clip:  # DeepSpeed's 0.0 means off
+            kwargs["gradient_clipping"] = float(clip)
         kwargs.update(overrides)
         return cls(**kwargs)
 
@@ -215,6 +240,10 @@ class ZeroPPConfig:
     def flat_alignment(self) -> int:
         """Each primary shard's length is a multiple of this: whole quantization blocks
         when any quantized collective is on."""
+        if not self.blockwise:
+            # One scale per message: only INT4's two-per-byte packing and qgZ's stages
+            # constrain the length.
+            return 2 * self.qgz_pipeline_stages if (self.qwz or self.qgz) else 1
         if self.qgz:  # qgZ cuts each slice into stages of whole blocks
             return self.block_size * self.qgz_pipeline_stages
         return self.block_size if self.qwz else 1

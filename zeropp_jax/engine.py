@@ -78,6 +78,25 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def global_norm(shards: Any) -> jax.Array:
+    """L2 norm of a whole pytree whose leaves are primary shards. Inside ``shard_map``.
+
+    Each device sums the squares of its shards in fp32; a ``psum`` over ``("node",
+    "local")`` adds the devices' sums. Accepts a ``ShardedParams`` (as returned for the
+    gradient of ``state.params`` in ZeRO-3) or any pytree of sharded leaves.
+    """
+    if isinstance(shards, ShardedParams):
+        if not shards.sharded:
+            raise ValueError(
+                "global_norm needs primary shards; with ZeRO stages 1 and 2 the gradient "
+                "inside the step is each device's unreduced full gradient"
+            )
+        shards = shards.units
+    local = sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                for x in jax.tree_util.tree_leaves(shards))
+    return jnp.sqrt(jax.lax.psum(local, AXES))
+
+
 @struct.dataclass
 class ShardedParams:
     """A model's parameters as one flat buffer per unit.
@@ -203,12 +222,21 @@ class Engine:
                 else:
                     summed = jax.lax.psum(full, AXES).astype(jnp.float32) / self.num_devices
                     g[name] = collectives.own_slice(summed, AXES).astype(cfg.param_jnp_dtype)
+        g, finite = self._clip_and_check(g)
         updates, opt_state = self.tx.update(g, state.opt_state, master.units)
         new_master = optax.apply_updates(master.units, updates)
         new_master = {k: v.astype(cfg.param_jnp_dtype) for k, v in new_master.items()}
+        skipped = state.skipped_steps
+        if cfg.skip_nonfinite:
+            # Every device decides the same (``finite`` is global), so shards stay in step.
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_master = jax.tree_util.tree_map(keep, new_master, master.units)
+            opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
+            skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
         if cfg.stage == 3:
             return state.replace(
-                step=state.step + 1, params=ShardedParams(new_master, True), opt_state=opt_state
+                step=state.step + 1, params=ShardedParams(new_master, True), opt_state=opt_state,
+                skipped_steps=skipped,
             )
         full = {
             k: collectives.all_gather_flat(v.astype(cfg.compute_jnp_dtype), AXES, invariant=True)
@@ -219,7 +247,32 @@ class Engine:
             params=ShardedParams(full, False),
             master=ShardedParams(new_master, True),
             opt_state=opt_state,
+            skipped_steps=skipped,
         )
+
+    def _clip_and_check(self, g: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:
+        """Primary-shard gradients -> (clipped gradients, global "all finite" flag).
+
+        Inside ``shard_map``. Both need the whole gradient, which no device holds: each
+        device sums squares (and counts non-finite elements) over its shards, and a
+        ``psum`` over ``("node", "local")`` completes them. Padding elements carry zero
+        gradient, so they change neither. Clipping follows ``optax.clip_by_global_norm``
+        exactly: unchanged if the norm is below the maximum, else scaled to it.
+        """
+        cfg = self.config
+        finite = jnp.array(True)
+        if cfg.skip_nonfinite:
+            bad = sum(jnp.sum(~jnp.isfinite(v)).astype(jnp.int32) for v in g.values())
+            finite = jax.lax.psum(bad, AXES) == 0
+        if cfg.gradient_clipping is not None:
+            norm = global_norm(g)
+            max_norm = jnp.float32(cfg.gradient_clipping)
+            g = {
+                k: jnp.where(norm < max_norm, v, (v / norm.astype(v.dtype)) * max_norm)
+                .astype(v.dtype)
+                for k, v in g.items()
+            }
+        return g, finite
 
     def step_context(self, state: "TrainState") -> Any:
         """Context for tracing one step of ``state``: the qgZ schedule (``qgz_until``)."""
@@ -233,6 +286,7 @@ class Engine:
     def state_specs(self, state: "TrainState") -> "TrainState":
         return state.replace(
             step=REPLICATED,
+            skipped_steps=REPLICATED,
             params=state.params.specs(),
             master=None if state.master is None else state.master.specs(),
             opt_state=self.opt_specs,
@@ -296,6 +350,8 @@ class TrainState:
       master: stages 1 and 2: the param-dtype primary shards the optimizer updates; None
         for stage 3, where ``params`` are the primary shards.
       engine: static; the model, optimizer, mesh, config and layouts.
+      skipped_steps: steps whose update was skipped because the gradient held inf or NaN
+        (``config.skip_nonfinite``); ``step`` counts them too (replicated int32).
     """
 
     step: jax.Array
@@ -303,6 +359,7 @@ class TrainState:
     opt_state: PyTree
     master: ShardedParams | None
     engine: Engine = struct.field(pytree_node=False)
+    skipped_steps: jax.Array | None = None
 
     @property
     def apply_fn(self) -> Callable[..., Any]:
@@ -412,8 +469,9 @@ class TrainState:
 
         engine = Engine(model, tx, mesh, config, layouts, opt_specs)
         step = _place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
+        skipped = _place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         if config.stage == 3:
-            return cls(step, ShardedParams(master, True), opt_state, None, engine)
+            return cls(step, ShardedParams(master, True), opt_state, None, engine, skipped)
         cdt = config.compute_jnp_dtype
         replicated = NamedSharding(mesh, REPLICATED)
         full = {
@@ -424,7 +482,8 @@ class TrainState:
             )
             for name, lay in layouts.items()
         }
-        return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine)
+        return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine,
+                   skipped)
 
 
 # -- the decorator --------------------------------------------------------------------------

@@ -84,5 +84,8 @@ def check_elementwise(tx: optax.GradientTransformation) -> None:
             "the optimizer is not elementwise, so it would compute something else on ZeRO's "
             "flat parameter shards than on the whole parameters. Examples of transforms "
             "that are rejected for this reason: " + "; ".join(NON_ELEMENTWISE_EXAMPLES) + ". "
-            "Use elementwise transforms only (adam, adamw without mask, sgd, schedules)."
+            "Use elementwise transforms only (adam, adamw without mask, sgd, schedules). "
+            "For global-norm gradient clipping set ZeroPPConfig(gradient_clipping=max_norm): "
+            "the engine computes the norm over all devices' shards and clips exactly as "
+            "optax.clip_by_global_norm does."
         )

@@ -57,7 +57,7 @@ def gather_weights(
             shard,
             axis_names=AXES,
             bits=config.weight_bits,
-            block_size=config.block_size,
+            block_size=config.block_size if config.blockwise else shard.shape[0],
             out_dtype=config.compute_jnp_dtype,
             implementation=config.quantization_impl,
             distinct=backward,
@@ -91,10 +91,13 @@ def reduce_gradient(
     else:
 
         def quantized(g: jax.Array) -> jax.Array:
+            # Non-blocked: one scale per stage of a destination slice (its whole message).
+            block = config.block_size if config.blockwise else (
+                g.shape[0] // num_devices // config.qgz_pipeline_stages)
             return qgz_reduce_scatter(
                 g,
                 bits=config.grad_bits,
-                block_size=config.block_size,
+                block_size=block,
                 stages=config.qgz_pipeline_stages,
                 implementation=config.quantization_impl,
             )

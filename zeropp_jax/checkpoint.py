@@ -152,7 +152,7 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
         raise TypeError(f"save expects a zeropp_jax.TrainState, got {type(state).__name__}")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
-    directory = pathlib.Path(directory)
+    directory = pathlib.Path(directory).absolute()  # orbax wants absolute paths
     directory.mkdir(parents=True, exist_ok=True)
     engine = state.engine
     step = int(_to_host(state.step))
@@ -217,7 +217,7 @@ def _read(directory: str | os.PathLike, step: int | None) -> tuple[dict, dict, p
     """(meta, arrays) of one finished checkpoint, checksums verified."""
     import orbax.checkpoint as ocp
 
-    directory = pathlib.Path(directory)
+    directory = pathlib.Path(directory).absolute()  # orbax wants absolute paths
     steps = available_steps(directory)
     if step is None:
         if not steps:

@@ -189,11 +189,13 @@ class ZeroPPConfig:
 
     @classmethod
     def from_mode(cls, mode: str, **overrides: Any) -> "ZeroPPConfig":
-        """The config behind the example's ``--mode`` names: zero3, qwz, hpz, qgz, zeropp."""
+        """The config behind the example's ``--mode`` names: zero3, qwz, hpz, qgz, qwz_hpz,
+        zeropp."""
         modes = {
             "zero3": {},
             "qwz": {"qwz": True},
             "hpz": {"hpz": True},
+            "qwz_hpz": {"qwz": True, "hpz": True},
             "qgz": {"qgz": True},
             "zeropp": {"qwz": True, "hpz": True, "qgz": True},
         }

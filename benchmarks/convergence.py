@@ -1,0 +1,166 @@
+"""Convergence parity (paper Table 5): does ZeRO++ train as well as ZeRO-3?
+
+Trains the example GPT on the embedded real-text corpus (the Python standard library's
+source, 5% held out) with the same seed, data and hyperparameters under five configs:
+zero3; zeropp; zeropp with qgZ for the first 50% of steps; qwZ + hpZ; zeropp with
+non-blocked quantization (one scale per message). Each run is examples/train_gpt.py in its
+own process (it simulates its own CPU devices). Prints the table of final validation loss
+and its difference to zero3, and writes results/convergence.json and .png.
+
+    python benchmarks/convergence.py            # ~30 min on 2 CPU cores
+    python benchmarks/convergence.py --quick    # 2-minute smoke run (numbers meaningless)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_gpt.py"
+RESULTS = ROOT / "benchmarks" / "results"
+
+# name -> (train_gpt flags, paper Table 5 value for the analogous row, target)
+CONFIGS = {
+    "zero3": (["--mode", "zero3"], "2.1218", None),
+    "zeropp": (["--mode", "zeropp"], "2.1656 (+2.1%)", 2.0),
+    "zeropp, qgZ first 50%": (["--mode", "zeropp", "--qgz-until", "0.5"], "2.1340 (+0.6%)", None),
+    "qwZ + hpZ": (["--mode", "qwz_hpz"], "2.1217 (0.0%)", 0.5),
+    "zeropp, non-blocked": (["--mode", "zeropp", "--non-blocked"], "diverges", None),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--local", type=int, default=2)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="*", default=None, help="run only these config names")
+    p.add_argument("--quick", action="store_true", help="tiny model, 30 steps: a smoke run")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS / "convergence.json")
+    return p.parse_args()
+
+
+def run_config(name: str, flags: list[str], args: argparse.Namespace, workdir: pathlib.Path) -> dict:
+    out = workdir / (name.replace(" ", "_").replace(",", "").replace("+", "") + ".json")
+    cmd = [sys.executable, str(SCRIPT), "--nodes", str(args.nodes), "--local", str(args.local),
+           "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+           "--layers", str(args.layers), "--d-model", str(args.d_model), "--heads",
+           str(args.heads), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
+           "--eval-batches", str(args.eval_batches), "--seed", str(args.seed),
+           "--compute-dtype", "bfloat16", "--no-progress", "--json", str(out), *flags]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    run = json.loads(out.read_text())
+    run["wall_s"] = time.time() - t0
+    run["command"] = " ".join(["python", "examples/train_gpt.py", *cmd[2:]])
+    return run
+
+
+def table(rows: dict, steps: int) -> str:
+    base = rows["zero3"]
+    lines = [
+        "| config | final val loss | vs zero3 | last-100 train loss / zero3 | paper (GPT-350M) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    k = min(100, max(1, steps // 4))
+    base_tail = sum(base["losses"][-k:]) / k
+    for name, run in rows.items():
+        v = run["final_val_loss"]
+        d = 100.0 * (v - base["final_val_loss"]) / base["final_val_loss"]
+        tail = sum(run["losses"][-k:]) / k
+        lines.append(f"| {name} | {v:.4f} | {d:+.2f}% | {tail / base_tail:.4f} | "
+                     f"{CONFIGS[name][1]} |")
+    return "\n".join(lines)
+
+
+def plot(rows: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, run in rows.items():
+        losses = np.asarray(run["losses"])
+        w = max(1, len(losses) // 40)
+        smooth = np.convolve(losses, np.ones(w) / w, mode="valid")
+        ax1.plot(np.arange(len(smooth)) + w, smooth, lw=1.2, label=name)
+        ev = run["eval"]
+        ax2.plot([e["step"] for e in ev], [e["val_loss"] for e in ev], "o-", ms=3, label=name)
+    ax1.set_title(f"train loss (moving average of {w} steps)")
+    ax2.set_title("validation loss (held-out stdlib source)")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats / byte")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax2.set_ylim(top=min(ax2.get_ylim()[1], 3.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.quick:
+        args.steps, args.layers, args.d_model, args.heads = 30, 2, 64, 4
+        args.eval_every, args.eval_batches = 10, 2
+        args.out = args.out.with_name("convergence_quick.json")
+    names = list(CONFIGS) if not args.only else args.only
+    if "zero3" not in names:
+        names = ["zero3", *names]
+    workdir = args.out.parent / "convergence_runs"
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for name in names:
+        print(f"running {name} ...", flush=True)
+        rows[name] = run_config(name, CONFIGS[name][0], args, workdir)
+        r = rows[name]
+        print(f"  final val loss {r['final_val_loss']:.4f}, median step "
+              f"{r['step_time_median_s'] * 1e3:.0f} ms, wall {r['wall_s']:.0f} s", flush=True)
+    text = table(rows, args.steps)
+    print()
+    print(f"{rows['zero3']['params'] / 1e6:.2f}M-parameter GPT, {args.steps} steps, global "
+          f"batch {args.batch} x {args.seq_len} bytes, {args.nodes}x{args.local} mesh, bf16")
+    print(text)
+    targets = []
+    base = rows["zero3"]["final_val_loss"]
+    for name, (_, _, limit) in CONFIGS.items():
+        if limit is not None and name in rows:
+            d = 100.0 * (rows[name]["final_val_loss"] - base) / base
+            targets.append({"config": name, "target_pct": limit, "measured_pct": d,
+                            "met": d <= limit})
+            print(f"target: {name} within {limit}% of zero3: {d:+.2f}% "
+                  f"{'met' if d <= limit else 'MISSED'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "settings": {k: v for k, v in vars(args).items() if k != "out" and k != "only"},
+        "table": text,
+        "targets": targets,
+        "runs": rows,
+    }, indent=1, default=str))
+    png = args.out.with_suffix(".png")
+    plot(rows, png)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -56,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "block (the paper's non-blocked baseline)")
     p.add_argument("--qgz-until", type=float, default=None,
                    help="with qgZ: use it for this fraction of --steps only (e.g. 0.5)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Ulysses: split each sequence over a node's devices (--local), the "
+                        "batch over nodes; --seq-len must be a multiple of --local, --batch "
+                        "of --nodes x --accum")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=0,
                    help="validation loss every N steps and at the end (0: only at the end "
@@ -167,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         d_model=args.d_model,
         heads=args.heads,
         dtype=args.compute_dtype,
+        sequence_axis="local" if args.sequence_parallel else None,
     )
     model = GPT(gpt_cfg)
     train_data, val_data = train_val_split(stdlib_corpus())
@@ -182,30 +187,46 @@ def main(argv: list[str] | None = None) -> dict:
         start = int(state.step)
         print(f"resumed from {args.resume} at step {start} (run ends at step {args.steps})")
 
-    @zpp.train_step
+    from jax.sharding import PartitionSpec as P
+
+    sp = args.sequence_parallel
+    # Sequence parallel: every batch leaf is [B, T], B over "node" and T over "local"; inputs
+    # and targets are separate arrays (a [B, T + 1] array cannot be cut into equal sequence
+    # shards and then shifted). Otherwise one [B, T + 1] array split over all devices.
+    batch_spec = P("node", "local") if sp else P(("node", "local"))
+
+    def as_batch(tokens):
+        return {"x": tokens[:, :-1], "y": tokens[:, 1:]} if sp else tokens
+
+    def inputs_targets(b):
+        return (b["x"], b["y"]) if sp else (b[:, :-1], b[:, 1:])
+
+    @zpp.train_step(batch_spec=batch_spec)
     def train_step(state, batch):
         def loss_of(p, b):
-            return loss_fn(state.apply_fn({"params": p}, b[:, :-1]), b[:, 1:])
+            x, y = inputs_targets(b)
+            return loss_fn(state.apply_fn({"params": p}, x), y)
 
         loss, grads = accumulate_gradients(loss_of, state.params, batch,
                                            micro_batches=args.accum)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    @zpp.train_step
+    @zpp.train_step(batch_spec=batch_spec)
     def eval_step(state, batch):
-        return {"loss": loss_fn(state.apply_fn({"params": state.params}, batch[:, :-1]),
-                                batch[:, 1:])}
+        x, y = inputs_targets(batch)
+        return {"loss": loss_fn(state.apply_fn({"params": state.params}, x), y)}
 
     # Fixed held-out batches (their own seed stream), the same for every run and mesh.
-    val_batches = [sample_batch(val_data, args.batch, args.seq_len, seed=10_000 + args.seed,
-                                step=i) for i in range(args.eval_batches)]
+    val_batches = [as_batch(sample_batch(val_data, args.batch, args.seq_len,
+                                         seed=10_000 + args.seed, step=i))
+                   for i in range(args.eval_batches)]
 
     def evaluate(state) -> float:
         return float(np.mean([float(eval_step(state, b)["loss"]) for b in val_batches]))
 
     if args.dump_hlo is not None:
         args.dump_hlo.mkdir(parents=True, exist_ok=True)
-        lowered = train_step.lower(state, first)
+        lowered = train_step.lower(state, as_batch(first))
         (args.dump_hlo / "lowered.mlir").write_text(lowered.as_text())
         (args.dump_hlo / "compiled.hlo").write_text(lowered.compile().as_text())
 
@@ -217,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     for step in bar:
         batch = sample_batch(train_data, args.batch, args.seq_len, seed=args.seed, step=step)
         t0 = time.perf_counter()
-        state, metrics = train_step(state, batch)
+        state, metrics = train_step(state, as_batch(batch))
         loss = float(metrics["loss"])  # blocks until the step is done
         times.append(time.perf_counter() - t0)
         losses.append(loss)
@@ -252,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         "batch": args.batch,
         "accum": args.accum,
         "seq_len": args.seq_len,
+        "sequence_parallel": args.sequence_parallel,
         "steps": args.steps,
         "start_step": start,
         "end_step": end,

@@ -1,15 +1,23 @@
 """zeropp_jax: ZeRO++ (qwZ, hpZ, qgZ) for JAX and Flax."""
 
+from zeropp_jax import checkpoint
+from zeropp_jax.accumulate import accumulate_gradients
+from zeropp_jax.checkpoint import consolidate
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.engine import Engine
 from zeropp_jax.engine import ShardedParams
 from zeropp_jax.engine import TrainState
+from zeropp_jax.engine import global_norm
 from zeropp_jax.engine import train_step
 from zeropp_jax.mesh import make_mesh
 from zeropp_jax.mesh import simulate_cpu_devices
 
 __all__ = [
     "Engine",
+    "accumulate_gradients",
+    "checkpoint",
+    "consolidate",
+    "global_norm",
     "ShardedParams",
     "TrainState",
     "ZeroPPConfig",

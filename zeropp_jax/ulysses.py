@@ -9,7 +9,9 @@ into sequence shards. Per layer a device sends ``3 N h / P`` elements (q, k, v) 
 hidden size), of which the fraction ``(P - 1) / P`` leaves the device.
 
 Gradients come from autodiff: the transpose of an all-to-all is the all-to-all with split and
-concat axes swapped, so backward also runs exactly two per layer.
+concat axes swapped, so backward also runs exactly two per layer. bf16/fp16 activations move
+as uint16 (bitcast; a custom_vjp states the same transpose), because XLA's CPU backend would
+widen a 16-bit float all-to-all to f32.
 
 Head layouts (``Hq`` query heads, ``Hkv`` key/value heads, ``Hq % Hkv == 0``; query head
 ``i`` uses key/value head ``i // (Hq / Hkv)``, the usual GQA/MQA convention):
@@ -27,6 +29,7 @@ Head layouts (``Hq`` query heads, ``Hkv`` key/value heads, ``Hq % Hkv == 0``; qu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Literal
 
@@ -133,6 +136,35 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         )
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _all_to_all_16bit(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int
+                      ) -> jax.Array:
+    # bf16/fp16 move as uint16 (a bitcast): XLA's CPU backend widens 16-bit float
+    # collectives to f32 when it compiles (see collectives.py), doubling the bytes.
+    u = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    u = jax.lax.all_to_all(u, axis_name, split_axis, concat_axis, tiled=True)
+    return jax.lax.bitcast_convert_type(u, x.dtype)
+
+
+def _a2a16_fwd(x, axis_name, split_axis, concat_axis):
+    return _all_to_all_16bit(x, axis_name, split_axis, concat_axis), None
+
+
+def _a2a16_bwd(axis_name, split_axis, concat_axis, _, g):
+    # The transpose of an all-to-all: the same exchange with split and concat swapped.
+    return (_all_to_all_16bit(g, axis_name, concat_axis, split_axis),)
+
+
+_all_to_all_16bit.defvjp(_a2a16_fwd, _a2a16_bwd)
+
+
+def _all_to_all(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) -> jax.Array:
+    """Tiled all-to-all over ``axis_name`` in ``x``'s dtype (16-bit floats as uint16)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2:
+        return _all_to_all_16bit(x, axis_name, split_axis, concat_axis)
+    return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)
+
+
 def _pad_heads(x: jax.Array, heads: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, 0), (0, heads - x.shape[2]), (0, 0)))
 
@@ -190,7 +222,7 @@ def ulysses_attention(
     )  # [b, S/P, P, hq/P + 2 hkv/P, d]
     # Split the device-group axis, concatenate the sequence: chunks arrive in device order,
     # which is sequence order because device r holds tokens [r S/P, (r+1) S/P).
-    qkv = jax.lax.all_to_all(qkv, axis_name, split_axis=2, concat_axis=1, tiled=True)
+    qkv = _all_to_all(qkv, axis_name, split_axis=2, concat_axis=1)
     qkv = qkv[:, :, 0]  # [b, S, hq/P + 2 hkv/P, d]
     q_full = qkv[:, :, :hq_dev]
     k_full = qkv[:, :, hq_dev:hq_dev + hkv_dev]
@@ -203,7 +235,7 @@ def ulysses_attention(
         )
     out = out.astype(q.dtype)
     # Back: split the sequence, concatenate heads in device order (= original head order).
-    out = jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)
+    out = _all_to_all(out, axis_name, split_axis=1, concat_axis=2)
     return out[:, :, :hq] if hq_pad != hq else out  # [b, S/P, Hq, d]
 
 

@@ -1,0 +1,190 @@
+"""Checkpoints: save/restore on any mesh, consolidate, and every way a checkpoint can be bad."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zpp
+from zeropp_jax import checkpoint as ckpt
+from zeropp_jax.models.gpt import GPT, loss_fn
+
+from helpers import SMALL, init_params, make_step, tokens
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FP32 = dict(compute_dtype="float32")
+TX = optax.adamw(1e-2, weight_decay=0.1)
+
+
+def _state(mesh_shape=(2, 4), cfg=None, model=None, params=None, tx=TX, devices=None):
+    model = GPT(SMALL) if model is None else model
+    params = init_params(seed=31) if params is None else params
+    cfg = zpp.ZeroPPConfig.zero3(**FP32) if cfg is None else cfg
+    return zpp.TrainState.create(model=model, params=params, tx=tx,
+                                 mesh=zpp.make_mesh(*mesh_shape, devices=devices), config=cfg)
+
+
+def _leaves_equal(a, b) -> None:
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A 2x4 state after 2 AdamW steps, its checkpoint directory, and the step function."""
+    import tempfile
+
+    state = _state()
+    step = make_step()
+    for i in range(2):
+        state, _ = step(state, tokens(16, seed=70 + i))
+    d = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
+    path = ckpt.save(d, state)
+    return state, d, path, step
+
+
+def test_save_layout_and_restore_on_the_same_mesh(trained):
+    state, d, path, _ = trained
+    assert path == d.absolute() / "step_00000002"
+    assert ckpt.available_steps(d) == [2] and ckpt.latest_step(d) == 2
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["written_on"]["nodes"] == 2
+    restored = ckpt.restore(d, _state())
+    assert int(restored.step) == 2
+    _leaves_equal(restored.consolidate(), state.consolidate())
+    _leaves_equal(restored.opt_state, state.opt_state)
+    assert restored.params.units["block_0"].sharding == state.params.units["block_0"].sharding
+
+
+def test_restore_across_mesh_shapes_and_device_counts(trained):
+    """2x4 -> 1x8 -> 4x2 (a checkpoint written on each), then onto 4 devices (other padding)
+    and with ZeRO stage 2: identical parameters and optimizer moments, and training
+    continues exactly as it would have on the original mesh."""
+    import tempfile
+
+    state, d, _, step = trained
+    b = tokens(16, seed=99)
+    expected, m_exp = step(state, b)
+    current = state
+    for shape in ((1, 8), (4, 2)):
+        current = ckpt.restore(d, _state(shape))
+        _leaves_equal(current.consolidate(), state.consolidate())
+        d = pathlib.Path(tempfile.mkdtemp()) / shape.__repr__()
+        ckpt.save(d, current)
+        cont, m = step(current, b)
+        # fp32: same values, same data; only the order of per-device partial sums differs.
+        np.testing.assert_allclose(float(m["loss"]), float(m_exp["loss"]), rtol=1e-6)
+    four = ckpt.restore(d, _state((2, 2), devices=jax.devices()[:4]))
+    _leaves_equal(four.consolidate(), state.consolidate())
+    stage2 = ckpt.restore(d, _state((2, 4), cfg=zpp.ZeroPPConfig(stage=2, **FP32)))
+    _leaves_equal(stage2.consolidate(), state.consolidate())
+    assert stage2.params.units["block_0"].dtype == np.float32
+
+
+def test_consolidate_and_load_params_work_with_plain_flax(trained):
+    state, d, _, _ = trained
+    plain = zpp.consolidate(state)
+    loaded = ckpt.load_params(d)
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(plain)
+    _leaves_equal(loaded, plain)
+    model = GPT(SMALL)
+    b = tokens(4, seed=5)
+    logits = model.apply({"params": loaded}, b[:, :-1])
+    assert logits.shape == (4, SMALL.seq_len, SMALL.vocab_size)
+    assert np.isfinite(float(loss_fn(logits, b[:, 1:])))
+
+
+def test_another_model_shape_is_rejected(trained):
+    _, d, _, _ = trained
+    other = dataclasses.replace(SMALL, d_model=24)
+    model = GPT(other)
+    params = model.init(jax.random.PRNGKey(0), tokens(2, seed=0)[:, :-1])["params"]
+    with pytest.raises(ckpt.CheckpointError, match="another model.*block_0"):
+        ckpt.restore(d, _state(model=model, params=params))
+
+
+def test_another_optimizer_is_rejected(trained):
+    _, d, _, _ = trained
+    with pytest.raises(ckpt.CheckpointError, match="another optimizer"):
+        ckpt.restore(d, _state(tx=optax.sgd(0.1, momentum=0.9)))
+
+
+def _copy(d: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    import shutil
+
+    dst = tmp_path / "copy"
+    shutil.copytree(d, dst)
+    return dst
+
+
+def test_damaged_array_data_is_an_error_not_wrong_weights(trained, tmp_path):
+    _, d, _, _ = trained
+    d = _copy(d, tmp_path)
+    files = [p for p in (d / "step_00000002" / "arrays").rglob("*")
+             if p.is_file() and p.stat().st_size > 1000]
+    assert files
+    big = max(files, key=lambda p: p.stat().st_size)
+    raw = bytearray(big.read_bytes())
+    for i in range(len(raw) // 2, len(raw) // 2 + 64):
+        raw[i] ^= 0xFF
+    big.write_bytes(bytes(raw))
+    with pytest.raises(ckpt.CheckpointError, match="damaged"):
+        ckpt.restore(d, _state())
+
+
+def test_partial_checkpoint_directory_is_an_error(trained, tmp_path):
+    _, d, _, _ = trained
+    d = _copy(d, tmp_path)
+    (d / "step_00000002" / "meta.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="not a complete"):
+        ckpt.restore(d, _state())
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint"):
+        ckpt.restore(tmp_path / "empty", _state())
+
+
+_KILLED_SAVE = r"""
+import os, sys
+sys.path.insert(0, {tests!r})
+import zeropp_jax as zpp
+zpp.simulate_cpu_devices(8)
+import optax
+from zeropp_jax import checkpoint as ckpt
+from zeropp_jax.models.gpt import GPT
+from helpers import SMALL, init_params, make_step, tokens
+state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=31),
+    tx=optax.adamw(1e-2, weight_decay=0.1), mesh=zpp.make_mesh(2, 4),
+    config=zpp.ZeroPPConfig.zero3(compute_dtype="float32"))
+step = make_step()
+for i in range(3):
+    state, _ = step(state, tokens(16, seed=70 + i))
+# The process dies after writing every array, just before the commit rename.
+ckpt._finalize = lambda tmp, final: os._exit(17)
+ckpt.save({directory!r}, state)
+"""
+
+
+def test_save_killed_midway_leaves_the_previous_checkpoint_usable(trained, tmp_path):
+    state, d, _, _ = trained
+    d = _copy(d, tmp_path)
+    code = _KILLED_SAVE.format(tests=str(ROOT / "tests"), directory=str(d))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    assert list(d.glob(".tmp-step_00000003-*")), "the killed save left its temporary directory"
+    assert ckpt.available_steps(d) == [2]
+    restored = ckpt.restore(d, _state())
+    assert int(restored.step) == 2
+    _leaves_equal(restored.consolidate(), state.consolidate())
+    # The next save clears the debris and commits.
+    ckpt.save(d, restored)
+    assert not list(d.glob(".tmp-*"))

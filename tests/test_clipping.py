@@ -1,0 +1,153 @@
+"""Global-norm clipping on shards, schedules and elementwise chains, non-finite steps."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zpp
+from zeropp_jax.models.gpt import GPT, loss_fn
+
+from helpers import (
+    SMALL,
+    assert_leaves_rel_close,
+    init_params,
+    make_step,
+    reference_train,
+    tokens,
+)
+
+FP32 = dict(compute_dtype="float32")
+
+
+def _train(model, params, tx, batches, cfg, mesh_shape=(2, 4)):
+    state = zpp.TrainState.create(model=model, params=params, tx=tx,
+                                  mesh=zpp.make_mesh(*mesh_shape), config=cfg)
+    step = make_step()
+    losses = []
+    for b in batches:
+        state, out = step(state, b)
+        losses.append(float(out["loss"]))
+    return state, losses
+
+
+def _moved(tree, start):
+    return jax.tree_util.tree_map(lambda a, b: np.asarray(a) - np.asarray(b), tree, start)
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_clipping_equals_optax_clip_by_global_norm(stage):
+    model = GPT(SMALL)
+    params = init_params(seed=21)
+    batches = [tokens(16, seed=500 + i) for i in range(3)]
+    # The unclipped gradient norm of this model and data is ~1-3; 0.3 clips every step
+    # (checked below), so the test cannot pass by never clipping.
+    max_norm = 0.3
+    inner = optax.adam(1e-2, eps=1e-3)  # eps: see test_engine.test_three_adam_steps...
+    cfg = zpp.ZeroPPConfig(stage=stage, gradient_clipping=max_norm, **FP32)
+    state, losses = _train(model, params, inner, batches, cfg)
+    ref_params, ref_losses = reference_train(
+        model, params, optax.chain(optax.clip_by_global_norm(max_norm), inner), batches)
+    unclipped, _ = reference_train(model, params, inner, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # Updates agree to ~1e-5 of their size (gradients agree to ~1e-5; see test_engine).
+    assert_leaves_rel_close(_moved(state.consolidate(), params), _moved(ref_params, params),
+                            rel=1e-5)
+    # ... and clipping mattered: without it the parameters end elsewhere.
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree_util.tree_leaves(unclipped),
+                               jax.tree_util.tree_leaves(ref_params)))
+    assert diff > 1e-3
+
+
+def test_global_norm_inside_the_step_equals_the_unsharded_norm():
+    model = GPT(SMALL)
+    params = init_params(seed=22)
+    batch = tokens(16, seed=7)
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig.zero3(**FP32))
+
+    @zpp.train_step
+    def step(state, batch):
+        def loss_of(p):
+            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        g = jax.grad(loss_of)(state.params)
+        return {"norm": zpp.global_norm(g)}
+
+    def ref_loss(p):
+        return loss_fn(model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+    ref = optax.global_norm(jax.grad(ref_loss)(params))
+    np.testing.assert_allclose(float(step(state, batch)["norm"]), float(ref), rtol=1e-5)
+
+
+def test_schedules_and_elementwise_chains_equal_single_device():
+    model = GPT(SMALL)
+    params = init_params(seed=23)
+    batches = [tokens(16, seed=600 + i) for i in range(3)]
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-2, 2, 10)
+    tx = optax.chain(
+        optax.clip(0.05),  # elementwise clipping, active on these gradients
+        optax.scale_by_adam(eps=1e-3),
+        optax.add_decayed_weights(1e-2),
+        optax.scale_by_schedule(lambda c: -schedule(c)),
+    )
+    state, losses = _train(model, params, tx, batches, zpp.ZeroPPConfig.zero3(**FP32),
+                           mesh_shape=(4, 2))
+    ref_params, ref_losses = reference_train(model, params, tx, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_leaves_rel_close(_moved(state.consolidate(), params), _moved(ref_params, params),
+                            rel=1e-5)
+
+
+def test_deepspeed_gradient_clipping_key():
+    assert zpp.ZeroPPConfig.from_deepspeed(
+        {"gradient_clipping": 1.0, "zero_optimization": {"stage": 3}}).gradient_clipping == 1.0
+    assert zpp.ZeroPPConfig.from_deepspeed({"gradient_clipping": 0.0}).gradient_clipping is None
+    with pytest.raises(ValueError, match="gradient_clipping must be a positive"):
+        zpp.ZeroPPConfig(gradient_clipping=-1.0)
+
+
+def test_optax_global_norm_clipping_is_rejected_naming_the_config():
+    model = GPT(SMALL)
+    with pytest.raises(ValueError, match="gradient_clipping=max_norm"):
+        zpp.TrainState.create(model=model, params=init_params(),
+                              tx=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+                              mesh=zpp.make_mesh(2, 4))
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_nonfinite_gradient_skips_the_update(stage):
+    model = GPT(SMALL)
+    params = init_params(seed=24)
+    cfg = zpp.ZeroPPConfig(stage=stage, gradient_clipping=1.0, **FP32)
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.adam(1e-2),
+                                  mesh=zpp.make_mesh(2, 4), config=cfg)
+
+    @zpp.train_step
+    def step(state, batch, scale):
+        def loss_of(p):
+            return scale * loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    b = tokens(16, seed=8)
+    s1, m1 = step(state, b, np.float32(np.nan))
+    assert not np.isfinite(float(m1["loss"]))
+    assert int(s1.skipped_steps) == 1 and int(s1.step) == 1
+    # Nothing changed: parameters and the optimizer state (Adam's count and moments).
+    for a, e in zip(jax.tree_util.tree_leaves(s1.consolidate()), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(a, e)
+    for a, e in zip(jax.tree_util.tree_leaves(s1.opt_state), jax.tree_util.tree_leaves(state.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+    # The next finite step trains as if the bad one had never happened.
+    s2, m2 = step(s1, b, np.float32(1.0))
+    s_ref, m_ref = step(state, b, np.float32(1.0))
+    assert int(s2.skipped_steps) == 1 and np.isfinite(float(m2["loss"]))
+    for a, e in zip(jax.tree_util.tree_leaves(s2.consolidate()),
+                    jax.tree_util.tree_leaves(s_ref.consolidate())):
+        np.testing.assert_array_equal(a, e)

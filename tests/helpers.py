@@ -98,3 +98,19 @@ def relative_error(actual, expected) -> float:
     a = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(actual)])
     e = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(expected)])
     return float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
+
+
+def assert_updates_close(actual, expected, start, rel: float, steps: int = 3) -> None:
+    """Per leaf: what training changed (``actual - start`` vs ``expected - start``) agrees to
+    ``rel`` of the largest change, plus the fp32 rounding of the stored parameters
+    themselves: each step rounds a parameter to half an ulp of its magnitude, so ``steps``
+    steps in two runs may differ by up to ``steps`` ulps (2^-23 relative) of max |param|."""
+    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+    flat_e = jax.tree_util.tree_leaves(expected)
+    flat_s = jax.tree_util.tree_leaves(start)
+    assert len(flat_a) == len(flat_e) == len(flat_s)
+    for (path, a), e, s in zip(flat_a, flat_e, flat_s):
+        a, e, s = (np.asarray(x, np.float64) for x in (a, e, s))
+        err = np.max(np.abs(a - e))
+        limit = rel * np.max(np.abs(e - s)) + steps * 2.0**-23 * np.max(np.abs(e))
+        assert err <= limit, f"{jax.tree_util.keystr(path)}: {err:.3g} > {limit:.3g}"

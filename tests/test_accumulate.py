@@ -11,7 +11,7 @@ import zeropp_jax as zpp
 from zeropp_jax.accumulate import accumulate_gradients
 from zeropp_jax.models.gpt import GPT, loss_fn
 
-from helpers import SMALL, assert_leaves_rel_close, init_params, tokens
+from helpers import SMALL, assert_updates_close, init_params, tokens
 
 FP32 = dict(compute_dtype="float32")
 
@@ -29,10 +29,9 @@ def _step(micro_batches: int):
     return step
 
 
-def _delta(state, params):
-    """What one SGD(lr=1) step changed: minus the (averaged) gradient, as a params tree."""
-    return jax.tree_util.tree_map(lambda a, b: np.asarray(a) - np.asarray(b),
-                                  state.consolidate(), params)
+def _after(state):
+    """Parameters after the step, in float64 (so averaging runs adds no rounding)."""
+    return jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), state.consolidate())
 
 
 def _micro(batch: np.ndarray, devices: int, k: int, j: int) -> np.ndarray:
@@ -58,13 +57,13 @@ def test_fp32_zero3_accumulation_equals_one_large_batch(setup):
         for i in range(2):
             state, m = step(state, tokens(32, seed=40 + i))
             losses.append(float(m["loss"]))
-        results[k] = (losses, _delta(state, params))
+        results[k] = (losses, _after(state))
     for k in (4,):
         # The mean of k equal micro-batch means is the large-batch mean; only the fp32
         # summation order differs (~1e-7 relative), and Adam (eps=1e-3) is Lipschitz in the
         # gradient, so two steps' updates agree to ~1e-5 of their size.
         np.testing.assert_allclose(results[k][0], results[1][0], rtol=1e-6)
-        assert_leaves_rel_close(results[k][1], results[1][1], rel=1e-5)
+        assert_updates_close(results[k][1], results[1][1], params, rel=1e-5, steps=2)
 
 
 # zeropp turns on qwZ, hpZ and qgZ at once; stages 1 and 2 take the other gradient path.
@@ -72,7 +71,7 @@ def test_fp32_zero3_accumulation_equals_one_large_batch(setup):
 def test_accumulation_is_the_mean_of_micro_batch_steps(setup, mode):
     """With every switch, the accumulated step equals the mean of the same step run on each
     micro-batch alone (SGD with lr=1 makes a step's update minus its gradient, so the
-    averages are comparable). Quantization happens per micro-batch in both."""
+    average of the parameters after each is the parameters after the averaged gradient). Quantization happens per micro-batch in both."""
     model, params, batch = setup
     mesh = zpp.make_mesh(2, 4)
     if mode.startswith("stage"):
@@ -86,12 +85,12 @@ def test_accumulation_is_the_mean_of_micro_batch_steps(setup, mode):
         return zpp.TrainState.create(model=model, params=params, tx=tx, mesh=mesh, config=cfg)
 
     acc_state, m = _step(k)(fresh(), batch)
-    acc = _delta(acc_state, params)
+    acc = _after(acc_state)
     one = _step(1)
     parts, losses = [], []
     for j in range(k):
         s, mj = one(fresh(), _micro(batch, 8, k, j))
-        parts.append(_delta(s, params))
+        parts.append(_after(s))
         losses.append(float(mj["loss"]))
     mean = jax.tree_util.tree_map(lambda *xs: np.mean(xs, axis=0), *parts)
     np.testing.assert_allclose(float(m["loss"]), np.mean(losses), rtol=1e-6)
@@ -99,11 +98,11 @@ def test_accumulation_is_the_mean_of_micro_batch_steps(setup, mode):
     # agree to summation order. qgZ quantizes each micro-batch's gradient in both runs; the
     # inputs to its quantizer differ only by fp32 rounding, so its output agrees as well
     # unless a value sits on a rounding boundary, which these seeds do not hit.
-    assert_leaves_rel_close(acc, mean, rel=1e-5)
+    assert_updates_close(acc, mean, params, rel=1e-5, steps=1)
     if not cfg.qgz:
         # And without gradient quantization it is the large-batch step itself.
         big, _ = one(fresh(), batch)
-        assert_leaves_rel_close(acc, _delta(big, params), rel=1e-5)
+        assert_updates_close(acc, _after(big), params, rel=1e-5, steps=1)
 
 
 def test_bf16_accumulates_in_fp32(setup):
@@ -118,7 +117,7 @@ def test_bf16_accumulates_in_fp32(setup):
     s1, _ = _step(1)(state, batch)
     # bf16 gradients of micro-batches vs of the whole batch: each carries bf16 rounding
     # (2^-8 relative) of its own, so the two agree to a few bf16 ulps of the gradient size.
-    assert_leaves_rel_close(_delta(s4, params), _delta(s1, params), rel=3e-2)
+    assert_updates_close(_after(s4), _after(s1), params, rel=3e-2, steps=1)
 
 
 def test_micro_batches_must_divide_the_local_batch(setup):

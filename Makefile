@@ -27,4 +27,4 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
 
 clean:
-	rm -rf $(VENV) demo_run.json
+	rm -rf $(VENV) demo_run.json demo_run.png

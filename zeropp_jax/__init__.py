@@ -9,11 +9,13 @@ from zeropp_jax.engine import ShardedParams
 from zeropp_jax.engine import TrainState
 from zeropp_jax.engine import global_norm
 from zeropp_jax.engine import train_step
+from zeropp_jax.frozen import FrozenShards
 from zeropp_jax.mesh import make_mesh
 from zeropp_jax.mesh import simulate_cpu_devices
 
 __all__ = [
     "Engine",
+    "FrozenShards",
     "accumulate_gradients",
     "checkpoint",
     "consolidate",

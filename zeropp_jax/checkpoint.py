@@ -150,6 +150,7 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
     _check_single_process()
     if not isinstance(state, TrainState):
         raise TypeError(f"save expects a zeropp_jax.TrainState, got {type(state).__name__}")
+    state.engine.check_checkpointable()
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
     directory = pathlib.Path(directory).absolute()  # orbax wants absolute paths
@@ -275,6 +276,7 @@ def restore(
     if not isinstance(state, TrainState):
         raise TypeError(f"restore expects a zeropp_jax.TrainState template, got "
                         f"{type(state).__name__}")
+    state.engine.check_checkpointable()
     meta, arrays, path = _read(directory, step)
     engine = state.engine
     want, have = _describe_units(_unit_records(engine.layouts)), _describe_units(meta["units"])

@@ -68,6 +68,11 @@ class ZeroPPConfig:
       skip_nonfinite: if any gradient element is inf or NaN on any device, skip the update
         (parameters and optimizer state stay as they were) and count it in
         ``state.skipped_steps``. False applies such updates.
+      quantize_frozen: store the primary shards of frozen parameters (``TrainState.create(
+        ..., frozen=...)``) block-quantized — INT8, or INT4 with ``weight_bits=4``, one fp32
+        scale per ``block_size`` elements — and gather them as stored, without
+        requantization. False keeps them in ``param_dtype``. Frozen parameters never get
+        gradients or optimizer state either way.
     """
 
     stage: int = 3
@@ -88,6 +93,7 @@ class ZeroPPConfig:
     blockwise: bool = True
     gradient_clipping: float | None = None
     skip_nonfinite: bool = True
+    quantize_frozen: bool = False
 
     def __post_init__(self) -> None:
         # Normalise dtypes to canonical names so equal configs hash equal.
@@ -98,7 +104,7 @@ class ZeroPPConfig:
     def _validate(self) -> None:
         if self.stage not in _VALID_STAGES:
             raise ValueError(f"stage={self.stage!r} is invalid; valid stages are {_VALID_STAGES}")
-        for name in ("qwz", "hpz", "qgz", "blockwise", "skip_nonfinite"):
+        for name in ("qwz", "hpz", "qgz", "blockwise", "skip_nonfinite", "quantize_frozen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("weight_bits", "grad_bits"):
@@ -173,6 +179,11 @@ class ZeroPPConfig:
         if (self.qwz or self.hpz or self.qgz) and self.stage != 3:
             raise ValueError(
                 "qwz, hpz and qgz are ZeRO-3 techniques; set stage=3 or turn them off"
+            )
+        if self.quantize_frozen and self.stage != 3:
+            raise ValueError(
+                "quantize_frozen stores frozen weights as quantized primary shards, a ZeRO-3 "
+                "layout; set stage=3 or quantize_frozen=False"
             )
 
     # -- presets -------------------------------------------------------------------------------

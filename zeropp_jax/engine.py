@@ -37,12 +37,25 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax import collectives
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.flax import apply_units
+from zeropp_jax.frozen import (
+    FrozenFilter,
+    FrozenShards,
+    as_predicate,
+    current_frozen,
+    dequantize_frozen_flat,
+    frozen_alignment,
+    frozen_context,
+    merge_trees,
+    quantize_frozen_flat,
+    split_frozen,
+)
 from zeropp_jax.hpz import group_nodes
 from zeropp_jax.mesh import AXES, mesh_shape
 from zeropp_jax.optim import check_elementwise
 from zeropp_jax.partition import (
     REST,
     UnitLayout,
+    unit_name,
     default_unit_paths,
     make_unit_layout,
     merge_units,
@@ -133,6 +146,29 @@ class Engine:
     config: ZeroPPConfig
     layouts: dict[str, UnitLayout]
     opt_specs: PyTree
+    # Layouts of the units' frozen parts (``TrainState.create(..., frozen=...)``), keyed by
+    # unit name like ``layouts``; a unit may appear in both (LoRA adapters beside frozen
+    # weights) or only here (a wholly frozen unit).
+    frozen_layouts: dict[str, UnitLayout] = dataclasses.field(default_factory=dict)
+
+    @property
+    def has_frozen(self) -> bool:
+        """True if some parameters are frozen (kept outside ``params`` and ``opt_state``)."""
+        return bool(self.frozen_layouts)
+
+    def check_checkpointable(self) -> None:
+        """Raises ``NotImplementedError`` for train states with frozen parameters.
+
+        ``zeropp_jax.checkpoint`` saves ``layouts`` (trainable units) and ``opt_state`` only;
+        it would silently drop frozen weights.
+        """
+        if self.has_frozen:
+            raise NotImplementedError(
+                "checkpointing a train state with frozen parameters is not supported yet: "
+                "the checkpoint would hold only the trainable units. Save the adapters with "
+                "state.consolidate() (a plain params tree) and rebuild the state from the "
+                "base weights with TrainState.create(..., frozen=...)"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -155,7 +191,7 @@ class Engine:
         """
         if not isinstance(variables, Mapping) or "params" not in variables:
             raise TypeError("apply_fn expects {'params': state.params} as its first argument")
-        extra = set(variables) - {"params"}
+        extra = set(variables) - {"params"} - ({"frozen"} if self.has_frozen else set())
         if extra:
             raise NotImplementedError(
                 f"variable collections {sorted(extra)} are not supported yet; zeropp_jax "
@@ -169,31 +205,62 @@ class Engine:
                 "pass what you receive to apply_fn; do not build a params dict yourself."
             )
         if self.config.stage == 3:
+            if not self.has_frozen:
+                return apply_units(
+                    self.model, self.layouts, params.units, self.config, *args, method=method,
+                    **kwargs,
+                )
+            frozen = variables.get("frozen", current_frozen())
             return apply_units(
-                self.model, self.layouts, params.units, self.config, *args, method=method, **kwargs
+                self.model, self.layouts, params.units, self.config, *args, method=method,
+                frozen_layouts=self.frozen_layouts, frozen=frozen, **kwargs,
             )
         tree = self.unflatten_full(params.units)
         if method is None:
             return self.model.apply({"params": tree}, *args, **kwargs)
         return self.model.apply({"params": tree}, *args, method=method, **kwargs)
 
-    def unflatten_full(self, flats: Mapping[str, jax.Array]) -> PyTree:
-        """Full flat buffers per unit -> the model's params tree."""
-        units = {lay.path: lay.unflatten(flats[name]) for name, lay in self.layouts.items()
-                 if name != REST}
-        rest = self.layouts[REST].unflatten(flats[REST]) if REST in self.layouts else {}
-        return merge_units(rest, units)
+    def unflatten_full(
+        self, flats: Mapping[str, jax.Array], frozen_flats: Mapping[str, jax.Array] | None = None
+    ) -> PyTree:
+        """Full flat buffers per unit -> the model's params tree.
 
-    def consolidate(self, params: ShardedParams) -> PyTree:
+        ``frozen_flats`` (full flat frozen parts, per unit) are merged in when given;
+        without them the tree holds the trainable parameters only."""
+        trees = {name: lay.unflatten(flats[name]) for name, lay in self.layouts.items()}
+        paths = {name: lay.path for name, lay in self.layouts.items()}
+        for name, lay in self.frozen_layouts.items() if frozen_flats is not None else ():
+            trees[name] = merge_trees(trees.get(name, {}), lay.unflatten(frozen_flats[name]))
+            paths[name] = lay.path
+        rest = trees.pop(REST, {})
+        return merge_units(rest, {paths[name]: t for name, t in trees.items()})
+
+    def consolidate(self, params: ShardedParams, frozen: FrozenShards | None = None) -> PyTree:
         """Global ``ShardedParams`` (outside ``shard_map``) -> plain params tree of numpy
         arrays. Works for parameters and for gradients returned from a ``train_step``.
+        With ``frozen`` (``state.frozen``) the frozen parameters are merged in (dequantized
+        to fp32 if stored quantized).
 
         With several processes (multi-host) this is a collective: every process must call
         it, and every process receives the full parameters."""
         flats = {}
         for name, lay in self.layouts.items():
             flats[name] = _to_host(params.units[name])[: lay.n]
-        return jax.tree_util.tree_map(np.asarray, self.unflatten_full(flats))
+        frozen_flats = None if frozen is None else self.frozen_full(frozen)
+        return jax.tree_util.tree_map(np.asarray, self.unflatten_full(flats, frozen_flats))
+
+    def frozen_full(self, frozen: FrozenShards) -> dict[str, np.ndarray]:
+        """Global frozen storage -> full flat fp32 ``[n_pad]`` numpy buffers per unit (the
+        dequantized values a forward pass computes with, before the compute-dtype cast)."""
+        out = {}
+        for name, lay in self.frozen_layouts.items():
+            values = _to_host(frozen.values[name])
+            if frozen.quantized:
+                with jax.default_device(jax.devices("cpu")[0]):
+                    values = dequantize_frozen_flat(values, _to_host(frozen.scales[name]),
+                                                    self.config, lay)
+            out[name] = np.asarray(values, np.float32)
+        return out
 
     def apply_gradients(self, state: "TrainState", grads: ShardedParams) -> "TrainState":
         """One optimizer step on primary shards. Call inside ``train_step``.
@@ -275,11 +342,15 @@ class Engine:
         return g, finite
 
     def step_context(self, state: "TrainState") -> Any:
-        """Context for tracing one step of ``state``: the qgZ schedule (``qgz_until``)."""
+        """Context for tracing one step of ``state``: the qgZ schedule (``qgz_until``) and
+        the frozen shards ``apply_fn`` reads."""
         until = self.config.qgz_until_step if self.config.qgz else None
-        if until is None:
-            return contextlib.nullcontext()
-        return qgz_schedule(state.step < until)
+        stack = contextlib.ExitStack()
+        if until is not None:
+            stack.enter_context(qgz_schedule(state.step < until))
+        if state.frozen is not None:
+            stack.enter_context(frozen_context(state.frozen))
+        return stack
 
     # -- outside shard_map -----------------------------------------------------------------
 
@@ -290,6 +361,7 @@ class Engine:
             params=state.params.specs(),
             master=None if state.master is None else state.master.specs(),
             opt_state=self.opt_specs,
+            frozen=None if state.frozen is None else state.frozen.specs(),
         )
 
     def shard_batch(self, batch: PyTree, spec: P = SHARDED) -> PyTree:
@@ -352,6 +424,9 @@ class TrainState:
       engine: static; the model, optimizer, mesh, config and layouts.
       skipped_steps: steps whose update was skipped because the gradient held inf or NaN
         (``config.skip_nonfinite``); ``step`` counts them too (replicated int32).
+      frozen: primary shards of the frozen parameters (``create(..., frozen=...)``), stored
+        quantized with ``config.quantize_frozen``; never differentiated or updated. None
+        when every parameter trains.
     """
 
     step: jax.Array
@@ -360,6 +435,7 @@ class TrainState:
     master: ShardedParams | None
     engine: Engine = struct.field(pytree_node=False)
     skipped_steps: jax.Array | None = None
+    frozen: FrozenShards | None = None
 
     @property
     def apply_fn(self) -> Callable[..., Any]:
@@ -383,7 +459,8 @@ class TrainState:
 
     def consolidate(self) -> PyTree:
         """The full parameters as a plain Flax params tree of numpy arrays (param dtype)."""
-        return self.engine.consolidate(self.params if self.master is None else self.master)
+        return self.engine.consolidate(self.params if self.master is None else self.master,
+                                       self.frozen)
 
     @classmethod
     def create(
@@ -395,6 +472,7 @@ class TrainState:
         mesh: Mesh,
         config: ZeroPPConfig | None = None,
         units: Sequence[Sequence[str]] | None = None,
+        frozen: FrozenFilter | None = None,
     ) -> "TrainState":
         """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
 
@@ -408,6 +486,10 @@ class TrainState:
           config: default ``ZeroPPConfig.zero3()``.
           units: module paths of the units (each a tuple of names). Default: every direct
             child module of the root. Parameters outside every unit form one rest unit.
+          frozen: which parameters do not train: a callable on the parameter path (tuple of
+            names from the root) returning True for frozen ones, or a sequence of path
+            prefixes. They get no gradient and no optimizer state, and are stored in
+            ``state.frozen`` (quantized with ``config.quantize_frozen``). Stage 3 only.
         """
         config = ZeroPPConfig.zero3() if config is None else config
         if not isinstance(config, ZeroPPConfig):
@@ -434,6 +516,30 @@ class TrainState:
             default_unit_paths(params) if units is None else tuple(tuple(u) for u in units)
         )
         unit_trees, rest = split_units(params, unit_paths)
+        frozen_trees: dict[tuple[str, ...], PyTree] = {}
+        if frozen is not None:
+            if config.stage != 3:
+                raise NotImplementedError(
+                    "frozen parameters need ZeRO stage 3 (stages 1 and 2 keep full replicated "
+                    "weights, which the frozen layout does not cover); use stage=3"
+                )
+            is_frozen = as_predicate(frozen)
+            split = {p: split_frozen(sub, is_frozen, p) for p, sub in unit_trees.items()}
+            split[()] = split_frozen(rest, is_frozen, ())
+            unit_trees = {p: t for p, (t, _) in split.items() if p != () and t}
+            rest = split[()][0]
+            frozen_trees = {p: f for p, (_, f) in split.items() if f}
+            if not unit_trees and not jax.tree_util.tree_leaves(rest):
+                raise ValueError(
+                    "the frozen filter freezes every parameter, so there is nothing to train; "
+                    "check the filter (it gets each parameter's path, e.g. ('block_0', 'attn', "
+                    "'qkv', 'kernel'), and returns True for frozen ones)"
+                )
+        elif config.quantize_frozen:
+            raise ValueError(
+                "config.quantize_frozen=True but no parameters are frozen: pass "
+                "TrainState.create(..., frozen=<filter>)"
+            )
         layouts: dict[str, UnitLayout] = {}
         align = config.flat_alignment
         for path, sub in unit_trees.items():
@@ -441,6 +547,10 @@ class TrainState:
             layouts[lay.name] = lay
         if jax.tree_util.tree_leaves(rest):
             layouts[REST] = make_unit_layout((), rest, num_devices, align)
+        frozen_layouts = {
+            unit_name(p): make_unit_layout(p, f, num_devices, frozen_alignment(config))
+            for p, f in frozen_trees.items()
+        }
 
         pdt = config.param_jnp_dtype
         trees = {name: (unit_trees[lay.path] if name != REST else rest)
@@ -467,11 +577,16 @@ class TrainState:
             jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
         )(master)
 
-        engine = Engine(model, tx, mesh, config, layouts, opt_specs)
+        engine = Engine(model, tx, mesh, config, layouts, opt_specs, frozen_layouts)
         step = _place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         skipped = _place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         if config.stage == 3:
-            return cls(step, ShardedParams(master, True), opt_state, None, engine, skipped)
+            frozen_shards = (
+                _store_frozen(frozen_layouts, frozen_trees, config, sharded)
+                if frozen_layouts else None
+            )
+            return cls(step, ShardedParams(master, True), opt_state, None, engine, skipped,
+                       frozen_shards)
         cdt = config.compute_jnp_dtype
         replicated = NamedSharding(mesh, REPLICATED)
         full = {
@@ -484,6 +599,26 @@ class TrainState:
         }
         return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine,
                    skipped)
+
+
+def _store_frozen(
+    layouts: Mapping[str, UnitLayout],
+    trees: Mapping[tuple[str, ...], PyTree],
+    config: ZeroPPConfig,
+    sharding: NamedSharding,
+) -> FrozenShards:
+    """Frozen subtrees -> their primary shards on the mesh, quantized if configured."""
+    values, scales = {}, {}
+    for name, lay in layouts.items():
+        flat = np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[lay.path]),
+                                      config.param_jnp_dtype))
+        if config.quantize_frozen:
+            v, s = quantize_frozen_flat(flat, config, lay)
+            values[name], scales[name] = _place(v, sharding), _place(s, sharding)
+        else:
+            values[name] = _place(flat, sharding)
+    return FrozenShards(values, scales, config.quantize_frozen, config.weight_bits,
+                        config.block_size)
 
 
 # -- the decorator --------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Nothing in the model's code changes.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
@@ -18,7 +19,7 @@ import numpy as np
 
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.partition import REST, UnitLayout
-from zeropp_jax.unit import zero_unit
+from zeropp_jax.unit import frozen_zero_unit, zero_unit
 
 PyTree = Any
 
@@ -30,15 +31,11 @@ def _is_array(x: Any) -> bool:
 class _UnitInterceptor:
     """Routes calls of unit modules through ``zero_unit``; passes every other call through."""
 
-    def __init__(
-        self,
-        layouts: Mapping[tuple[str, ...], UnitLayout],
-        shards: Mapping[str, jax.Array],
-        config: ZeroPPConfig,
-    ):
-        self.layouts = layouts
-        self.shards = shards
-        self.config = config
+    def __init__(self, units: Mapping[tuple[str, ...], Callable[[Callable], Callable]]):
+        # units[path](fn) -> call(*arrays): runs ``fn(params_tree, *arrays)`` on that unit's
+        # gathered weights (ZeRO-3: through zero_unit's custom_vjp; generation: a plain
+        # gather from the hpZ secondary).
+        self.units = units
         # > 0 while running inside a unit: its own submodules are not units.
         self.depth = 0
 
@@ -55,8 +52,8 @@ class _UnitInterceptor:
         if self.depth or module.scope is None:
             return next_fun(*args, **kwargs)
         path = tuple(module.path)
-        layout = self.layouts.get(path)
-        if layout is None:
+        make_call = self.units.get(path)
+        if make_call is None:
             return next_fun(*args, **kwargs)
 
         unbound = module.clone(parent=None)
@@ -80,8 +77,25 @@ class _UnitInterceptor:
                     **call_kwargs,
                 )
 
-        unit = zero_unit(fn, layout, self.config)
-        return unit(self.shards[layout.name], *[leaves[i] for i in dynamic])
+        return make_call(fn)(*[leaves[i] for i in dynamic])
+
+
+def run_units(
+    model: nn.Module,
+    units: Mapping[tuple[str, ...], Callable[[Callable], Callable]],
+    rest: PyTree,
+    *args: Any,
+    method: str | Callable | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``model.apply({"params": rest}, ...)`` with every call of a unit module routed through
+    ``units[path](fn)(*arrays)``, where ``fn(params_tree, *arrays)`` runs that call on the
+    unit's weights. Units nested inside another unit's call are not intercepted."""
+    interceptor = _UnitInterceptor(units)
+    with nn.intercept_methods(interceptor):
+        if method is None:
+            return model.apply({"params": rest}, *args, **kwargs)
+        return model.apply({"params": rest}, *args, method=method, **kwargs)
 
 
 def apply_units(
@@ -91,27 +105,49 @@ def apply_units(
     config: ZeroPPConfig,
     *args: Any,
     method: str | Callable | None = None,
+    frozen_layouts: Mapping[str, UnitLayout] | None = None,
+    frozen: Any = None,
     **kwargs: Any,
 ) -> Any:
     """``model.apply`` with ZeRO-3 parameters. Runs inside ``shard_map``.
 
     Args:
       model: the (unbound) Flax linen model.
-      layouts: unit name -> layout, including the rest unit ``REST`` if the model has
-        parameters outside every unit.
+      layouts: unit name -> layout of its trainable part, including the rest unit ``REST``
+        if the model has parameters outside every unit.
       shards: unit name -> this device's primary shard ``[layout.shard_len]``.
       config: the run's settings.
+      frozen_layouts: unit name -> layout of its frozen part (units with frozen params).
+      frozen: a ``FrozenShards`` holding this device's frozen storage (with
+        ``frozen_layouts``).
       *args, method, **kwargs: as for ``model.apply``.
     """
-    by_path = {lay.path: lay for name, lay in layouts.items() if name != REST}
+    frozen_layouts = frozen_layouts or {}
+    if frozen_layouts and frozen is None:
+        raise ValueError(
+            "this model has frozen parameters but apply_fn found no frozen shards: call "
+            "state.apply_fn inside a zeropp_jax.train_step, or pass "
+            "{'params': state.params, 'frozen': state.frozen}"
+        )
+
+    def unit_call(name: str) -> Callable[[Callable], Callable]:
+        layout, flayout = layouts.get(name), frozen_layouts.get(name)
+        if flayout is None:
+            return lambda fn: functools.partial(zero_unit(fn, layout, config), shards[name])
+        from zeropp_jax.frozen import frozen_local_shards
+
+        stored = frozen_local_shards(frozen, name)
+        shard = shards[name] if layout is not None else None
+        return lambda fn: functools.partial(
+            frozen_zero_unit(fn, layout, flayout, config), shard, stored
+        )
+
+    names = set(layouts) | set(frozen_layouts)
+    path_of = {name: (layouts.get(name) or frozen_layouts[name]).path for name in names}
+    units = {path_of[name]: unit_call(name) for name in names if name != REST}
     rest: PyTree = {}
-    if REST in layouts:
-        rest_layout = layouts[REST]
+    if REST in names:
         # The rest unit's weights are used wherever the root likes, so they stay gathered
         # for the whole step (they are small by construction: no submodule owns them).
-        rest = zero_unit(lambda p: p, rest_layout, config)(shards[REST])
-    interceptor = _UnitInterceptor(by_path, shards, config)
-    with nn.intercept_methods(interceptor):
-        if method is None:
-            return model.apply({"params": rest}, *args, **kwargs)
-        return model.apply({"params": rest}, *args, method=method, **kwargs)
+        rest = unit_call(REST)(lambda p: p)()
+    return run_units(model, units, rest, *args, method=method, **kwargs)

@@ -177,3 +177,108 @@ def zero_unit(
         return unit(shard, tuple(arrays), () if qgz_on is None else (qgz_on,))
 
     return call
+
+
+def frozen_zero_unit(
+    fn: Callable[..., Any],
+    layout: UnitLayout | None,
+    frozen_layout: UnitLayout,
+    config: ZeroPPConfig,
+) -> Callable[..., Any]:
+    """``zero_unit`` for a unit with a frozen part: ``unit(shard, frozen, *arrays)``.
+
+    Args:
+      fn: the unit's computation on its whole parameter subtree (trainable and frozen
+        leaves merged, compute dtype) and array inputs.
+      layout: flat layout of the unit's trainable part, or None if all of it is frozen.
+      frozen_layout: flat layout of the frozen part.
+      config: the run's settings (``quantize_frozen``, ``hpz``, dtypes).
+
+    Returns:
+      ``unit(shard, frozen, *arrays)``, to be called inside ``shard_map``: ``shard`` the
+      local trainable primary shard (None without a trainable part), ``frozen`` the local
+      frozen storage ``(values, scales)`` (quantized) or ``(values,)``. Forward gathers both
+      over ``("node", "local")`` — quantized frozen values as stored, no quantization.
+      Backward regathers both (hpZ: inside the node, the frozen part from an int8 secondary
+      when quantized), recomputes, and reduce-scatters the gradient of the trainable part
+      only; the frozen storage gets no cotangent.
+    """
+    from zeropp_jax.frozen import (
+        all_gather_quantized,
+        dequantize_gathered,
+        frozen_block_size,
+        gather_frozen,
+        merge_trees,
+    )
+
+    quantized = config.quantize_frozen
+    block = frozen_block_size(config, frozen_layout)
+
+    def run(full: tuple, ffull: jax.Array, arrays: tuple) -> Any:
+        tree = layout.unflatten(full[0]) if full else {}
+        return fn(merge_trees(tree, frozen_layout.unflatten(ffull)), *arrays)
+
+    def hpz_k() -> int:
+        return group_nodes(
+            config.hpz_group_size, jax.lax.axis_size(NODE), jax.lax.axis_size(LOCAL)
+        )
+
+    def forward(shard: tuple, frozen: tuple) -> tuple[tuple, jax.Array, tuple]:
+        """-> (trainable full weights, frozen full weights, frozen gathered storage)."""
+        full = tuple(gather_weights(s, config) for s in shard)
+        if quantized:
+            gathered = all_gather_quantized(*frozen, AXES)
+            return full, dequantize_gathered(*gathered, config, block), gathered
+        ffull = gather_frozen(frozen, frozen_layout, config)
+        return full, ffull, (ffull,)
+
+    @jax.custom_vjp
+    def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> Any:
+        full, ffull, _ = forward(shard, frozen)
+        return run(full, ffull, arrays)
+
+    def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> tuple[Any, tuple]:
+        full, ffull, gathered = forward(shard, frozen)
+        out = run(full, ffull, arrays)
+        if config.hpz:
+            k = hpz_k()
+            # Quantized frozen weights keep an int8 secondary (values and scales sliced at
+            # block boundaries: n_pad / (k L) is a multiple of the block), half the bytes of
+            # a bf16 one; the backward gather inside the node then moves int8 too.
+            weights = tuple(secondary_slice(f, k) for f in full)
+            fweights = tuple(secondary_slice(g, k) for g in gathered)
+        else:
+            weights, fweights = shard, frozen
+        return out, (weights, fweights, arrays, flags)
+
+    def unit_bwd(res: tuple, g: Any) -> tuple:
+        weights, fweights, arrays, flags = res
+        weights, fweights, arrays, g = jax.lax.optimization_barrier((weights, fweights, arrays, g))
+        if config.hpz:
+            k = hpz_k()
+            full = tuple(hpz_all_gather(w, k) for w in weights)
+            fparts = tuple(hpz_all_gather(w, k) for w in fweights)
+            ffull = dequantize_gathered(*fparts, config, block) if quantized else fparts[0]
+        else:
+            full = tuple(gather_weights(w, config, backward=True) for w in weights)
+            ffull = gather_frozen(fweights, frozen_layout, config, backward=True)
+        _, vjp = jax.vjp(lambda f, a: run(f, ffull, a), full, arrays)
+        g_full, g_arrays = vjp(g)
+        qgz_on = flags[0] if flags else None
+        g_shard = tuple(reduce_gradient(gf, config.param_jnp_dtype, config, qgz_on)
+                        for gf in g_full)
+        return g_shard, tuple(None for _ in fweights), g_arrays, tuple(None for _ in flags)
+
+    unit.defvjp(unit_fwd, unit_bwd)
+
+    def call(shard: jax.Array | None, frozen: tuple, *arrays: Any) -> Any:
+        if layout is not None and shard.shape != (layout.shard_len,):
+            raise ValueError(
+                f"unit {layout.name!r} expects its local primary shard of shape "
+                f"({layout.shard_len},) inside shard_map, got {shard.shape}"
+            )
+        qgz_on = _QGZ_ON.get() if (config.qgz and config.qgz_until is not None) else None
+        shard_t = () if shard is None else (shard,)
+        return unit(shard_t, tuple(frozen), tuple(arrays), () if qgz_on is None else (qgz_on,))
+
+    return call

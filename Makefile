@@ -20,11 +20,12 @@ demo: $(STAMP)
 	$(PY) examples/train_gpt.py --nodes 2 --local 4 --mode zeropp --steps 300 \
 		--json demo_run.json
 
+# Two pytest workers: most of a test's time is XLA compiling, which runs on one core.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m ''
+	$(PY) -m pytest -q -n 2 -m ''
 
 clean:
 	rm -rf $(VENV) demo_run.json demo_run.png

@@ -133,6 +133,7 @@ def build(args: argparse.Namespace) -> dict:
     import zeropp_jax as zpp
     from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
     from zeropp_jax.models.gpt import GPT, GPTConfig
+    from zeropp_jax.optim import lr_schedule
 
     overrides = {} if args.reduce_scatter is None else {"reduce_scatter": args.reduce_scatter}
     if args.stage == 3:
@@ -148,8 +149,8 @@ def build(args: argparse.Namespace) -> dict:
     first = sample_batch(data, args.batch, args.seq_len, seed=args.seed, step=0)
     # Runs on this process's first device; the same seed gives every process the same values.
     params = jax.jit(model.init)(jax.random.PRNGKey(args.seed), first[:, :-1])["params"]
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, max(args.steps, 21)),
-                     weight_decay=0.01)
+    # train_gpt.py's default schedule, so the single-process run is the reference.
+    tx = optax.adamw(lr_schedule(args.lr, args.steps), weight_decay=0.01)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     return {"config": config, "model": model, "params": params, "tx": tx, "data": data,
             "first": first, "n_params": n_params}

@@ -103,19 +103,9 @@ def make_config(args: argparse.Namespace):
 
 
 def make_schedule(args: argparse.Namespace):
-    import optax
+    from zeropp_jax.optim import lr_schedule
 
-    warmup = min(args.warmup, max(args.steps - 1, 0))
-    decay = max(args.steps - warmup, 1)
-    if args.lr_schedule == "cosine":
-        after = optax.cosine_decay_schedule(args.lr, decay)
-    elif args.lr_schedule == "linear":
-        after = optax.linear_schedule(args.lr, 0.0, decay)
-    else:
-        after = optax.constant_schedule(args.lr)
-    if warmup == 0:
-        return after
-    return optax.join_schedules([optax.linear_schedule(0.0, args.lr, warmup), after], [warmup])
+    return lr_schedule(args.lr, args.steps, kind=args.lr_schedule, warmup=args.warmup)
 
 
 def plot_losses(path: pathlib.Path, summary: dict) -> None:

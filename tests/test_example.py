@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -49,6 +50,8 @@ def test_same_seed_same_losses_on_every_mesh_shape(tmp_path):
     np.testing.assert_allclose(a["losses"], c["losses"], rtol=1e-5)
 
 
+# The library tests pin qwZ (test_qwz) and hpZ (test_hpz); these CLI variants only add time.
+@pytest.mark.slow
 def test_qwz_mode_runs(tmp_path):
     """The CLI's --mode qwz engages quantized gathers (losses differ from zero3's) and
     trains. How far qwZ may move the loss is pinned, with a derived bound, in test_qwz."""
@@ -61,6 +64,7 @@ def test_qwz_mode_runs(tmp_path):
     assert np.mean(q["losses"][-3:]) < np.mean(q["losses"][:3])
 
 
+@pytest.mark.slow
 def test_hpz_mode_equals_zero3(tmp_path):
     common = ["--nodes", "2", "--local", "2", "--steps", "5", "--compute-dtype", "float32"]
     z3 = _run(tmp_path, "z3", *common)

@@ -89,3 +89,28 @@ def check_elementwise(tx: optax.GradientTransformation) -> None:
             "the engine computes the norm over all devices' shards and clips exactly as "
             "optax.clip_by_global_norm does."
         )
+
+
+def lr_schedule(
+    peak: float, total_steps: int, *, kind: str = "cosine", warmup: int = 20
+) -> optax.Schedule:
+    """The examples' learning-rate schedule: linear warmup from 0 over ``warmup`` steps, then
+    ``kind`` (``"cosine"`` or ``"linear"`` decay to 0 at ``total_steps``, or ``"constant"``).
+
+    A pure function of the step counter (optax's ``count`` in the optimizer state), so a
+    run resumed from a checkpoint continues the same curve.
+    """
+    kinds = ("cosine", "linear", "constant")
+    if kind not in kinds:
+        raise ValueError(f"kind={kind!r} is invalid; valid schedules are {kinds}")
+    warmup = min(warmup, max(total_steps - 1, 0))
+    decay = max(total_steps - warmup, 1)
+    if kind == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay)
+    elif kind == "linear":
+        after = optax.linear_schedule(peak, 0.0, decay)
+    else:
+        after = optax.constant_schedule(peak)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])

@@ -127,7 +127,7 @@ def main() -> None:
     names = list(CONFIGS) if not args.only else args.only
     if "zero3" not in names:
         names = ["zero3", *names]
-    workdir = args.out.parent / "convergence_runs"
+    workdir = args.out.parent / f"{args.out.stem}_runs"  # per-run JSON of this output
     workdir.mkdir(parents=True, exist_ok=True)
     rows = {}
     for name in names:

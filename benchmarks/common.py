@@ -10,23 +10,9 @@ import optax
 
 import zeropp_jax as zpp
 from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
-from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+from zeropp_jax.models.gpt import GPT, GPTConfig, lm_train_step  # noqa: F401 (re-export)
 
 EXAMPLE_GPT = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=128, layers=4, d_model=128, heads=4)
-
-
-def lm_train_step() -> Any:
-    """The example's language-model train step, decorated for zeropp_jax."""
-
-    @zpp.train_step
-    def step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-    return step
 
 
 def example_model_and_data(seed: int, batch: int) -> tuple[GPT, Any, np.ndarray, np.ndarray]:

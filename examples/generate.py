@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from zeropp_jax.data import sample_batch, stdlib_corpus, train_val_split
     from zeropp_jax.generate import (gather_secondary, generate, greedy_reference,
                                      lower_decode_step)
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_jax.models.gpt import GPT, GPTConfig, lm_train_step
 
     length = args.prompt_len + args.new_tokens
     cfg = GPTConfig(vocab_size=256, seq_len=length, layers=args.layers, d_model=args.d_model,
@@ -60,13 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(cfg)
     config = zpp.ZeroPPConfig(compute_dtype=args.compute_dtype)
 
-    @zpp.train_step
-    def step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
+    step = lm_train_step()
 
     params = model.init(jax.random.PRNGKey(args.seed), np.zeros((1, length), np.int32))["params"]
     state = zpp.TrainState.create(model=model, params=params, tx=optax.adam(3e-3), mesh=mesh,

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from zeropp_jax.analysis import comm_report
     from zeropp_jax.data import sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_jax.models.gpt import GPT, GPTConfig, lm_train_step
     from zeropp_jax.models.lora_gpt import LoRAGPT, is_adapter, with_base
 
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, layers=args.layers,
@@ -64,13 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     def batch_at(step: int, seed: int) -> np.ndarray:
         return sample_batch(train, args.batch, args.seq_len, seed=seed, step=step)
 
-    @zpp.train_step
-    def step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
+    step = lm_train_step()
 
     x0 = batch_at(0, args.seed)[:, :-1]
     base = GPT(cfg).init(jax.random.PRNGKey(args.seed), x0)["params"]

@@ -131,3 +131,20 @@ def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross entropy (nats). ``logits [b, t, v]``, ``targets [b, t]``."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def lm_train_step():
+    """The examples' language-model step on ``int32 [batch, seq + 1]`` token windows
+    (inputs ``[:, :-1]``, targets ``[:, 1:]``), decorated with ``zeropp_jax.train_step``.
+    Returns ``(state, {"loss": mean next-byte cross entropy})``."""
+    import zeropp_jax as zpp  # the model itself stays free of zeropp_jax
+
+    @zpp.train_step
+    def step(state, batch):
+        def loss_of(p):
+            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    return step

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all venv clean
+.PHONY: demo test test-all gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,14 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m ''
+
+# On a machine with an NVIDIA GPU: Pallas kernels bit-exact and their bandwidth, and a
+# one-GPU train step (benchmarks/gpu_check.py; ~6 minutes on an H100). Uses .venv if it
+# exists, else the python3 on PATH (a GPU machine with jax[cuda] installed and no venv).
+# Flags: make gpu-check ARGS=--quick
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) demo_run.json demo_run.png

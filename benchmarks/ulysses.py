@@ -110,13 +110,16 @@ def main() -> None:
                       "intra_node_bytes_per_device": sum(r.intra_node_bytes * r.count
                                                          for r in a2a) / (nodes * sp),
                       "cross_node_bytes": sum(r.cross_node_bytes * r.count for r in a2a)}
-    # Forward, per layer: the lowered step runs each layer's pair three times (forward,
-    # backward's recomputation, and the transposes), all of the same sizes.
+    # Forward, per layer: the lowered step runs each layer's pair (q,k,v; output) in forward
+    # and as transposes in backward, all of the same sizes: 2 passes of 2. remat="full"
+    # would add backward's recomputation (3 passes).
     n_tokens = args.batch // nodes * args.seq
     model = all_to_all_bytes_per_layer(args.batch // nodes, args.seq, base.d_model, sp, itemsize)
     low = rows["lowered"]
-    per_layer = low["bytes_per_device"] / (3 * base.layers)
-    sent_per_layer = low["intra_node_bytes_per_device"] / (3 * base.layers)
+    passes = low["count"] / (2 * base.layers)
+    results["all_to_all_passes_per_layer"] = passes
+    per_layer = low["bytes_per_device"] / (passes * base.layers)
+    sent_per_layer = low["intra_node_bytes_per_device"] / (passes * base.layers)
     results["all_to_all"] = {
         "batch": args.batch, "seq": args.seq, "tokens_per_node": n_tokens,
         "hidden": base.d_model, "sp": sp, "itemsize": itemsize,

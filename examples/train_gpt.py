@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=None,
                    help="clip gradients to this global L2 norm (default: no clipping)")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--remat", default="minimal", choices=["minimal", "full"],
+                   help="what a unit keeps for backward: minimal (matmul outputs; default) "
+                        "or full (inputs only; recomputes the unit)")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="units whose forward gather may run ahead (default 1)")
     p.add_argument("--weight-bits", type=int, default=8, choices=[4, 8], help="qwZ bits")
     p.add_argument("--grad-bits", type=int, default=4, choices=[4, 8], help="qgZ bits")
     p.add_argument("--non-blocked", action="store_true",
@@ -94,7 +99,7 @@ def make_config(args: argparse.Namespace):
 
     kw = dict(compute_dtype=args.compute_dtype, gradient_clipping=args.clip,
               weight_bits=args.weight_bits, grad_bits=args.grad_bits,
-              blockwise=not args.non_blocked)
+              blockwise=not args.non_blocked, remat=args.remat, prefetch=args.prefetch)
     if args.qgz_until is not None:
         kw.update(qgz_until=float(args.qgz_until), planned_steps=args.steps)
     if args.stage == 3:

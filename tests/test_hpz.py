@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import numpy as np
 import optax
@@ -11,7 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
+from zeropp_jax import compat
 from zeropp_jax.analysis import secondary_bytes
+from zeropp_jax.comm_report import collectives
 from zeropp_jax.models.gpt import GPT, loss_fn
 
 from helpers import (
@@ -63,17 +63,6 @@ def test_qwz_hpz_gradient_is_exact_at_dequantized_weights(bits):
     assert_leaves_rel_close(grads, ref_grads, rel=1e-5)
 
 
-_GATHER = re.compile(
-    r'"stablehlo\.all_gather".*?replica_groups = dense<(\[\[.*?\]\])>.*?'
-    r"-> tensor<\d+x(\w+)>"
-)
-_PERMUTE = re.compile(r'"stablehlo\.collective_permute".*?source_target_pairs = dense<(\[\[.*?\]\])>')
-
-
-def _groups(text: str) -> list[list[int]]:
-    return [[int(v) for v in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", text)]
-
-
 @pytest.mark.parametrize("mesh_shape,group", [((2, 4), None), ((4, 2), 4)])
 def test_backward_gathers_stay_inside_the_group(mesh_shape, group):
     nodes, local = mesh_shape
@@ -82,7 +71,8 @@ def test_backward_gathers_stay_inside_the_group(mesh_shape, group):
     state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(nodes, local), config=cfg)
     text = make_step().lower(state, tokens(16, seed=0)).as_text()
-    gathers = [(_groups(g), t) for g, t in _GATHER.findall(text)]
+    ops = collectives(text)
+    gathers = [([list(g) for g in c.groups], c.dtype) for c in ops if c.kind == "all-gather"]
     forward = [g for g, t in gathers if t == "ui16"]
     backward = [g for g, t in gathers if t == "i16"]
     assert len(forward) == len(state.engine.layouts)
@@ -93,7 +83,7 @@ def test_backward_gathers_stay_inside_the_group(mesh_shape, group):
     for groups in backward:  # backward: inside a node, over "local"
         for grp in groups:
             assert len({node_of(d) for d in grp}) == 1, groups
-    permutes = [_groups(p) for p in _PERMUTE.findall(text)]
+    permutes = [c.groups for c in ops if c.kind == "collective-permute"]
     if group is None:
         assert not permutes
     else:  # k > 1 nodes per group: exchanges only between nodes of the same group
@@ -104,8 +94,6 @@ def test_backward_gathers_stay_inside_the_group(mesh_shape, group):
 
 
 def _residuals(state, batch):
-    from jax._src.ad_checkpoint import saved_residuals
-
     engine = state.engine
 
     def per_device(units, batch):
@@ -116,7 +104,7 @@ def _residuals(state, batch):
     axes = P(("node", "local"))
     f = jax.shard_map(per_device, mesh=engine.mesh, in_specs=(axes, axes), out_specs=P())
     b = engine.shard_batch(batch)
-    return [aval for aval, _ in saved_residuals(lambda u: f(u, b), state.params.units)]
+    return [aval for aval, _ in compat.saved_residuals(lambda u: f(u, b), state.params.units)]
 
 
 def test_residuals_hold_secondary_slices_not_full_weights():

@@ -45,6 +45,8 @@ def _env() -> dict[str, str]:
     for k in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS"):
         env.pop(k, None)
     env["JAX_PLATFORMS"] = "cpu"
+    # The workers import zeropp_jax from this checkout, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

@@ -66,3 +66,24 @@ def test_dropout_keys_reach_units_and_backward_reuses_them():
     # fp32 loss ~1 has rounding ~1e-7; divided by 2*eps that is ~1e-4 absolute, and the
     # O(eps^2) truncation term of a degree-4 polynomial is smaller still.
     np.testing.assert_allclose(fd, analytic, rtol=2e-3, atol=5e-4)
+
+
+def test_dropout_masks_differ_per_device():
+    """Data parallelism: each device's batch shard draws its own masks. Every device gets
+    the same rows here, so identical masks would give identical per-device losses."""
+    x = np.tile(np.random.default_rng(3).standard_normal((1, 8)).astype(np.float32), (8, 1))
+    params = _Model().init(jax.random.PRNGKey(0), x, False)["params"]
+    state = zpp.TrainState.create(
+        model=_Model(), params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+        config=zpp.ZeroPPConfig.zero3(compute_dtype="float32"),
+    )
+
+    @zpp.train_step
+    def step(state, batch, key):
+        y = state.apply_fn({"params": state.params}, batch, True, rngs={"dropout": key})
+        return state, {"per_device": jax.lax.all_gather((y**2).mean(), ("node", "local"))}
+
+    _, out = step(state, x, jax.random.PRNGKey(5))
+    per_device = np.asarray(out["per_device"])
+    assert per_device.shape == (8,)
+    assert len(np.unique(per_device)) == 8, per_device

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import matplotlib
@@ -15,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from pallas_kernels.reorder import reorder_reference
 from zeropp_jax import viz
+from zeropp_jax.comm_report import collectives
 from zeropp_jax.hpz import hpz_all_gather, secondary_slice
 
 matplotlib.use("Agg")
@@ -53,8 +52,8 @@ def test_hpz_gather_groups_match_the_lowered_collective():
                        out_specs=P(AXES))
     x = jax.device_put(jnp.ones(8 * 4), NamedSharding(mesh, P(AXES)))
     text = jax.jit(fn).lower(x).as_text()
-    groups = re.search(r"replica_groups = dense<(\[\[.*?\]\])>", text).group(1)
-    lowered = [[int(v) for v in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", groups)]
+    [gather] = [c for c in collectives(text) if c.kind == "all-gather"]
+    lowered = [list(g) for g in gather.groups]
     assert lowered == viz.collective_groups(nodes, local, "hpz_gather")
     assert viz.link_counts(nodes, local, "hpz_gather") == (2 * 6, 0)
     assert viz.link_counts(nodes, local, "all_gather") == (12, 16)

@@ -27,7 +27,13 @@ def secondary_bytes(engine: Engine) -> int:
     return sum(lay.n_pad // group * itemsize for lay in engine.layouts.values())
 
 
-from zeropp_jax.comm_report import CollectiveRow, CommReport, comm_report  # noqa: E402,F401
+from zeropp_jax.comm_report import (  # noqa: E402,F401
+    Collective,
+    CollectiveRow,
+    CommReport,
+    collectives,
+    comm_report,
+)
 
 
 # -- memory model (paper Figure 4) --------------------------------------------------------------

@@ -12,12 +12,10 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.mesh import AXES
-
 # all_gather's result is typed device-varying under shard_map's check_vma; the invariant
-# variant (typed replicated) is what an output with PartitionSpec() needs. Not yet exported
-# from jax.lax in JAX 0.10.
-from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+# variant (typed replicated) is what an output with PartitionSpec() needs.
+from zeropp_jax.compat import all_gather_invariant as _all_gather_invariant
+from zeropp_jax.mesh import AXES
 
 AxisNames = str | Sequence[str]
 
@@ -100,6 +98,8 @@ def all_gather_flat(
       gather with another of the same data (see ``_wire_dtype``).
     """
     axes = _as_tuple(axis_names)
+    if not invariant and axis_size(axes) == 1:
+        return shard  # one device (a 1x1 mesh): the gather is the identity; XLA would copy
     gather = _all_gather_invariant if invariant else jax.lax.all_gather
     gathered = gather(to_wire(shard, distinct=distinct), axes, axis=0, tiled=True)
     return from_wire(gathered, shard.dtype)
@@ -116,6 +116,8 @@ def reduce_scatter_flat(x: jax.Array, axis_names: AxisNames = AXES) -> jax.Array
     Returns:
       ``[n / size]``: slice ``i`` of the sum over devices, ``i`` this device's index.
     """
+    if axis_size(axis_names) == 1:
+        return x  # one device: the sum over one device is the identity
     return jax.lax.psum_scatter(x, _as_tuple(axis_names), scatter_dimension=0, tiled=True)
 
 

@@ -172,19 +172,65 @@ def _count_bytes(kind: str, nbytes: int, groups: Sequence[Sequence[int]], local:
 
 
 # -- parsing ----------------------------------------------------------------------------------
+#
+# Replica groups come in several textual forms (see zeropp_jax/compat.py, item "replica
+# groups"); all of them become explicit tuples of logical device ids here:
+#   StableHLO, jax <= 0.10:  replica_groups = dense<[[0, 1], [2, 3]]> : tensor<2x2xi64>
+#   StableHLO, jax >= 0.11:  replica_groups = #stablehlo.replica_group_mesh_axes<mesh = @mesh_0,
+#                              axes = [#stablehlo.axis_ref<name = "local">]>
+#                            with `sdy.mesh @mesh_0 = <["node"=4, "local"=2]>` at the top
+#   HLO, jax <= 0.10:        replica_groups={{0,1},{2,3}}  or  replica_groups=[4,2]<=[8]
+#   HLO, jax >= 0.11:        replica_groups=mesh['node'=4,'local'=2] {'local'}
+# A mesh's device ``i`` (row-major over its axes) is logical device ``i``, or
+# ``device_ids[i]`` where the mesh lists device ids.
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op as printed in a program's text.
+
+    Attributes:
+      kind: one of ``KINDS``.
+      dtype: result element type as printed (``bf16``, ``ui16``/``u16``, ``i8``/``s8``...).
+      shape: result shape (per device); for tuple results, the first element's.
+      bytes: result bytes per device (all elements of a tuple result).
+      groups: replica groups as tuples of logical device ids (all devices in one group
+        where the program names none), or (source, target) pairs for permutes.
+      widened: True if XLA promoted the reduction to a wider type (compiled HLO only).
+      count: how many times the program runs it (calls of its function; lowered text).
+    """
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+    groups: tuple[tuple[int, ...], ...]
+    widened: bool = False
+    count: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshSpec:
+    axes: tuple[tuple[str, int], ...]  # (name, size), major to minor
+    device_ids: tuple[int, ...] | None = None  # None: iota
+
+
+def _iota_ids(spec: str) -> np.ndarray:
+    """``[d0,d1,...]<=[r0,r1,...]T(perm)`` (XLA's iota tile assignment) -> ids, shape ``d``."""
+    m = re.fullmatch(r"\s*\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", spec)
+    if not m:
+        raise ValueError(f"cannot parse iota device list {spec!r}")
+    dims = [int(v) for v in m.group(1).split(",")]
+    reshape = [int(v) for v in m.group(2).split(",")]
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    if m.group(3):
+        ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+    return ids.reshape(dims)
 
 
 def _iota_groups(spec: str) -> list[list[int]]:
     """``[G,S]<=[dims]T(perm)`` (XLA's iota replica-group list) -> explicit groups."""
-    m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
-    if not m:
-        raise ValueError(f"cannot parse replica groups {spec!r}")
-    g, s = int(m.group(1)), int(m.group(2))
-    dims = [int(v) for v in m.group(3).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if m.group(4):
-        ids = ids.transpose([int(v) for v in m.group(4).split(",")])
-    return ids.reshape(g, s).tolist()
+    return _iota_ids(spec).tolist()
 
 
 def _brace_groups(text: str) -> list[list[int]]:
@@ -192,47 +238,163 @@ def _brace_groups(text: str) -> list[list[int]]:
             for grp in re.findall(r"\{([\d,\s]*)\}", text)]
 
 
-def _hlo_types(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(t, tuple(int(v) for v in dims.split(",") if v))
-            for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_text)]
+def _device_id_list(text: str) -> tuple[int, ...]:
+    """A mesh's ``device_ids``: a plain list of ints, or an iota spec."""
+    text = text.strip()
+    if text.startswith("(") and text.endswith(")"):
+        text = text[1:-1]
+    if "<=" in text:
+        return tuple(int(v) for v in _iota_ids(text).ravel())
+    return tuple(int(v) for v in re.findall(r"\d+", text))
 
 
-_HLO_OP = re.compile(
-    r"=\s*(?P<type>\([^=]*?\)|[a-z]+\d*\[[\d,]*\](?:\{[\d,]*\})?)\s+"
-    r"(?P<kind>all-gather|all-to-all|reduce-scatter|all-reduce|collective-permute)"
-    r"(?P<start>-start)?\((?P<rest>.*)$"
-)
+def mesh_axes_groups(mesh: _MeshSpec | Sequence[tuple[str, int]],
+                     axes: Sequence[str | tuple[str, int | None, int | None]],
+                     device_ids: Sequence[int] | None = None) -> list[list[int]]:
+    """Replica groups spanning ``axes`` of a mesh, as explicit device-id lists.
+
+    Args:
+      mesh: the mesh's ``(name, size)`` axes, major to minor (or a parsed mesh).
+      axes: the group's axes in order: a name, or ``(name, pre_size, size)`` for a
+        sub-axis (Shardy's ``"name":(pre_size)size``; ``pre_size`` is the product of the
+        sub-axes more major than it), or ``(name, None, None)`` for the whole axis.
+      device_ids: the devices at the mesh's positions, row-major (default: iota).
+
+    Returns:
+      One group per combination of the other axes (row-major); inside a group, devices
+      ordered row-major over ``axes`` in the order given. This is the order XLA's
+      ``dense``/iota forms use, e.g. ``"node"`` of a 4x2 mesh -> ``[[0,2,4,6],[1,3,5,7]]``.
+    """
+    if isinstance(mesh, _MeshSpec):
+        device_ids = mesh.device_ids if device_ids is None else device_ids
+        mesh = mesh.axes
+    sizes = dict(mesh)
+    refs = [(a, None, None) if isinstance(a, str) else tuple(a) for a in axes]
+    for name, _, _ in refs:
+        if name not in sizes:
+            raise ValueError(f"replica groups name axis {name!r}, not in mesh {dict(mesh)}")
+    # Split each mesh axis at the sub-axis boundaries the groups use: factors major-first.
+    bounds: dict[str, set[int]] = {name: {1, size} for name, size in mesh}
+    for name, pre, size in refs:
+        if pre is not None:
+            bounds[name] |= {pre, pre * size}
+    factors = []  # (axis name, pre_size, size), major to minor
+    for name, _ in mesh:
+        b = sorted(bounds[name])
+        factors += [(name, lo, hi // lo) for lo, hi in zip(b, b[1:])]
+    n = math.prod(sizes.values())
+    ids = np.asarray(device_ids if device_ids is not None else np.arange(n)).reshape(
+        [f[2] for f in factors] or [1])
+    group_dims = []
+    for name, pre, size in refs:
+        lo, hi = (1, sizes[name]) if pre is None else (pre, pre * size)
+        group_dims += [i for i, (fn, fp, _) in enumerate(factors)
+                       if fn == name and lo <= fp < hi]
+    other = [i for i in range(len(factors)) if i not in group_dims]
+    g = math.prod(factors[i][2] for i in group_dims)
+    return ids.transpose(other + group_dims).reshape(-1, g).tolist()
 
 
-def _parse_hlo(text: str, nodes: int, local: int, num: int) -> list[CollectiveRow]:
-    rows = []
-    for line in text.splitlines():
-        m = _HLO_OP.search(line)
-        if not m:
-            continue
-        kind, rest = m.group("kind"), m.group("rest")
-        types = _hlo_types(m.group("type"))
-        if m.group("start") and kind in ("all-gather", "collective-permute") and len(types) >= 2:
-            types = types[len(types) // 2:]  # (operands..., results...) of the async start
-        dtype, shape = types[0]
-        nbytes = sum(_ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types)
-        if kind == "collective-permute":
-            pm = re.search(r"source_target_pairs=(\{\{.*?\}\})", rest)
-            groups = _brace_groups(pm.group(1)) if pm else []
+# StableHLO (lowered) ---------------------------------------------------------------------
+
+
+def _mlir_meshes(text: str) -> dict[str, _MeshSpec]:
+    """``sdy.mesh @name = <["a"=2, "b"=4], device_ids=[...]>`` declarations by name."""
+    meshes = {}
+    for m in re.finditer(r"^\s*(?:sdy|stablehlo)\.mesh\s+@([\w$.\-]+)\s*=\s*(.*)$", text,
+                         re.M):
+        meshes[m.group(1)] = _mlir_mesh_body(m.group(2))
+    return meshes
+
+
+def _mlir_mesh_body(body: str) -> _MeshSpec:
+    axes = tuple((n, int(s)) for n, s in re.findall(r'"([^"]+)"\s*=\s*(\d+)', body))
+    if not axes:  # #stablehlo.mesh<axes = [#stablehlo.mesh_axis<name = "x", size = 2>]>
+        axes = tuple((n, int(s)) for n, s in
+                     re.findall(r'name\s*=\s*"([^"]+)"\s*,\s*size\s*=\s*(\d+)', body))
+    ids = re.search(r"device_ids\s*=\s*(?:array<i64:)?\s*\[?([\d,\s]+)", body)
+    return _MeshSpec(axes, tuple(int(v) for v in ids.group(1).replace(",", " ").split())
+                     if ids else None)
+
+
+def _mlir_axis_refs(text: str) -> list[tuple[str, int | None, int | None]]:
+    refs = []
+    # #stablehlo.axis_ref<name = "y", sub_axis_info = (1)2>  or  #sdy<axis_ref"y":(1)2>
+    for m in re.finditer(r'axis_ref\s*(?:<\s*name\s*=\s*)?"([^"]+)"'
+                         r"(?:\s*(?:,\s*sub_axis_info\s*=|:)\s*\((\d+)\)(\d+))?", text):
+        pre, size = m.group(2), m.group(3)
+        refs.append((m.group(1), int(pre) if pre else None, int(size) if size else None))
+    return refs
+
+
+def _mlir_replica_groups(attrs: str, meshes: dict[str, _MeshSpec]) -> list[list[int]] | None:
+    """Groups of an op's attribute text; None where it names none."""
+    m = re.search(r"replica_groups\s*=\s*(dense<.*?>\s*:\s*tensor<\w+>)", attrs)
+    if m:
+        return _dense_groups(m.group(1))
+    m = re.search(r"replica_groups\s*=\s*#stablehlo\.replica_group_mesh_axes<", attrs)
+    if not m:
+        return None
+    body = _balanced(attrs, m.end() - 1, "<", ">")
+    ref = re.match(r"<\s*mesh(?:_name)?\s*=\s*@([\w$.\-]+)", body)
+    if ref:
+        if ref.group(1) not in meshes:
+            raise ValueError(f"replica groups name mesh @{ref.group(1)}, which the program "
+                             f"does not declare (declared: {sorted(meshes)})")
+        mesh = meshes[ref.group(1)]
+    else:  # inline: mesh = #stablehlo.mesh<...>
+        inline = re.search(r"mesh\s*=\s*#stablehlo\.mesh<", body)
+        if not inline:
+            raise ValueError(f"cannot parse replica groups {body!r}")
+        mesh_text = _balanced(body, inline.end() - 1, "<", ">")
+        mesh = _mlir_mesh_body(mesh_text)
+        body = body.replace(mesh_text, "")
+    axes_at = re.search(r"\baxes\s*=", body)
+    return mesh_axes_groups(mesh, _mlir_axis_refs(body[axes_at.start():] if axes_at else ""))
+
+
+def _balanced(text: str, start: int, open_: str, close: str) -> str:
+    """``text[start:end]`` where ``text[start] == open_`` and ``end`` closes it."""
+    depth = 0
+    for i in range(start, len(text)):
+        c = text[i]
+        if c == open_:
+            depth += 1
+        elif c == close and not (close == ">" and text[i - 1] == "-"):  # skip "->"
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1]
+    return text[start:]
+
+
+def _mlir_op_parts(seg: str) -> tuple[str, str]:
+    """(attribute text, type signature) of an op's text after its name.
+
+    Generic form: ``(operands) <{properties}> ({region}) {attributes} : (types) -> types``,
+    where properties, region and attributes are each optional; regions hold their own
+    ``->`` signatures, so they are skipped as a whole.
+    """
+    pos, attrs = 0, []
+    if seg.lstrip().startswith("("):
+        pos = seg.index("(")
+        pos += len(_balanced(seg, pos, "(", ")"))
+    while pos < len(seg):
+        rest = seg[pos:]
+        stripped = rest.lstrip()
+        pos += len(rest) - len(stripped)
+        if stripped.startswith("<{"):
+            block = _balanced(seg, pos + 1, "{", "}")
+            attrs.append(block)
+            pos += 1 + len(block) + 1  # "<" block ">"
+        elif stripped.startswith("({"):
+            pos += len(_balanced(seg, pos, "(", ")"))
+        elif stripped.startswith("{"):
+            block = _balanced(seg, pos, "{", "}")
+            attrs.append(block)
+            pos += len(block)
         else:
-            gm = re.search(r"replica_groups=(\{\{.*?\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)",
-                           rest)
-            if gm is None or gm.group(1) == "{}":
-                groups = [list(range(num))]
-            elif gm.group(1).startswith("["):
-                groups = _iota_groups(gm.group(1))
-            else:
-                groups = _brace_groups(gm.group(1))
-        widened = bool(re.search(r"to_apply=%?[\w.\-]*_promoted", rest))
-        intra, cross = _count_bytes(kind, nbytes, groups, local)
-        rows.append(CollectiveRow(kind, dtype, shape, nbytes,
-                                  tuple(tuple(g) for g in groups), intra, cross, widened))
-    return rows
+            return " ".join(attrs), seg[pos:]
+    return " ".join(attrs), ""
 
 
 _MLIR_OP = re.compile(
@@ -291,39 +453,133 @@ def _multiplicities(funcs: dict[str, str]) -> dict[str, int]:
     return {name: mult(name) for name in funcs}
 
 
-def _parse_mlir(text: str, nodes: int, local: int, num: int) -> list[CollectiveRow]:
+def _mlir_collectives(text: str, num: int | None) -> list[Collective]:
+    meshes = _mlir_meshes(text)
     funcs = _mlir_functions(text) or {"main": text}
     mult = _multiplicities(funcs)
-    rows = []
+    out = []
     for fname, body in funcs.items():
         matches = list(_MLIR_OP.finditer(body))
         for i, m in enumerate(matches):
             kind = m.group(1).replace("_", "-")
-            # The op's text runs to the first "->" that follows (regions hold none), and
-            # then to the end of that line: the result types.
             seg_end = matches[i + 1].start() if i + 1 < len(matches) else len(body)
             seg = body[m.end():seg_end]
-            arrow = seg.find("->")
+            attrs, signature = _mlir_op_parts(seg)
+            arrow = signature.find("->")
             if arrow < 0:
                 continue
-            attrs = seg[:arrow]
-            result_text = seg[arrow:].split("\n", 1)[0]
-            types = _mlir_tensor_types(result_text)
+            types = _mlir_tensor_types(signature[arrow:].split("\n", 1)[0])
             if not types:
                 continue
             dtype, shape = types[0]
             nbytes = sum(_ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types)
             if kind == "collective-permute":
-                pm = re.search(r"source_target_pairs\s*=\s*(dense<.*?>\s*:\s*tensor<\w+>)", attrs)
+                pm = re.search(r"source_target_pairs\s*=\s*(dense<.*?>\s*:\s*tensor<\w+>)",
+                               attrs)
                 groups = _dense_groups(pm.group(1)) if pm else []
             else:
-                gm = re.search(r"replica_groups\s*=\s*(dense<.*?>\s*:\s*tensor<\w+>)", attrs)
-                groups = _dense_groups(gm.group(1)) if gm else [list(range(num))]
-            intra, cross = _count_bytes(kind, nbytes, groups, local)
-            rows.append(CollectiveRow(kind, dtype, shape, nbytes,
-                                      tuple(tuple(g) for g in groups), intra, cross, False,
-                                      mult.get(fname, 1)))
-    return rows
+                groups = _mlir_replica_groups(attrs, meshes)
+                if not groups:
+                    groups = [list(range(num))] if num else []
+            out.append(Collective(kind, dtype, shape, nbytes, tuple(map(tuple, groups)),
+                                  False, mult.get(fname, 1)))
+    return out
+
+
+# HLO (compiled) ----------------------------------------------------------------------------
+
+
+def _hlo_types(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(t, tuple(int(v) for v in dims.split(",") if v))
+            for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_text)]
+
+
+_HLO_OP = re.compile(
+    r"=\s*(?P<type>\([^=]*?\)|[a-z]+\d*\[[\d,]*\](?:\{[\d,]*\})?)\s+"
+    r"(?P<kind>all-gather|all-to-all|reduce-scatter|all-reduce|collective-permute)"
+    r"(?P<start>-start)?\((?P<rest>.*)$"
+)
+# replica_groups=mesh['node'=4,'local'=2] {'local'}; the mesh may carry
+# `, device_ids=(...)` (a list or an iota spec such as `[4,2]<=[2,4]T(1,0)`).
+_HLO_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:\s*,?\s*device_ids=(?P<ids>\((?:[^()]|\([^()]*\))*\)|\[[\d,\s]*\]))?"
+    r"\s*\{(?P<group>[^}]*)\}"
+)
+
+
+def _hlo_replica_groups(rest: str) -> list[list[int]] | None:
+    m = _HLO_MESH_GROUPS.search(rest)
+    if m:
+        axes = tuple((n, int(s)) for n, s in
+                     re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", m.group("axes")))
+        ids = _device_id_list(m.group("ids")) if m.group("ids") else None
+        refs = [(n, int(p) if p else None, int(s) if s else None) for n, p, s in
+                re.findall(r"'?([^',:(){}\s]+)'?(?::\((\d+)\)(\d+))?", m.group("group"))]
+        return mesh_axes_groups(axes, refs, ids)
+    gm = re.search(r"replica_groups=(\{\{.*?\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)",
+                   rest)
+    if gm is None or gm.group(1) == "{}":
+        return None
+    if gm.group(1).startswith("["):
+        return _iota_groups(gm.group(1))
+    return _brace_groups(gm.group(1))
+
+
+def _hlo_collectives(text: str, num: int | None) -> list[Collective]:
+    out = []
+    for line in text.splitlines():
+        m = _HLO_OP.search(line)
+        if not m:
+            continue
+        kind, rest = m.group("kind"), m.group("rest")
+        types = _hlo_types(m.group("type"))
+        if m.group("start") and kind in ("all-gather", "collective-permute") and len(types) >= 2:
+            types = types[len(types) // 2:]  # (operands..., results...) of the async start
+        dtype, shape = types[0]
+        nbytes = sum(_ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types)
+        if kind == "collective-permute":
+            pm = re.search(r"source_target_pairs=(\{\{.*?\}\})", rest)
+            groups = _brace_groups(pm.group(1)) if pm else []
+        else:
+            groups = _hlo_replica_groups(rest) or ([list(range(num))] if num else [])
+        widened = bool(re.search(r"to_apply=%?[\w.\-]*_promoted", rest))
+        out.append(Collective(kind, dtype, shape, nbytes, tuple(map(tuple, groups)), widened))
+    return out
+
+
+def _program_text(program: Any) -> str:
+    return program if isinstance(program, str) else program.as_text()
+
+
+def _num_devices(text: str) -> int | None:
+    m = (re.search(r"mhlo\.num_partitions\s*=\s*(\d+)", text)
+         or re.search(r"\bnum_partitions=(\d+)", text))
+    r = (re.search(r"mhlo\.num_replicas\s*=\s*(\d+)", text)
+         or re.search(r"\breplica_count=(\d+)", text))
+    if not m and not r:
+        return None
+    return (int(m.group(1)) if m else 1) * (int(r.group(1)) if r else 1)
+
+
+def collectives(program: Any, num_devices: int | None = None) -> tuple[Collective, ...]:
+    """Every collective of ``program``, in program order, with explicit replica groups.
+
+    The one parser of program text in this package (tests use it too): it reads every
+    form of replica groups JAX 0.10 to 0.12 print (see the parsing notes above), so
+    callers never match version-specific text.
+
+    Args:
+      program: a ``jax.stages.Lowered``, a ``jax.stages.Compiled``, or the text of either
+        (StableHLO MLIR or HLO).
+      num_devices: devices of the program, for ops that name no groups (all devices);
+        default: read from the program (``mhlo.num_partitions`` / ``num_partitions``).
+    """
+    text = _program_text(program)
+    num = num_devices or _num_devices(text)
+    if "stablehlo." in text or "func.func" in text:
+        return tuple(_mlir_collectives(text, num))
+    return tuple(_hlo_collectives(text, num))
 
 
 def comm_report(program: Any, mesh: Any) -> CommReport:
@@ -339,10 +595,9 @@ def comm_report(program: Any, mesh: Any) -> CommReport:
     from zeropp_jax.mesh import mesh_shape
 
     nodes, local = tuple(mesh) if isinstance(mesh, tuple) else mesh_shape(mesh)
-    num = nodes * local
-    text = program if isinstance(program, str) else program.as_text()
-    if "stablehlo." in text or "func.func" in text:
-        rows = _parse_mlir(text, nodes, local, num)
-    else:
-        rows = _parse_hlo(text, nodes, local, num)
+    rows = []
+    for c in collectives(program, nodes * local):
+        intra, cross = _count_bytes(c.kind, c.bytes, c.groups, local)
+        rows.append(CollectiveRow(c.kind, c.dtype, c.shape, c.bytes, c.groups, intra, cross,
+                                  c.widened, c.count))
     return CommReport(tuple(rows), nodes, local)

@@ -19,6 +19,7 @@ _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 _IMPLEMENTATIONS = (None, "xla", "pallas")
 _REDUCE_SCATTERS = ("flat", "hierarchical")
+_REMATS = ("full", "minimal")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -73,6 +74,18 @@ class ZeroPPConfig:
         scale per ``block_size`` elements — and gather them as stored, without
         requantization. False keeps them in ``param_dtype``. Frozen parameters never get
         gradients or optimizer state either way.
+      remat: what a stage-3 unit keeps from forward for its backward (never its gathered
+        weights: backward regathers them). ``"full"``: only the unit's inputs; backward
+        recomputes the whole unit (least memory, one extra forward). ``"minimal"``: also
+        the outputs of every matmul (``dot_general``), so backward recomputes only the
+        cheap elementwise work between them; no forward matmul runs twice (the memory of
+        a plain step's activations). A ``jax.checkpoint`` policy callable chooses itself.
+        Default ``"minimal"``: what DeepSpeed ZeRO-3 and FSDP do (regather weights, keep
+        activations); activation checkpointing is a separate opt-in there and here.
+      prefetch: how many units' forward gathers may run ahead of the computation (stage 3).
+        Each unit's gather waits for the output of the unit ``prefetch + 1`` calls before
+        it, so about ``prefetch + 1`` units' full weights are live at once (DeepSpeed's
+        ``stage3_prefetch_bucket_size``, FSDP's ``limit_all_gathers`` / forward prefetch).
     """
 
     stage: int = 3
@@ -94,6 +107,8 @@ class ZeroPPConfig:
     gradient_clipping: float | None = None
     skip_nonfinite: bool = True
     quantize_frozen: bool = False
+    remat: Any = "minimal"
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         # Normalise dtypes to canonical names so equal configs hash equal.
@@ -134,6 +149,14 @@ class ZeroPPConfig:
         if not isinstance(self.qgz_pipeline_stages, int) or self.qgz_pipeline_stages < 1:
             raise ValueError(
                 f"qgz_pipeline_stages must be an int >= 1, got {self.qgz_pipeline_stages!r}"
+            )
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got "
+                             f"{self.prefetch!r}")
+        if not (self.remat in _REMATS or callable(self.remat)):
+            raise ValueError(
+                f"remat={self.remat!r} is invalid; use one of {_REMATS} or a jax.checkpoint "
+                "policy callable (e.g. jax.checkpoint_policies.dots_saveable)"
             )
         for name in ("compute_dtype", "param_dtype"):
             if getattr(self, name) not in _FLOAT_DTYPES:

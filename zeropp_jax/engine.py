@@ -58,10 +58,12 @@ from zeropp_jax.partition import (
     unit_name,
     default_unit_paths,
     make_unit_layout,
+    stack_layers,
     merge_units,
     split_units,
 )
-from zeropp_jax.unit import qgz_schedule, reduce_gradient
+from zeropp_jax.unit import qgz_schedule
+from zeropp_jax.weights import reduce_gradient
 
 PyTree = Any
 SHARDED = P(AXES)
@@ -108,6 +110,28 @@ def global_norm(shards: Any) -> jax.Array:
     local = sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
                 for x in jax.tree_util.tree_leaves(shards))
     return jnp.sqrt(jax.lax.psum(local, AXES))
+
+
+def _stack(*xs: Any) -> Any:
+    """Stacks layers on a new leading axis: numpy for numpy inputs, else jnp (traced)."""
+    if all(isinstance(x, np.ndarray) for x in xs):
+        return np.stack(xs)
+    return jnp.stack(xs)
+
+
+def _per_device_rngs(rngs: Any) -> Any:
+    """Folds this device's index into every RNG key passed to ``apply_fn``. Inside ``shard_map``.
+
+    The step's keys arrive replicated; data-parallel training wants each device's batch
+    shard to draw its own dropout masks (as each rank does in DeepSpeed / DDP), and a
+    unit's backward reuses the forward's key, so masks stay consistent within a device.
+    A dict of keys (``{"dropout": key}``) or a single key (Flax's ``params`` stream).
+    """
+    index = collectives.axis_index(AXES)
+    fold = lambda key: jax.random.fold_in(key, index)  # noqa: E731
+    if isinstance(rngs, Mapping):
+        return {name: fold(key) for name, key in rngs.items()}
+    return fold(rngs)
 
 
 @struct.dataclass
@@ -204,6 +228,8 @@ class Engine:
                 f"{type(params).__name__}. Differentiate with respect to state.params and "
                 "pass what you receive to apply_fn; do not build a params dict yourself."
             )
+        if kwargs.get("rngs") is not None:
+            kwargs["rngs"] = _per_device_rngs(kwargs["rngs"])
         if self.config.stage == 3:
             if not self.has_frozen:
                 return apply_units(
@@ -233,7 +259,18 @@ class Engine:
             trees[name] = merge_trees(trees.get(name, {}), lay.unflatten(frozen_flats[name]))
             paths[name] = lay.path
         rest = trees.pop(REST, {})
-        return merge_units(rest, {paths[name]: t for name, t in trees.items()})
+        by_path: dict[tuple[str, ...], Any] = {}
+        stacks: dict[tuple[str, ...], dict[int, PyTree]] = {}
+        for name, t in trees.items():
+            layer = self.layouts[name].layer if name in self.layouts else None
+            if layer is None:
+                by_path[paths[name]] = t
+            else:
+                stacks.setdefault(paths[name], {})[layer] = t
+        for path, layers in stacks.items():  # scanned stacks: layers back on a leading axis
+            ordered = [layers[i] for i in range(len(layers))]
+            by_path[path] = jax.tree_util.tree_map(_stack, *ordered)
+        return merge_units(rest, by_path)
 
     def consolidate(self, params: ShardedParams, frozen: FrozenShards | None = None) -> PyTree:
         """Global ``ShardedParams`` (outside ``shard_map``) -> plain params tree of numpy
@@ -473,6 +510,7 @@ class TrainState:
         config: ZeroPPConfig | None = None,
         units: Sequence[Sequence[str]] | None = None,
         frozen: FrozenFilter | None = None,
+        stacked: Sequence[str | Sequence[str]] = (),
     ) -> "TrainState":
         """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
 
@@ -490,6 +528,10 @@ class TrainState:
             names from the root) returning True for frozen ones, or a sequence of path
             prefixes. They get no gradient and no optimizer state, and are stored in
             ``state.frozen`` (quantized with ``config.quantize_frozen``). Stage 3 only.
+          stacked: module paths (``"layers"`` or ``("decoder", "layers")``) of ``nn.scan``
+            stacks: modules whose parameters carry a leading layer axis. Each layer is its
+            own unit, and inside the step every scan iteration gathers only its layer's
+            weights (one compiled body; live weights bounded by construction).
         """
         config = ZeroPPConfig.zero3() if config is None else config
         if not isinstance(config, ZeroPPConfig):
@@ -515,8 +557,15 @@ class TrainState:
         unit_paths = (
             default_unit_paths(params) if units is None else tuple(tuple(u) for u in units)
         )
+        stacked = tuple(tuple(p.split("/")) if isinstance(p, str) else tuple(p) for p in stacked)
+        unit_paths += tuple(p for p in stacked if p not in unit_paths)
         unit_trees, rest = split_units(params, unit_paths)
         frozen_trees: dict[tuple[str, ...], PyTree] = {}
+        if stacked and frozen is not None:
+            raise NotImplementedError(
+                "frozen parameters inside nn.scan stacks are not supported yet; freeze "
+                "parameters outside the stacked modules, or pass no stacked= paths"
+            )
         if frozen is not None:
             if config.stage != 3:
                 raise NotImplementedError(
@@ -541,20 +590,22 @@ class TrainState:
                 "TrainState.create(..., frozen=<filter>)"
             )
         layouts: dict[str, UnitLayout] = {}
+        trees: dict[str, PyTree] = {}
         align = config.flat_alignment
         for path, sub in unit_trees.items():
-            lay = make_unit_layout(path, sub, num_devices, align)
-            layouts[lay.name] = lay
+            subs = stack_layers(sub, path) if path in stacked else [sub]
+            for i, layer_tree in enumerate(subs):
+                lay = make_unit_layout(path, layer_tree, num_devices, align,
+                                       layer=i if path in stacked else None)
+                layouts[lay.name], trees[lay.name] = lay, layer_tree
         if jax.tree_util.tree_leaves(rest):
-            layouts[REST] = make_unit_layout((), rest, num_devices, align)
+            layouts[REST], trees[REST] = make_unit_layout((), rest, num_devices, align), rest
         frozen_layouts = {
             unit_name(p): make_unit_layout(p, f, num_devices, frozen_alignment(config))
             for p, f in frozen_trees.items()
         }
 
         pdt = config.param_jnp_dtype
-        trees = {name: (unit_trees[lay.path] if name != REST else rest)
-                 for name, lay in layouts.items()}
         sharded = NamedSharding(mesh, SHARDED)
         master = {
             name: _place(
@@ -564,15 +615,7 @@ class TrainState:
             for name, lay in layouts.items()
         }
 
-        local_shapes = {k: jax.ShapeDtypeStruct((lay.shard_len,), pdt) for k, lay in layouts.items()}
-        global_shapes = {k: jax.ShapeDtypeStruct((lay.n_pad,), pdt) for k, lay in layouts.items()}
-        local_state = jax.eval_shape(tx.init, local_shapes)
-        global_state = jax.eval_shape(tx.init, global_shapes)
-        opt_specs = jax.tree_util.tree_map(
-            lambda lo, gl: REPLICATED if lo.shape == gl.shape else SHARDED,
-            local_state,
-            global_state,
-        )
+        opt_specs = _opt_state_specs(tx, layouts, pdt)
         opt_state = jax.jit(
             jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
         )(master)
@@ -599,6 +642,24 @@ class TrainState:
         }
         return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine,
                    skipped)
+
+
+def _opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, UnitLayout],
+                     dtype: Any) -> PyTree:
+    """PartitionSpec of each optimizer-state leaf: sharded if it follows the parameters.
+
+    A leaf is per-parameter (Adam's moments) if its shape follows the shard length, and
+    global otherwise (a step count). Decided by initialising abstractly at two different
+    shard lengths, so it holds on a one-device mesh too, where local and global shapes agree.
+    """
+    def state_at(scale: int) -> PyTree:
+        shapes = {k: jax.ShapeDtypeStruct((scale * lay.shard_len,), dtype)
+                  for k, lay in layouts.items()}
+        return jax.eval_shape(tx.init, shapes)
+
+    return jax.tree_util.tree_map(
+        lambda a, b: REPLICATED if a.shape == b.shape else SHARDED, state_at(1), state_at(2)
+    )
 
 
 def _store_frozen(

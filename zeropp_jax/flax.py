@@ -10,16 +10,21 @@ Nothing in the model's code changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
+from flax import errors
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zeropp_jax.config import ZeroPPConfig
-from zeropp_jax.partition import REST, UnitLayout
-from zeropp_jax.unit import frozen_zero_unit, zero_unit
+from zeropp_jax.frozen import frozen_local_shards
+from zeropp_jax.ordering import after
+from zeropp_jax.partition import REST, STACKED_SHARD, UnitLayout, merge_units
+from zeropp_jax.unit import zero_unit
 
 PyTree = Any
 
@@ -28,14 +33,51 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+class GatherOrder:
+    """Orders the units' forward gathers after earlier units' outputs (bounded live weights).
+
+    Unit ``i``'s primary shard is made to depend on the output of the unit called
+    ``prefetch + 1`` calls before it (``ordering.after``), so XLA cannot start that gather
+    earlier: at most ``prefetch`` units' gathers run ahead of the computation, and
+    only about ``prefetch + 1`` units' full weights are live at once. (A data dependency,
+    not a scheduling hint: the CPU scheduler otherwise issues every gather at the start.)
+    One instance per traced ``apply``; it holds tracers of that trace only.
+    """
+
+    def __init__(self, prefetch: int):
+        self.prefetch = prefetch
+        self.outputs: list[jax.Array] = []
+
+    def record(self, out: Any) -> None:
+        leaves = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
+        if leaves:
+            self.outputs.append(leaves[0])
+
+    def tie(self, shard: Any) -> Any:
+        """``shard`` unchanged, but available only once the output it waits for is."""
+        if len(self.outputs) <= self.prefetch:
+            return shard
+        return after(shard, self.outputs[-1 - self.prefetch])
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """The unit callable of an ``nn.scan`` stack: ``make(fn, shard)`` runs ``fn`` on the
+    layer whose primary shard ``shard`` the current scan iteration holds."""
+
+    make: Callable[[Callable, jax.Array], Callable]
+
+
 class _UnitInterceptor:
     """Routes calls of unit modules through ``zero_unit``; passes every other call through."""
 
-    def __init__(self, units: Mapping[tuple[str, ...], Callable[[Callable], Callable]]):
+    def __init__(self, units: Mapping[tuple[str, ...], Callable[[Callable], Callable]],
+                 order: "GatherOrder | None" = None):
         # units[path](fn) -> call(*arrays): runs ``fn(params_tree, *arrays)`` on that unit's
         # gathered weights (ZeRO-3: through zero_unit's custom_vjp; generation: a plain
         # gather from the hpZ secondary).
         self.units = units
+        self.order = order
         # > 0 while running inside a unit: its own submodules are not units.
         self.depth = 0
 
@@ -77,7 +119,24 @@ class _UnitInterceptor:
                     **call_kwargs,
                 )
 
-        return make_call(fn)(*[leaves[i] for i in dynamic])
+        arrays = [leaves[i] for i in dynamic]
+        if isinstance(make_call, Stacked):
+            # One iteration of an nn.scan stack: nn.scan has sliced this layer's shard out
+            # of the stacked shards. Ordering is the scan's own; tracers of its body must
+            # not leak into the order of the units around it.
+            shard = module.scope.get_variable("params", STACKED_SHARD)
+            return make_call.make(fn, shard)(*arrays)
+        try:
+            out = make_call(fn)(*arrays)
+        except errors.ScopeParamShapeError as e:
+            raise ValueError(
+                f"unit {'/'.join(path)!r} received its weights with another shape than its "
+                "call expects. If it is an nn.scan stack (parameters with a leading layer "
+                f"axis), pass TrainState.create(..., stacked=[{'/'.join(path)!r}])."
+            ) from e
+        if self.order is not None:
+            self.order.record(out)
+        return out
 
 
 def run_units(
@@ -86,12 +145,13 @@ def run_units(
     rest: PyTree,
     *args: Any,
     method: str | Callable | None = None,
+    order: GatherOrder | None = None,
     **kwargs: Any,
 ) -> Any:
     """``model.apply({"params": rest}, ...)`` with every call of a unit module routed through
     ``units[path](fn)(*arrays)``, where ``fn(params_tree, *arrays)`` runs that call on the
     unit's weights. Units nested inside another unit's call are not intercepted."""
-    interceptor = _UnitInterceptor(units)
+    interceptor = _UnitInterceptor(units, order)
     with nn.intercept_methods(interceptor):
         if method is None:
             return model.apply({"params": rest}, *args, **kwargs)
@@ -132,22 +192,39 @@ def apply_units(
 
     def unit_call(name: str) -> Callable[[Callable], Callable]:
         layout, flayout = layouts.get(name), frozen_layouts.get(name)
-        if flayout is None:
-            return lambda fn: functools.partial(zero_unit(fn, layout, config), shards[name])
-        from zeropp_jax.frozen import frozen_local_shards
-
-        stored = frozen_local_shards(frozen, name)
+        stored = () if flayout is None else frozen_local_shards(frozen, name)
         shard = shards[name] if layout is not None else None
-        return lambda fn: functools.partial(
-            frozen_zero_unit(fn, layout, flayout, config), shard, stored
-        )
+        def make(fn: Callable) -> Callable:
+            unit = zero_unit(fn, layout, config, flayout)
+            return lambda *arrays: unit(order.tie(shard) if shard is not None else None,
+                                        stored, *arrays)
 
-    names = set(layouts) | set(frozen_layouts)
+        return make
+
+    order = GatherOrder(config.prefetch)
+    names = {n for n in set(layouts) | set(frozen_layouts)
+             if n not in layouts or layouts[n].layer is None}
     path_of = {name: (layouts.get(name) or frozen_layouts[name]).path for name in names}
-    units = {path_of[name]: unit_call(name) for name in names if name != REST}
+    units: dict[tuple[str, ...], Any] = {
+        path_of[name]: unit_call(name) for name in names if name != REST}
     rest: PyTree = {}
     if REST in names:
         # The rest unit's weights are used wherever the root likes, so they stay gathered
         # for the whole step (they are small by construction: no submodule owns them).
         rest = unit_call(REST)(lambda p: p)()
-    return run_units(model, units, rest, *args, method=method, **kwargs)
+    stacks: dict[tuple[str, ...], list[UnitLayout]] = {}
+    for lay in layouts.values():
+        if lay.layer is not None:
+            stacks.setdefault(lay.path, []).append(lay)
+    for path, lays in stacks.items():
+        lays.sort(key=lambda lay: lay.layer)
+        # Every layer has the same layout; nn.scan hands each iteration its row of this.
+        stacked = jnp.stack([shards[lay.name] for lay in lays])  # [layers, shard_len]
+        rest = merge_units(rest, {path: {STACKED_SHARD: stacked}})
+
+        def make(fn: Callable, shard: jax.Array, layout: UnitLayout = lays[0]) -> Callable:
+            unit = zero_unit(fn, layout, config)
+            return lambda *arrays: unit(shard, (), *arrays)
+
+        units[path] = Stacked(make)
+    return run_units(model, units, rest, *args, method=method, order=order, **kwargs)

@@ -237,19 +237,3 @@ def frozen_local_shards(frozen: FrozenShards, name: str) -> tuple[jax.Array, ...
     if frozen.quantized:
         return frozen.values[name], frozen.scales[name]
     return (frozen.values[name],)
-
-
-def gather_frozen(stored: tuple[jax.Array, ...], layout: UnitLayout, config: ZeroPPConfig, *,
-                  backward: bool = False) -> jax.Array:
-    """Local frozen storage -> full flat ``[n_pad]`` frozen weights in the compute dtype.
-
-    Inside ``shard_map``; an all-gather over ``("node", "local")``. Quantized storage moves
-    as stored (int8 / uint8 values plus fp32 scales) and is dequantized on arrival; param-dtype
-    storage moves like a trainable unit's shard (``unit.gather_weights``, qwZ if on).
-    """
-    if config.quantize_frozen:
-        values, scales = all_gather_quantized(*stored, AXES, distinct=backward)
-        return dequantize_gathered(values, scales, config, frozen_block_size(config, layout))
-    from zeropp_jax.unit import gather_weights
-
-    return gather_weights(stored[0], config, backward=backward)

@@ -29,11 +29,11 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.engine import Engine, TrainState
 from zeropp_jax.flax import run_units
 from zeropp_jax.frozen import all_gather_quantized, dequantize_gathered, frozen_block_size
-from zeropp_jax.frozen import gather_frozen, merge_trees
+from zeropp_jax.frozen import merge_trees
 from zeropp_jax.hpz import group_nodes, hpz_all_gather, secondary_slice
 from zeropp_jax.mesh import AXES, mesh_shape
 from zeropp_jax.partition import REST
-from zeropp_jax.unit import gather_weights
+from zeropp_jax.weights import gather_frozen, gather_weights
 
 PyTree = Any
 SHARDED = P(AXES)
@@ -76,7 +76,7 @@ def _gather_program(engine: Engine) -> Any:
                 v, s = all_gather_quantized(frozen.values[name], frozen.scales[name])
                 out["frozen/" + name] = (secondary_slice(v, k), secondary_slice(s, k))
             else:
-                full = gather_frozen((frozen.values[name],), lay, cfg)
+                full = gather_frozen((frozen.values[name],), lay, cfg)[0]
                 out["frozen/" + name] = (secondary_slice(full, k),)
         return out
 

@@ -13,15 +13,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from zeropp_jax.compat import backends_are_initialized
+
 NODE = "node"
 LOCAL = "local"
 AXES = (NODE, LOCAL)
-
-
-def _backend_initialized() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(xla_bridge.backends_are_initialized())
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -33,7 +29,7 @@ def simulate_cpu_devices(n: int) -> None:
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_cpu_devices needs a positive int, got {n!r}")
-    if _backend_initialized():
+    if backends_are_initialized():
         current = len(jax.devices("cpu"))
         if current == n:
             return

@@ -23,8 +23,32 @@ PyTree = Any
 REST = "<rest>"
 
 
-def unit_name(path: Sequence[str]) -> str:
-    return "/".join(path) if path else REST
+def unit_name(path: Sequence[str], layer: int | None = None) -> str:
+    """``"a/b"`` for a module path, ``"a/b[3]"`` for layer 3 of a scanned stack there."""
+    name = "/".join(path) if path else REST
+    return name if layer is None else f"{name}[{layer}]"
+
+
+# Inside a step, a scanned stack's params subtree is replaced by this one leaf: the stacked
+# local primary shards ``[layers, shard_len]``. ``nn.scan`` slices it like any parameter,
+# so each iteration's call of the layer finds its own layer's shard here.
+STACKED_SHARD = "__zeropp_stacked_shard__"
+
+
+def stack_layers(subtree: PyTree, path: Sequence[str]) -> list[PyTree]:
+    """A scanned stack's params (every leaf ``[layers, ...]``) -> one subtree per layer."""
+    leaves = jax.tree_util.tree_leaves(subtree)
+    lengths = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
+    name = "/".join(path)
+    if not leaves or len(lengths) != 1 or None in lengths:
+        raise ValueError(
+            f"{name!r} is not an nn.scan stack: its parameters do not all share a leading "
+            f"layer axis (leading sizes {sorted(map(str, lengths))}). Pass only the paths of "
+            "modules made with nn.scan(..., variable_axes={'params': 0}) as stacked="
+        )
+    (layers,) = lengths
+    return [jax.tree_util.tree_map(lambda x, i=i: np.asarray(x)[i], subtree)
+            for i in range(layers)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +63,9 @@ class UnitLayout:
       n: number of real elements.
       n_pad: padded length, a multiple of ``num_shards * align``.
       num_shards: devices the buffer is split over.
+      layer: for one layer of an ``nn.scan`` stack (params with a leading layer axis at
+        ``path``), its index along that axis; the layout then describes one layer's slice
+        of the stacked subtree. None for an ordinary unit.
     """
 
     name: str
@@ -48,6 +75,7 @@ class UnitLayout:
     n: int
     n_pad: int
     num_shards: int
+    layer: int | None = None
 
     @property
     def shard_len(self) -> int:
@@ -87,11 +115,13 @@ def _is_float(x: Any) -> bool:
 
 
 def make_unit_layout(
-    path: tuple[str, ...], subtree: PyTree, num_shards: int, align: int = 1
+    path: tuple[str, ...], subtree: PyTree, num_shards: int, align: int = 1,
+    layer: int | None = None,
 ) -> UnitLayout:
-    """The layout of one unit, its flat length padded to a multiple of ``num_shards*align``."""
+    """The layout of one unit, its flat length padded to a multiple of ``num_shards*align``.
+    ``layer``: the subtree is layer ``layer`` of a scanned stack at ``path``."""
     leaves, treedef = jax.tree_util.tree_flatten(subtree)
-    name = unit_name(path)
+    name = unit_name(path, layer)
     for leaf_path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
         if not _is_float(leaf):
             raise TypeError(
@@ -103,7 +133,7 @@ def make_unit_layout(
     n = sum(math.prod(s) for s in shapes)
     quantum = num_shards * align
     n_pad = max(quantum, -(-n // quantum) * quantum)
-    return UnitLayout(name, path, treedef, shapes, n, n_pad, num_shards)
+    return UnitLayout(name, path, treedef, shapes, n, n_pad, num_shards, layer)
 
 
 # -- splitting a model's params tree into units -----------------------------------------------

@@ -1,0 +1,123 @@
+"""Smoke tests of benchmarks/overhead.py and benchmarks/gpu_check.py on the CPU.
+
+The fast ones (a few seconds): gpu_check's no-GPU exit, one case of each Pallas kernel
+through gpu_check's own case machinery (interpret mode), its bit comparison and markdown,
+and overhead's matmul counter and remat GPT. End-to-end runs of both scripts are ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import gpu_check, overhead
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_without_a_gpu_says_so_and_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "gpu-check: no GPU found (platform: cpu)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+@pytest.mark.parametrize("case", [
+    dict(kernel="quantize+dequantize", bits=4, dtype="bfloat16", block_size=32, blocks=5),
+    dict(kernel="reorder_quantize", bits=8, dtype="float16", block_size=32, blocks=3,
+         nodes=2, local=2, stages=2, stage=1),
+    dict(kernel="dequantize_reduce(+requantize)", bits=4, out_bits=8, dtype="float32",
+         block_size=32, blocks=5, groups=3),
+])
+def test_gpu_check_kernel_cases_are_bit_exact_in_interpret_mode(case):
+    make_inputs, kernel, reference, names = gpu_check._case_fns(case, interpret=True)
+    args = make_inputs(np.random.default_rng(0))
+    got, want = jax.jit(lambda *a: (kernel(*a), reference(*a)))(*args)
+    assert len(got) == len(want) == len(names)
+    assert {n: gpu_check.bit_mismatches(a, e) for n, a, e in zip(names, got, want)} == {
+        n: 0 for n in names}
+
+
+def test_gpu_check_bit_mismatches_counts_bits_and_nan_positions():
+    x = np.array([1.0, -0.0, np.nan, 2.0], np.float32)
+    assert gpu_check.bit_mismatches(x, x.copy()) == 0
+    assert gpu_check.bit_mismatches(x, np.array([1.0, 0.0, np.nan, 2.0], np.float32)) == 1
+    assert gpu_check.bit_mismatches(x, np.array([1.0, -0.0, 3.0, 2.0], np.float32)) == 1
+    assert gpu_check.bit_mismatches(x.astype(jnp.bfloat16), x.astype(jnp.bfloat16)) == 0
+    assert gpu_check.bit_mismatches(x, x.astype(np.float16)) == -1  # dtype differs
+    assert gpu_check.bit_mismatches(np.int8([1, 2]), np.int8([1, 3])) == 1
+
+
+def test_gpu_check_markdown_survives_errors_and_skips():
+    md = gpu_check.markdown({
+        "versions": {"error": "boom"},
+        "kernels": {"cases": [dict(kernel="quantize+dequantize", bits=8, dtype="float32",
+                                   ok=False)], "passed": 0, "total": 1},
+        "bandwidth": {"skipped": True},
+        "train_step": {"error": "RuntimeError: out of memory"},
+    })
+    assert "0/1 FAIL" in md and "skipped (--skip-bandwidth)" in md and "out of memory" in md
+
+
+def test_overhead_counts_matmul_instructions_not_metadata():
+    f = jax.jit(lambda a, b: jnp.tanh(a @ b) @ b)
+    text = f.lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile().as_text()
+    assert overhead.count_matmuls(text)["dot"] == 2  # dot_general appears only in metadata
+    gemm = ('%c = (f32[8,8], s8[0]) custom-call(%a, %b), custom_call_target="__cublas$gemm", '
+            'metadata={op_name="jit(f)/dot_general"}')
+    assert overhead.count_matmuls(gemm) == {"dot": 0, "gemm_custom_call": 1, "total": 1}
+
+
+def test_overhead_remat_gpt_has_gpt_params_and_loss():
+    from zeropp_jax.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, layers=2, d_model=16, heads=2)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 8)), jnp.int32)
+    model, remat = GPT(cfg), overhead.remat_gpt_class()(cfg)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"]
+    remat_params = jax.eval_shape(remat.init, jax.random.PRNGKey(0), tokens)["params"]
+    assert jax.tree_util.tree_structure(remat_params) == jax.tree_util.tree_structure(params)
+    params = jax.tree_util.tree_map(  # random values: no need to run init
+        lambda s: jnp.asarray(np.random.default_rng(s.size).normal(size=s.shape), s.dtype),
+        params)
+
+    def losses(p, x):  # both models in one program: one compile
+        return model.apply({"params": p}, x), remat.apply({"params": p}, x)
+
+    plain_out, remat_out = jax.jit(losses)(params, tokens)
+    np.testing.assert_allclose(remat_out, plain_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_overhead_runs_end_to_end(tmp_path):
+    res = overhead.main(["--layers", "1", "--d-model", "16", "--heads", "2", "--seq-len", "8",
+                         "--batch", "2", "--rounds", "2", "--steps-per-round", "1",
+                         "--out", str(tmp_path), "--name", "tiny"])
+    assert set(res["variants"]) == set(overhead.VARIANTS)
+    assert json.loads((tmp_path / "tiny.json").read_text())["targets"]
+    # No recomputed matmul with remat="minimal"; full remat reruns the blocks' forward.
+    v = res["variants"]
+    assert v["zero3_minimal"]["matmuls"]["total"] == v["plain"]["matmuls"]["total"]
+    assert v["zero3_full"]["matmuls"]["total"] > v["zero3_minimal"]["matmuls"]["total"]
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_dry_run(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                           "--allow-cpu", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["failures"] == [] and data["kernels"]["passed"] == data["kernels"]["total"]
+    md = (tmp_path / "gpu_check.md").read_text().splitlines()
+    assert sum(line.startswith("|---") for line in md) == 3  # the (a), (b) and (c) tables

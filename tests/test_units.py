@@ -1,0 +1,143 @@
+"""The unit transform: remat choices, what the compiled step computes and gathers, and
+array arguments of every kind (constants, RNG keys)."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zpp
+from zeropp_jax.comm_report import collectives
+from zeropp_jax.models.gpt import GPT, loss_fn
+
+from helpers import (
+    SMALL,
+    assert_leaves_rel_close,
+    init_params,
+    make_step,
+    reference_loss_and_grads,
+    tokens,
+)
+
+FP32 = dict(compute_dtype="float32")
+_DOT = re.compile(r"= \S+ dot\(")
+
+
+def _compiled(remat, shape=(1, 1), compute_dtype="float32"):
+    n = shape[0] * shape[1]
+    state = zpp.TrainState.create(
+        model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+        mesh=zpp.make_mesh(*shape, devices=jax.devices()[:n]),
+        config=zpp.ZeroPPConfig(compute_dtype=compute_dtype, remat=remat),
+    )
+    return state, make_step().lower(state, tokens(8, seed=0)).compile()
+
+
+@pytest.fixture(scope="module")
+def plain_dots():
+    model, params = GPT(SMALL), init_params()
+
+    def step(p, b):
+        loss, g = jax.value_and_grad(
+            lambda p: loss_fn(model.apply({"params": p}, b[:, :-1]), b[:, 1:]))(p)
+        return jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, p, g), loss
+
+    with jax.default_device(jax.devices()[0]):
+        text = jax.jit(step).lower(params, tokens(8, seed=0)).compile().as_text()
+    return len(_DOT.findall(text))
+
+
+def test_minimal_remat_runs_no_forward_matmul_twice(plain_dots):
+    """The compiled ZeRO-3 step with remat="minimal" has exactly the plain single-device
+    step's matmuls; "full" recomputes the forward ones (more)."""
+    _, minimal = _compiled("minimal")
+    _, full = _compiled("full")
+    assert len(_DOT.findall(minimal.as_text())) == plain_dots
+    assert len(_DOT.findall(full.as_text())) > plain_dots
+
+
+def test_backward_regathers_apart_from_forward_gathers():
+    """Forward and backward gathers stay separate collectives in the compiled program (XLA
+    must not merge them: that would keep every unit's full weights alive from forward to
+    backward). Forward gathers move bf16 bits as u16, backward regathers as s16."""
+    state, compiled = _compiled("minimal", shape=(2, 4), compute_dtype="bfloat16")
+    gathers = [c.dtype for c in collectives(compiled.as_text()) if c.kind == "all-gather"]
+    units = len(state.engine.layouts)
+    forward = [t for t in gathers if t in ("u16", "ui16")]
+    backward = [t for t in gathers if t in ("s16", "i16")]
+    assert len(forward) == units
+    # Units whose backward needs their weights (not embeddings, whose weight gradient is a
+    # scatter of the cotangent; not the rest unit, gathered once per step) regather them.
+    assert units - 3 <= len(backward) < units
+
+
+def test_remat_choices_equal_single_device():
+    model, params = GPT(SMALL), init_params(seed=4)
+    batch = tokens(16, seed=40)
+    ref_loss, ref_grads = reference_loss_and_grads(model, params, batch)
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    for remat in ("full", "minimal", policy):
+        state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                      mesh=zpp.make_mesh(2, 4),
+                                      config=zpp.ZeroPPConfig.zero3(remat=remat, **FP32))
+        _, out = make_step(with_grads=True)(state, batch)
+        # fp32; only the summation order differs (8 partial means vs one mean).
+        np.testing.assert_allclose(float(out["loss"]), float(ref_loss), rtol=1e-5)
+        assert_leaves_rel_close(state.engine.consolidate(out["grads"]), ref_grads, rel=1e-5)
+
+
+def test_bad_remat_names_the_choices():
+    with pytest.raises(ValueError, match="full.*minimal"):
+        zpp.ZeroPPConfig(remat="everything")
+
+
+# -- array arguments of a unit -----------------------------------------------------------
+
+
+class _RotaryBlock(nn.Module):
+    """Takes a float table built from constants (as RoPE / ALiBi / float masks are)."""
+
+    @nn.compact
+    def __call__(self, x, table):
+        return jnp.tanh(nn.Dense(x.shape[-1])(x) * table + table**2)
+
+
+class _RotaryModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        t = jnp.arange(x.shape[-1], dtype=jnp.float32)
+        table = jnp.cos(t / 3.0)[None, :] + 1.5  # [1, d], invariant over devices
+        for i in range(2):
+            x = _RotaryBlock(name=f"block_{i}")(x, table)
+        return x
+
+
+def test_constant_float_arguments_work_and_match_single_device():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    model = _RotaryModel()
+    params = model.init(jax.random.PRNGKey(0), x[:2])["params"]
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig.zero3(**FP32))
+
+    @zpp.train_step
+    def step(state, batch):
+        loss, g = jax.value_and_grad(
+            lambda p: (state.apply_fn({"params": p}, batch) ** 2).mean())(state.params)
+        return state, {"loss": loss, "grads": g}
+
+    _, out = step(state, x)
+
+    def ref(p):
+        return jnp.mean(jnp.stack([(model.apply({"params": p}, x[i:i + 2]) ** 2).mean()
+                                   for i in range(0, 16, 2)]))
+
+    ref_loss, ref_grads = jax.value_and_grad(ref)(params)
+    np.testing.assert_allclose(float(out["loss"]), float(ref_loss), rtol=1e-5)
+    assert_leaves_rel_close(state.engine.consolidate(out["grads"]), ref_grads, rel=1e-5)

@@ -8,6 +8,11 @@
     only inside the step (temp memory); its size comes from ``secondary_bytes``.
 (b) The paper's example: 100B parameters on 1024 GPUs, 16 per node, mixed precision
     (2 + 2 + K=12 bytes per parameter): data parallel vs ZeRO-3 vs hpZ.
+(c) Live weights vs depth: compiled temp bytes of a ZeRO-3 step at 4 and 8 layers (a wide
+    GPT, d_model 128, and one 8-token sequence per device, so weights dominate), for each
+    remat choice, as unrolled blocks and as an ``nn.scan`` stack. Growth per added layer
+    against one layer's gathered (bf16) weights; target <= 0.5x (about one unit's weights
+    live at a time, not every unit's).
 Writes JSON.
 """
 
@@ -73,10 +78,83 @@ def main() -> None:
           f"{paper.data_parallel / paper.hpz:.0f}x (paper: 8.9x and 114x)")
     results["paper_example"] = {"data_parallel": paper.data_parallel, "zero3": paper.zero3,
                                 "hpz": paper.hpz}
+    results["depth"] = depth_growth(args.nodes, args.local)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "memory.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
+
+
+def depth_growth(nodes: int, local: int) -> dict:
+    """(c): temp bytes at 4 and 8 layers -> growth per layer / one layer's bf16 weights."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import zeropp_jax as zpp
+    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+
+    d, seq = 128, 8
+
+    class Layer(nn.Module):  # one pre-norm MLP block, as a scan body
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.Dense(4 * d)(nn.LayerNorm()(x))
+            return x + nn.Dense(d)(jax.nn.gelu(h)), None
+
+    class Scanned(nn.Module):
+        layers: int
+
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(64, d)(tokens)
+            stack = nn.scan(Layer, variable_axes={"params": 0},
+                            split_rngs={"params": True}, length=self.layers)
+            x, _ = stack(name="layers")(x, None)
+            return nn.Dense(64)(x)
+
+    tokens = np.zeros((nodes * local, seq + 1), np.int32)
+
+    @zpp.train_step
+    def step(state, batch):
+        def loss_of(p):
+            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        loss, g = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=g), {"loss": loss}
+
+    def temp(model, layers, remat, stacked):
+        params = model.init(jax.random.PRNGKey(0), tokens[:1, :-1])["params"]
+        state = zpp.TrainState.create(
+            model=model, params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(nodes, local),
+            config=zpp.ZeroPPConfig(remat=remat), stacked=stacked)
+        lay = state.engine.layouts["layers[0]" if stacked else "block_0"]
+        stats = step.lower(state, tokens).compile().memory_analysis()
+        return stats.temp_size_in_bytes, lay.n * 2
+
+    rows = {}
+    print(f"\n(c) compiled temp bytes vs depth, ZeRO-3 bf16, {nodes}x{local}, one "
+          f"{seq}-token sequence per device")
+    print(f"{'model':<22} {'remat':<8} {'temp 4 layers':>14} {'temp 8 layers':>14} "
+          f"{'growth/layer':>13} {'layer weights':>14} {'ratio':>6}")
+    for kind in ("unrolled GPT", "nn.scan stack"):
+        for remat in ("minimal", "full"):
+            if kind == "unrolled GPT":
+                make = lambda n: GPT(GPTConfig(vocab_size=64, seq_len=seq, layers=n,  # noqa: E731
+                                               d_model=d, heads=4, dtype=jnp.bfloat16))
+                stacked = ()
+            else:
+                make, stacked = Scanned, ("layers",)
+            t4, w = temp(make(4), 4, remat, stacked)
+            t8, _ = temp(make(8), 8, remat, stacked)
+            growth = (t8 - t4) / 4
+            rows[f"{kind}/{remat}"] = {"temp_4": t4, "temp_8": t8, "growth_per_layer": growth,
+                                       "layer_weight_bytes_bf16": w, "ratio": growth / w}
+            print(f"{kind:<22} {remat:<8} {t4:>14,} {t8:>14,} {growth:>13,.0f} {w:>14,} "
+                  f"{growth / w:>6.2f}" + ("" if growth / w <= 0.5 else "  (> 0.5: NOT met)"))
+    return rows
 
 
 if __name__ == "__main__":

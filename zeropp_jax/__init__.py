@@ -5,10 +5,10 @@ from zeropp_jax.accumulate import accumulate_gradients
 from zeropp_jax.checkpoint import consolidate
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.engine import Engine
-from zeropp_jax.engine import ShardedParams
-from zeropp_jax.engine import TrainState
-from zeropp_jax.engine import global_norm
-from zeropp_jax.engine import train_step
+from zeropp_jax.placement import ShardedParams
+from zeropp_jax.placement import global_norm
+from zeropp_jax.state import TrainState
+from zeropp_jax.step import train_step
 from zeropp_jax.frozen import FrozenShards
 from zeropp_jax.mesh import make_mesh
 from zeropp_jax.mesh import simulate_cpu_devices

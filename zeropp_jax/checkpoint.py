@@ -35,7 +35,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zeropp_jax.engine import REPLICATED, SHARDED, ShardedParams, TrainState, _place, _to_host
+from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams
+from zeropp_jax.placement import place as _place
+from zeropp_jax.placement import to_host as _to_host
+from zeropp_jax.state import TrainState
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.partition import REST, UnitLayout, merge_units
 

@@ -1,115 +1,60 @@
-"""The ZeRO engine: train state on primary shards, and the sharded train step.
+"""The ZeRO engine: everything static about a run, and what runs inside the step.
 
-A user keeps writing the train step they would write for one device::
-
-    @zeropp_jax.train_step
-    def step(state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch["x"])
-            return cross_entropy(logits, batch["y"])
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-``train_step`` jits the function and runs it inside ``jax.shard_map`` over the
-``("node", "local")`` mesh: the batch is split over all devices on its leading dimension,
-``state.params`` holds this device's primary shards, and ``state.apply_fn`` runs the Flax
-model unit by unit (ZeRO-3) or on replicated weights (stages 1 and 2). Returned train states
-keep their shardings; every other returned value is averaged over devices (a per-device
-loss becomes the global mean).
+``Engine`` holds the model, optimizer, mesh, config and unit layouts. Inside ``shard_map``
+it runs the model on primary shards (``apply_step``: unit by unit for stage 3, on replicated
+weights for stages 1 and 2) and takes the optimizer step on the shards
+(``apply_gradients``: reduce, clip, check, update). Outside, it places batches and turns
+shards back into a params tree (``consolidate``). ``TrainState`` (state.py) carries it as
+static data; ``train_step`` (step.py) runs a user's step function around it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import collectives
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.flax import apply_units
-from zeropp_jax.frozen import (
-    FrozenFilter,
-    FrozenShards,
-    as_predicate,
-    current_frozen,
-    dequantize_frozen_flat,
-    frozen_alignment,
-    frozen_context,
-    merge_trees,
-    quantize_frozen_flat,
-    split_frozen,
-)
-from zeropp_jax.hpz import group_nodes
+from zeropp_jax.frozen import FrozenShards, dequantize_frozen_flat, merge_trees
 from zeropp_jax.mesh import AXES, mesh_shape
-from zeropp_jax.optim import check_elementwise
-from zeropp_jax.partition import (
-    REST,
-    UnitLayout,
-    unit_name,
-    default_unit_paths,
-    make_unit_layout,
-    stack_layers,
-    merge_units,
-    split_units,
+from zeropp_jax.partition import REST, UnitLayout, merge_units
+from zeropp_jax.placement import (
+    REPLICATED,
+    SHARDED,
+    ShardedParams,
+    global_norm,
+    place,
+    to_host,
 )
-from zeropp_jax.unit import qgz_schedule
 from zeropp_jax.weights import reduce_gradient
 
+if TYPE_CHECKING:  # state.py imports this module
+    from zeropp_jax.state import TrainState
+
 PyTree = Any
-SHARDED = P(AXES)
-REPLICATED = P()
 
 
-def _place(x: Any, sharding: NamedSharding) -> jax.Array:
-    """Puts a host value that every process holds in full onto ``sharding``.
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    """What a traced step's ``apply_fn`` uses of the train state besides its params.
 
-    One process (or a sharding whose devices are all local): ``jax.device_put``. Several
-    processes (the mesh spans devices of other processes): every process must pass the
-    same global value, and each one places only the slices its own devices hold, so no
-    data moves between processes.
+    Attributes:
+      frozen: the state's frozen shards (``TrainState.frozen``), or None.
+      qgz_on: with ``config.qgz_until``, a traced bool: qgZ (True) or the plain
+        reduce-scatter for this step; None: qgZ whenever ``config.qgz``.
     """
-    if sharding.is_fully_addressable:
-        return jax.device_put(x, sharding)
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    """The global value of ``x`` as numpy; a collective over processes if it spans several."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
-def global_norm(shards: Any) -> jax.Array:
-    """L2 norm of a whole pytree whose leaves are primary shards. Inside ``shard_map``.
-
-    Each device sums the squares of its shards in fp32; a ``psum`` over ``("node",
-    "local")`` adds the devices' sums. Accepts a ``ShardedParams`` (as returned for the
-    gradient of ``state.params`` in ZeRO-3) or any pytree of sharded leaves.
-    """
-    if isinstance(shards, ShardedParams):
-        if not shards.sharded:
-            raise ValueError(
-                "global_norm needs primary shards; with ZeRO stages 1 and 2 the gradient "
-                "inside the step is each device's unreduced full gradient"
-            )
-        shards = shards.units
-    local = sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
-                for x in jax.tree_util.tree_leaves(shards))
-    return jnp.sqrt(jax.lax.psum(local, AXES))
+    frozen: FrozenShards | None = None
+    qgz_on: jax.Array | None = None
 
 
 def _stack(*xs: Any) -> Any:
@@ -132,28 +77,6 @@ def _per_device_rngs(rngs: Any) -> Any:
     if isinstance(rngs, Mapping):
         return {name: fold(key) for name, key in rngs.items()}
     return fold(rngs)
-
-
-@struct.dataclass
-class ShardedParams:
-    """A model's parameters as one flat buffer per unit.
-
-    ``units[name]`` is, outside ``shard_map``, a global ``[n_pad]`` array; inside, the local
-    piece. With ``sharded=True`` it is split over ``("node", "local")`` (primary shards,
-    ``[n_pad / P]`` per device); with ``sharded=False`` every device holds all of it (ZeRO
-    stages 1 and 2 keep full weights in the compute dtype). Use it only through
-    ``state.apply_fn``; ``TrainState.consolidate`` turns it back into a Flax params tree.
-    """
-
-    units: dict[str, jax.Array]
-    sharded: bool = struct.field(pytree_node=False, default=True)
-
-    @property
-    def spec(self) -> P:
-        return SHARDED if self.sharded else REPLICATED
-
-    def specs(self) -> "ShardedParams":
-        return ShardedParams({k: self.spec for k in self.units}, self.sharded)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -208,10 +131,24 @@ class Engine:
         method: str | Callable | None = None,
         **kwargs: Any,
     ) -> Any:
+        """``model.apply`` on this device's parameters, without a train state's step state
+        (frozen weights must then come as ``variables["frozen"]``; qgZ always on). Prefer
+        ``state.apply_fn``, which carries the state's frozen shards and qgZ schedule."""
+        return self.apply_step(StepState(), variables, *args, method=method, **kwargs)
+
+    def apply_step(
+        self,
+        step: "StepState",
+        variables: Mapping[str, Any],
+        *args: Any,
+        method: str | Callable | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """``model.apply`` on this device's parameters. Call inside ``train_step``.
 
-        ``variables`` is ``{"params": state.params}``; other arguments as for Flax's
-        ``Module.apply``.
+        ``step`` is what the traced step knows besides the params (``state.apply_fn`` binds
+        it): the frozen shards and the qgZ schedule flag. ``variables`` is
+        ``{"params": state.params}``; other arguments as for Flax's ``Module.apply``.
         """
         if not isinstance(variables, Mapping) or "params" not in variables:
             raise TypeError("apply_fn expects {'params': state.params} as its first argument")
@@ -231,15 +168,11 @@ class Engine:
         if kwargs.get("rngs") is not None:
             kwargs["rngs"] = _per_device_rngs(kwargs["rngs"])
         if self.config.stage == 3:
-            if not self.has_frozen:
-                return apply_units(
-                    self.model, self.layouts, params.units, self.config, *args, method=method,
-                    **kwargs,
-                )
-            frozen = variables.get("frozen", current_frozen())
+            frozen = variables.get("frozen", step.frozen) if self.has_frozen else None
             return apply_units(
                 self.model, self.layouts, params.units, self.config, *args, method=method,
-                frozen_layouts=self.frozen_layouts, frozen=frozen, **kwargs,
+                frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
+                **kwargs,
             )
         tree = self.unflatten_full(params.units)
         if method is None:
@@ -282,7 +215,7 @@ class Engine:
         it, and every process receives the full parameters."""
         flats = {}
         for name, lay in self.layouts.items():
-            flats[name] = _to_host(params.units[name])[: lay.n]
+            flats[name] = to_host(params.units[name])[: lay.n]
         frozen_flats = None if frozen is None else self.frozen_full(frozen)
         return jax.tree_util.tree_map(np.asarray, self.unflatten_full(flats, frozen_flats))
 
@@ -291,10 +224,10 @@ class Engine:
         dequantized values a forward pass computes with, before the compute-dtype cast)."""
         out = {}
         for name, lay in self.frozen_layouts.items():
-            values = _to_host(frozen.values[name])
+            values = to_host(frozen.values[name])
             if frozen.quantized:
                 with jax.default_device(jax.devices("cpu")[0]):
-                    values = dequantize_frozen_flat(values, _to_host(frozen.scales[name]),
+                    values = dequantize_frozen_flat(values, to_host(frozen.scales[name]),
                                                     self.config, lay)
             out[name] = np.asarray(values, np.float32)
         return out
@@ -378,16 +311,12 @@ class Engine:
             }
         return g, finite
 
-    def step_context(self, state: "TrainState") -> Any:
-        """Context for tracing one step of ``state``: the qgZ schedule (``qgz_until``) and
-        the frozen shards ``apply_fn`` reads."""
+    def step_state(self, state: "TrainState") -> "StepState":
+        """What ``apply_fn`` needs of ``state`` besides the params: its frozen shards, and
+        with ``qgz_until`` whether qgZ is on at ``state.step`` (a traced bool, so one
+        compiled program serves both phases of the run)."""
         until = self.config.qgz_until_step if self.config.qgz else None
-        stack = contextlib.ExitStack()
-        if until is not None:
-            stack.enter_context(qgz_schedule(state.step < until))
-        if state.frozen is not None:
-            stack.enter_context(frozen_context(state.frozen))
-        return stack
+        return StepState(state.frozen, None if until is None else state.step < until)
 
     # -- outside shard_map -----------------------------------------------------------------
 
@@ -442,362 +371,6 @@ class Engine:
                 return x
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
                 return jax.device_put(x, sharding)  # a global array: reshard it
-            return _place(x, sharding)
+            return place(x, sharding)
 
         return jax.tree_util.tree_map_with_path(put, batch)
-
-
-@struct.dataclass
-class TrainState:
-    """Train state on primary shards; mirrors ``flax.training.train_state.TrainState``.
-
-    Attributes:
-      step: number of optimizer steps taken (replicated int32).
-      params: the parameters the step differentiates: primary shards (stage 3) or full
-        replicated compute-dtype weights (stages 1, 2).
-      opt_state: the optax state of the primary shards.
-      master: stages 1 and 2: the param-dtype primary shards the optimizer updates; None
-        for stage 3, where ``params`` are the primary shards.
-      engine: static; the model, optimizer, mesh, config and layouts.
-      skipped_steps: steps whose update was skipped because the gradient held inf or NaN
-        (``config.skip_nonfinite``); ``step`` counts them too (replicated int32).
-      frozen: primary shards of the frozen parameters (``create(..., frozen=...)``), stored
-        quantized with ``config.quantize_frozen``; never differentiated or updated. None
-        when every parameter trains.
-    """
-
-    step: jax.Array
-    params: ShardedParams
-    opt_state: PyTree
-    master: ShardedParams | None
-    engine: Engine = struct.field(pytree_node=False)
-    skipped_steps: jax.Array | None = None
-    frozen: FrozenShards | None = None
-
-    @property
-    def apply_fn(self) -> Callable[..., Any]:
-        return self.engine.apply
-
-    @property
-    def tx(self) -> optax.GradientTransformation:
-        return self.engine.tx
-
-    @property
-    def mesh(self) -> Mesh:
-        return self.engine.mesh
-
-    @property
-    def config(self) -> ZeroPPConfig:
-        return self.engine.config
-
-    def apply_gradients(self, *, grads: ShardedParams) -> "TrainState":
-        """Optimizer step on primary shards. Call inside a ``train_step`` function."""
-        return self.engine.apply_gradients(self, grads)
-
-    def consolidate(self) -> PyTree:
-        """The full parameters as a plain Flax params tree of numpy arrays (param dtype)."""
-        return self.engine.consolidate(self.params if self.master is None else self.master,
-                                       self.frozen)
-
-    @classmethod
-    def create(
-        cls,
-        *,
-        model: nn.Module,
-        params: PyTree,
-        tx: optax.GradientTransformation,
-        mesh: Mesh,
-        config: ZeroPPConfig | None = None,
-        units: Sequence[Sequence[str]] | None = None,
-        frozen: FrozenFilter | None = None,
-        stacked: Sequence[str | Sequence[str]] = (),
-    ) -> "TrainState":
-        """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
-
-        Args:
-          model: the Flax linen model; ``model.apply({"params": params}, ...)`` must work.
-          params: its parameters (the ``"params"`` collection of ``model.init``).
-            Multi-host: every process passes the same values (same init seed); each places
-            only its own devices' shards.
-          tx: an optax transformation acting elementwise (checked).
-          mesh: a ``("node", "local")`` mesh from ``make_mesh``.
-          config: default ``ZeroPPConfig.zero3()``.
-          units: module paths of the units (each a tuple of names). Default: every direct
-            child module of the root. Parameters outside every unit form one rest unit.
-          frozen: which parameters do not train: a callable on the parameter path (tuple of
-            names from the root) returning True for frozen ones, or a sequence of path
-            prefixes. They get no gradient and no optimizer state, and are stored in
-            ``state.frozen`` (quantized with ``config.quantize_frozen``). Stage 3 only.
-          stacked: module paths (``"layers"`` or ``("decoder", "layers")``) of ``nn.scan``
-            stacks: modules whose parameters carry a leading layer axis. Each layer is its
-            own unit, and inside the step every scan iteration gathers only its layer's
-            weights (one compiled body; live weights bounded by construction).
-        """
-        config = ZeroPPConfig.zero3() if config is None else config
-        if not isinstance(config, ZeroPPConfig):
-            raise TypeError(f"config must be a ZeroPPConfig, got {type(config).__name__}")
-        nodes, local = mesh_shape(mesh)
-        num_devices = nodes * local
-        if isinstance(params, Mapping) and set(params) == {"params"} and isinstance(
-            params["params"], Mapping
-        ):
-            raise ValueError(
-                "pass the 'params' collection, not the whole variables dict: "
-                "params=variables['params']"
-            )
-        if not isinstance(params, Mapping) or not jax.tree_util.tree_leaves(params):
-            raise ValueError(
-                "the model has no parameters, so there is nothing for ZeRO to shard; "
-                "check that params comes from model.init(...)['params']"
-            )
-        check_elementwise(tx)
-        if config.hpz:
-            group_nodes(config.hpz_group_size, nodes, local)  # raises naming the valid sizes
-
-        unit_paths = (
-            default_unit_paths(params) if units is None else tuple(tuple(u) for u in units)
-        )
-        stacked = tuple(tuple(p.split("/")) if isinstance(p, str) else tuple(p) for p in stacked)
-        unit_paths += tuple(p for p in stacked if p not in unit_paths)
-        unit_trees, rest = split_units(params, unit_paths)
-        frozen_trees: dict[tuple[str, ...], PyTree] = {}
-        if stacked and frozen is not None:
-            raise NotImplementedError(
-                "frozen parameters inside nn.scan stacks are not supported yet; freeze "
-                "parameters outside the stacked modules, or pass no stacked= paths"
-            )
-        if frozen is not None:
-            if config.stage != 3:
-                raise NotImplementedError(
-                    "frozen parameters need ZeRO stage 3 (stages 1 and 2 keep full replicated "
-                    "weights, which the frozen layout does not cover); use stage=3"
-                )
-            is_frozen = as_predicate(frozen)
-            split = {p: split_frozen(sub, is_frozen, p) for p, sub in unit_trees.items()}
-            split[()] = split_frozen(rest, is_frozen, ())
-            unit_trees = {p: t for p, (t, _) in split.items() if p != () and t}
-            rest = split[()][0]
-            frozen_trees = {p: f for p, (_, f) in split.items() if f}
-            if not unit_trees and not jax.tree_util.tree_leaves(rest):
-                raise ValueError(
-                    "the frozen filter freezes every parameter, so there is nothing to train; "
-                    "check the filter (it gets each parameter's path, e.g. ('block_0', 'attn', "
-                    "'qkv', 'kernel'), and returns True for frozen ones)"
-                )
-        elif config.quantize_frozen:
-            raise ValueError(
-                "config.quantize_frozen=True but no parameters are frozen: pass "
-                "TrainState.create(..., frozen=<filter>)"
-            )
-        layouts: dict[str, UnitLayout] = {}
-        trees: dict[str, PyTree] = {}
-        align = config.flat_alignment
-        for path, sub in unit_trees.items():
-            subs = stack_layers(sub, path) if path in stacked else [sub]
-            for i, layer_tree in enumerate(subs):
-                lay = make_unit_layout(path, layer_tree, num_devices, align,
-                                       layer=i if path in stacked else None)
-                layouts[lay.name], trees[lay.name] = lay, layer_tree
-        if jax.tree_util.tree_leaves(rest):
-            layouts[REST], trees[REST] = make_unit_layout((), rest, num_devices, align), rest
-        frozen_layouts = {
-            unit_name(p): make_unit_layout(p, f, num_devices, frozen_alignment(config))
-            for p, f in frozen_trees.items()
-        }
-
-        pdt = config.param_jnp_dtype
-        sharded = NamedSharding(mesh, SHARDED)
-        master = {
-            name: _place(
-                np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt)),
-                sharded,
-            )
-            for name, lay in layouts.items()
-        }
-
-        opt_specs = _opt_state_specs(tx, layouts, pdt)
-        opt_state = jax.jit(
-            jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
-        )(master)
-
-        engine = Engine(model, tx, mesh, config, layouts, opt_specs, frozen_layouts)
-        step = _place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
-        skipped = _place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
-        if config.stage == 3:
-            frozen_shards = (
-                _store_frozen(frozen_layouts, frozen_trees, config, sharded)
-                if frozen_layouts else None
-            )
-            return cls(step, ShardedParams(master, True), opt_state, None, engine, skipped,
-                       frozen_shards)
-        cdt = config.compute_jnp_dtype
-        replicated = NamedSharding(mesh, REPLICATED)
-        full = {
-            name: _place(
-                np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt))
-                .astype(cdt),
-                replicated,
-            )
-            for name, lay in layouts.items()
-        }
-        return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine,
-                   skipped)
-
-
-def _opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, UnitLayout],
-                     dtype: Any) -> PyTree:
-    """PartitionSpec of each optimizer-state leaf: sharded if it follows the parameters.
-
-    A leaf is per-parameter (Adam's moments) if its shape follows the shard length, and
-    global otherwise (a step count). Decided by initialising abstractly at two different
-    shard lengths, so it holds on a one-device mesh too, where local and global shapes agree.
-    """
-    def state_at(scale: int) -> PyTree:
-        shapes = {k: jax.ShapeDtypeStruct((scale * lay.shard_len,), dtype)
-                  for k, lay in layouts.items()}
-        return jax.eval_shape(tx.init, shapes)
-
-    return jax.tree_util.tree_map(
-        lambda a, b: REPLICATED if a.shape == b.shape else SHARDED, state_at(1), state_at(2)
-    )
-
-
-def _store_frozen(
-    layouts: Mapping[str, UnitLayout],
-    trees: Mapping[tuple[str, ...], PyTree],
-    config: ZeroPPConfig,
-    sharding: NamedSharding,
-) -> FrozenShards:
-    """Frozen subtrees -> their primary shards on the mesh, quantized if configured."""
-    values, scales = {}, {}
-    for name, lay in layouts.items():
-        flat = np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[lay.path]),
-                                      config.param_jnp_dtype))
-        if config.quantize_frozen:
-            v, s = quantize_frozen_flat(flat, config, lay)
-            values[name], scales[name] = _place(v, sharding), _place(s, sharding)
-        else:
-            values[name] = _place(flat, sharding)
-    return FrozenShards(values, scales, config.quantize_frozen, config.weight_bits,
-                        config.block_size)
-
-
-# -- the decorator --------------------------------------------------------------------------
-
-
-def _is_container(x: Any) -> bool:
-    return isinstance(x, (TrainState, ShardedParams))
-
-
-def _out_specs(out: PyTree) -> PyTree:
-    def spec(x: Any) -> Any:
-        if isinstance(x, TrainState):
-            return x.engine.state_specs(x)
-        if isinstance(x, ShardedParams):
-            return x.specs()
-        return REPLICATED
-
-    return jax.tree_util.tree_map(spec, out, is_leaf=_is_container)
-
-
-def _average_metrics(out: PyTree) -> PyTree:
-    def avg(x: Any) -> Any:
-        if _is_container(x):
-            return x
-        x = jnp.asarray(x)
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jax.lax.pmean(x, AXES)
-        return x
-
-    return jax.tree_util.tree_map(avg, out, is_leaf=_is_container)
-
-
-def _varying_params(state: TrainState) -> TrainState:
-    # Stages 1/2: replicated weights enter shard_map invariant, and autodiff would psum their
-    # gradient by itself. Marking them device-varying keeps gradients local, so
-    # apply_gradients decides the collective (all-reduce vs reduce-scatter) and its dtype.
-    if state.params.sharded:
-        return state
-    units = {k: jax.lax.pcast(v, AXES, to="varying") for k, v in state.params.units.items()}
-    return state.replace(params=ShardedParams(units, False))
-
-
-def train_step(
-    fn: Callable[..., Any] | None = None,
-    *,
-    donate_state: bool = False,
-    batch_spec: P = SHARDED,
-) -> Callable[..., Any]:
-    """Turns a one-device train step ``fn(state, batch, *extra)`` into a ZeRO step.
-
-    ``state`` is a ``zeropp_jax.TrainState``; every leaf of ``batch`` is split over all
-    devices on its leading dimension (which must be divisible by the device count);
-    ``extra`` arguments (an RNG key, a learning-rate scale) are replicated. Inside, ``fn``
-    runs per device under ``jax.shard_map`` over ``("node", "local")``. Of what ``fn``
-    returns, train states and ``ShardedParams`` keep their shardings and every other array
-    is averaged over devices (``pmean``; integer arrays are returned as they are).
-
-    The returned function is jitted once per input structure; ``.lower(state, batch,
-    *extra)`` gives the lowered program (for HLO inspection). With ``donate_state=True``
-    the input state's buffers are donated to the output. ``batch_spec`` is the
-    ``PartitionSpec`` of every batch leaf: default ``P(("node", "local"))`` (batch split
-    over all devices); ``P("node", "local")`` for sequence parallelism (batch over nodes,
-    sequence over each node's devices).
-    """
-    if fn is None:
-        return functools.partial(train_step, donate_state=donate_state, batch_spec=batch_spec)
-    batch_spec = P(*batch_spec) if not isinstance(batch_spec, P) else batch_spec
-
-    def run(state: TrainState, batch: PyTree, *extra: Any) -> Any:
-        engine = state.engine
-        in_specs = (
-            engine.state_specs(state),
-            jax.tree_util.tree_map(lambda _: batch_spec, batch),
-            *[jax.tree_util.tree_map(lambda _: REPLICATED, e) for e in extra],
-        )
-        recorded: dict[str, Any] = {}
-
-        def probe(state: TrainState, batch: PyTree, *extra: Any) -> jax.Array:
-            with engine.step_context(state):
-                recorded["specs"] = _out_specs(fn(_varying_params(state), batch, *extra))
-            return jnp.zeros((), jnp.float32)
-
-        # First pass (abstract): learn the output structure, so the real shard_map can be
-        # given exact out_specs. Runs once per compilation.
-        jax.eval_shape(
-            jax.shard_map(probe, mesh=engine.mesh, in_specs=in_specs, out_specs=REPLICATED),
-            state,
-            batch,
-            *extra,
-        )
-
-        def body(state: TrainState, batch: PyTree, *extra: Any) -> Any:
-            with engine.step_context(state):
-                return _average_metrics(fn(_varying_params(state), batch, *extra))
-
-        return jax.shard_map(
-            body, mesh=engine.mesh, in_specs=in_specs, out_specs=recorded["specs"]
-        )(state, batch, *extra)
-
-    jitted = jax.jit(run, donate_argnums=(0,) if donate_state else ())
-
-    def _check(state: Any) -> Engine:
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                "a train_step function takes a zeropp_jax.TrainState as its first argument "
-                f"(from zeropp_jax.TrainState.create), got {type(state).__name__}"
-            )
-        return state.engine
-
-    @functools.wraps(fn)
-    def wrapper(state: TrainState, batch: PyTree, *extra: Any) -> Any:
-        engine = _check(state)
-        return jitted(state, engine.shard_batch(batch, batch_spec), *extra)
-
-    def lower(state: TrainState, batch: PyTree, *extra: Any) -> Any:
-        engine = _check(state)
-        return jitted.lower(state, engine.shard_batch(batch, batch_spec), *extra)
-
-    wrapper.lower = lower  # type: ignore[attr-defined]
-    wrapper.jitted = jitted  # type: ignore[attr-defined]
-    return wrapper

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
@@ -167,6 +166,7 @@ def apply_units(
     method: str | Callable | None = None,
     frozen_layouts: Mapping[str, UnitLayout] | None = None,
     frozen: Any = None,
+    qgz_on: jax.Array | None = None,
     **kwargs: Any,
 ) -> Any:
     """``model.apply`` with ZeRO-3 parameters. Runs inside ``shard_map``.
@@ -180,6 +180,8 @@ def apply_units(
       frozen_layouts: unit name -> layout of its frozen part (units with frozen params).
       frozen: a ``FrozenShards`` holding this device's frozen storage (with
         ``frozen_layouts``).
+      qgz_on: with ``config.qgz_until``, the traced bool choosing qgZ (True) or the plain
+        reduce-scatter for this step; None: qgZ whenever ``config.qgz``.
       *args, method, **kwargs: as for ``model.apply``.
     """
     frozen_layouts = frozen_layouts or {}
@@ -197,7 +199,7 @@ def apply_units(
         def make(fn: Callable) -> Callable:
             unit = zero_unit(fn, layout, config, flayout)
             return lambda *arrays: unit(order.tie(shard) if shard is not None else None,
-                                        stored, *arrays)
+                                        stored, *arrays, qgz_on=qgz_on)
 
         return make
 
@@ -224,7 +226,7 @@ def apply_units(
 
         def make(fn: Callable, shard: jax.Array, layout: UnitLayout = lays[0]) -> Callable:
             unit = zero_unit(fn, layout, config)
-            return lambda *arrays: unit(shard, (), *arrays)
+            return lambda *arrays: unit(shard, (), *arrays, qgz_on=qgz_on)
 
         units[path] = Stacked(make)
     return run_units(model, units, rest, *args, method=method, order=order, **kwargs)

@@ -16,16 +16,13 @@ frozen block): it is split into a trainable layout and a frozen layout, gathered
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from zeropp_jax.collectives import all_gather_flat
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.mesh import AXES
 from zeropp_jax.partition import UnitLayout
@@ -207,29 +204,6 @@ def dequantize_gathered(values: jax.Array, scales: jax.Array, config: ZeroPPConf
     return dequantize_flat(values, scales, bits=config.weight_bits, block_size=block_size,
                            dtype=config.compute_jnp_dtype,
                            implementation=config.quantization_impl)
-
-
-# -- where apply_fn finds them -------------------------------------------------------------------
-
-_FROZEN: contextvars.ContextVar = contextvars.ContextVar("zeropp_frozen", default=None)
-
-
-@contextlib.contextmanager
-def frozen_context(frozen: FrozenShards | None) -> Iterator[None]:
-    """Within this context (a traced step), ``apply_fn`` reads frozen shards from here.
-
-    ``train_step`` enters it with ``state.frozen``, so the user's step keeps calling
-    ``state.apply_fn({"params": state.params}, ...)`` unchanged.
-    """
-    token = _FROZEN.set(frozen)
-    try:
-        yield
-    finally:
-        _FROZEN.reset(token)
-
-
-def current_frozen() -> FrozenShards | None:
-    return _FROZEN.get()
 
 
 def frozen_local_shards(frozen: FrozenShards, name: str) -> tuple[jax.Array, ...]:

@@ -26,7 +26,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.engine import Engine, TrainState
+from zeropp_jax.engine import Engine
+from zeropp_jax.state import TrainState
 from zeropp_jax.flax import run_units
 from zeropp_jax.frozen import all_gather_quantized, dequantize_gathered, frozen_block_size
 from zeropp_jax.frozen import merge_trees

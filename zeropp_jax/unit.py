@@ -18,9 +18,7 @@ pullback: with "minimal", no forward matmul runs twice.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 
@@ -39,21 +37,6 @@ from zeropp_jax.weights import (
 )
 
 PyTree = Any
-
-# While a train step is traced: a traced bool, True while qgZ is on (config.qgz_until).
-_QGZ_ON: contextvars.ContextVar = contextvars.ContextVar("zeropp_qgz_on", default=None)
-
-
-@contextlib.contextmanager
-def qgz_schedule(qgz_on: jax.Array | None) -> Iterator[None]:
-    """Within this context, units choose qgZ or a full-precision reduce-scatter by the
-    traced bool ``qgz_on`` (one compiled program serves both phases of the run)."""
-    token = _QGZ_ON.set(qgz_on)
-    try:
-        yield
-    finally:
-        _QGZ_ON.reset(token)
-
 
 # Collectives inside a unit (Ulysses' all-to-alls, a tensor-parallel psum): "minimal" keeps
 # their results, so backward never repeats communication.
@@ -206,13 +189,13 @@ def zero_unit(
 
     unit.defvjp(unit_fwd, unit_bwd)
 
-    def call(shard: jax.Array | None, frozen: tuple, *arrays: Any) -> Any:
+    def call(shard: jax.Array | None, frozen: tuple, *arrays: Any,
+             qgz_on: jax.Array | None = None) -> Any:
         if layout is not None and shard.shape != (layout.shard_len,):
             raise ValueError(
                 f"unit {layout.name!r} expects its local primary shard of shape "
                 f"({layout.shard_len},) inside shard_map, got {shard.shape}"
             )
-        qgz_on = _QGZ_ON.get() if (config.qgz and config.qgz_until is not None) else None
         shard_t = () if shard is None else (shard,)
         return unit(shard_t, tuple(frozen), tuple(_varying(a) for a in arrays),
                     () if qgz_on is None else (qgz_on,))

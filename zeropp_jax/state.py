@@ -1,0 +1,280 @@
+"""``TrainState``: a model's parameters and optimizer state on primary shards.
+
+``TrainState.create`` cuts the params tree into units (flat layouts), places each device's
+primary shards, initialises the optimizer on them and builds the run's ``Engine``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+
+from zeropp_jax.config import ZeroPPConfig
+from zeropp_jax.engine import Engine
+from zeropp_jax.frozen import (
+    FrozenFilter,
+    FrozenShards,
+    as_predicate,
+    frozen_alignment,
+    quantize_frozen_flat,
+    split_frozen,
+)
+from zeropp_jax.hpz import group_nodes
+from zeropp_jax.mesh import mesh_shape
+from zeropp_jax.optim import check_elementwise
+from zeropp_jax.partition import (
+    REST,
+    UnitLayout,
+    default_unit_paths,
+    make_unit_layout,
+    split_units,
+    stack_layers,
+    unit_name,
+)
+from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams, place
+
+PyTree = Any
+
+
+@struct.dataclass
+class TrainState:
+    """Train state on primary shards; mirrors ``flax.training.train_state.TrainState``.
+
+    Attributes:
+      step: number of optimizer steps taken (replicated int32).
+      params: the parameters the step differentiates: primary shards (stage 3) or full
+        replicated compute-dtype weights (stages 1, 2).
+      opt_state: the optax state of the primary shards.
+      master: stages 1 and 2: the param-dtype primary shards the optimizer updates; None
+        for stage 3, where ``params`` are the primary shards.
+      engine: static; the model, optimizer, mesh, config and layouts.
+      skipped_steps: steps whose update was skipped because the gradient held inf or NaN
+        (``config.skip_nonfinite``); ``step`` counts them too (replicated int32).
+      frozen: primary shards of the frozen parameters (``create(..., frozen=...)``), stored
+        quantized with ``config.quantize_frozen``; never differentiated or updated. None
+        when every parameter trains.
+    """
+
+    step: jax.Array
+    params: ShardedParams
+    opt_state: PyTree
+    master: ShardedParams | None
+    engine: Engine = struct.field(pytree_node=False)
+    skipped_steps: jax.Array | None = None
+    frozen: FrozenShards | None = None
+
+    @property
+    def apply_fn(self) -> Callable[..., Any]:
+        """``model.apply`` for this state's params: ``apply_fn({"params": state.params},
+        *args, **kwargs)``. Bound to this state's frozen shards and qgZ schedule."""
+        return functools.partial(self.engine.apply_step, self.engine.step_state(self))
+
+    @property
+    def tx(self) -> optax.GradientTransformation:
+        return self.engine.tx
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.engine.mesh
+
+    @property
+    def config(self) -> ZeroPPConfig:
+        return self.engine.config
+
+    def apply_gradients(self, *, grads: ShardedParams) -> "TrainState":
+        """Optimizer step on primary shards. Call inside a ``train_step`` function."""
+        return self.engine.apply_gradients(self, grads)
+
+    def consolidate(self) -> PyTree:
+        """The full parameters as a plain Flax params tree of numpy arrays (param dtype)."""
+        return self.engine.consolidate(self.params if self.master is None else self.master,
+                                       self.frozen)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: nn.Module,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        config: ZeroPPConfig | None = None,
+        units: Sequence[Sequence[str]] | None = None,
+        frozen: FrozenFilter | None = None,
+        stacked: Sequence[str | Sequence[str]] = (),
+    ) -> "TrainState":
+        """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
+
+        Args:
+          model: the Flax linen model; ``model.apply({"params": params}, ...)`` must work.
+          params: its parameters (the ``"params"`` collection of ``model.init``).
+            Multi-host: every process passes the same values (same init seed); each places
+            only its own devices' shards.
+          tx: an optax transformation acting elementwise (checked).
+          mesh: a ``("node", "local")`` mesh from ``make_mesh``.
+          config: default ``ZeroPPConfig.zero3()``.
+          units: module paths of the units (each a tuple of names). Default: every direct
+            child module of the root. Parameters outside every unit form one rest unit.
+          frozen: which parameters do not train: a callable on the parameter path (tuple of
+            names from the root) returning True for frozen ones, or a sequence of path
+            prefixes. They get no gradient and no optimizer state, and are stored in
+            ``state.frozen`` (quantized with ``config.quantize_frozen``). Stage 3 only.
+          stacked: module paths (``"layers"`` or ``("decoder", "layers")``) of ``nn.scan``
+            stacks: modules whose parameters carry a leading layer axis. Each layer is its
+            own unit, and inside the step every scan iteration gathers only its layer's
+            weights (one compiled body; live weights bounded by construction).
+        """
+        config = ZeroPPConfig.zero3() if config is None else config
+        if not isinstance(config, ZeroPPConfig):
+            raise TypeError(f"config must be a ZeroPPConfig, got {type(config).__name__}")
+        nodes, local = mesh_shape(mesh)
+        num_devices = nodes * local
+        if isinstance(params, Mapping) and set(params) == {"params"} and isinstance(
+            params["params"], Mapping
+        ):
+            raise ValueError(
+                "pass the 'params' collection, not the whole variables dict: "
+                "params=variables['params']"
+            )
+        if not isinstance(params, Mapping) or not jax.tree_util.tree_leaves(params):
+            raise ValueError(
+                "the model has no parameters, so there is nothing for ZeRO to shard; "
+                "check that params comes from model.init(...)['params']"
+            )
+        check_elementwise(tx)
+        if config.hpz:
+            group_nodes(config.hpz_group_size, nodes, local)  # raises naming the valid sizes
+
+        unit_paths = (
+            default_unit_paths(params) if units is None else tuple(tuple(u) for u in units)
+        )
+        stacked = tuple(tuple(p.split("/")) if isinstance(p, str) else tuple(p) for p in stacked)
+        unit_paths += tuple(p for p in stacked if p not in unit_paths)
+        unit_trees, rest = split_units(params, unit_paths)
+        frozen_trees: dict[tuple[str, ...], PyTree] = {}
+        if stacked and frozen is not None:
+            raise NotImplementedError(
+                "frozen parameters inside nn.scan stacks are not supported yet; freeze "
+                "parameters outside the stacked modules, or pass no stacked= paths"
+            )
+        if frozen is not None:
+            if config.stage != 3:
+                raise NotImplementedError(
+                    "frozen parameters need ZeRO stage 3 (stages 1 and 2 keep full replicated "
+                    "weights, which the frozen layout does not cover); use stage=3"
+                )
+            is_frozen = as_predicate(frozen)
+            split = {p: split_frozen(sub, is_frozen, p) for p, sub in unit_trees.items()}
+            split[()] = split_frozen(rest, is_frozen, ())
+            unit_trees = {p: t for p, (t, _) in split.items() if p != () and t}
+            rest = split[()][0]
+            frozen_trees = {p: f for p, (_, f) in split.items() if f}
+            if not unit_trees and not jax.tree_util.tree_leaves(rest):
+                raise ValueError(
+                    "the frozen filter freezes every parameter, so there is nothing to train; "
+                    "check the filter (it gets each parameter's path, e.g. ('block_0', 'attn', "
+                    "'qkv', 'kernel'), and returns True for frozen ones)"
+                )
+        elif config.quantize_frozen:
+            raise ValueError(
+                "config.quantize_frozen=True but no parameters are frozen: pass "
+                "TrainState.create(..., frozen=<filter>)"
+            )
+        layouts: dict[str, UnitLayout] = {}
+        trees: dict[str, PyTree] = {}
+        align = config.flat_alignment
+        for path, sub in unit_trees.items():
+            subs = stack_layers(sub, path) if path in stacked else [sub]
+            for i, layer_tree in enumerate(subs):
+                lay = make_unit_layout(path, layer_tree, num_devices, align,
+                                       layer=i if path in stacked else None)
+                layouts[lay.name], trees[lay.name] = lay, layer_tree
+        if jax.tree_util.tree_leaves(rest):
+            layouts[REST], trees[REST] = make_unit_layout((), rest, num_devices, align), rest
+        frozen_layouts = {
+            unit_name(p): make_unit_layout(p, f, num_devices, frozen_alignment(config))
+            for p, f in frozen_trees.items()
+        }
+
+        pdt = config.param_jnp_dtype
+        sharded = NamedSharding(mesh, SHARDED)
+        master = {
+            name: place(
+                np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt)),
+                sharded,
+            )
+            for name, lay in layouts.items()
+        }
+
+        opt_specs = _opt_state_specs(tx, layouts, pdt)
+        opt_state = jax.jit(
+            jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
+        )(master)
+
+        engine = Engine(model, tx, mesh, config, layouts, opt_specs, frozen_layouts)
+        step = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
+        skipped = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
+        if config.stage == 3:
+            frozen_shards = (
+                _store_frozen(frozen_layouts, frozen_trees, config, sharded)
+                if frozen_layouts else None
+            )
+            return cls(step, ShardedParams(master, True), opt_state, None, engine, skipped,
+                       frozen_shards)
+        cdt = config.compute_jnp_dtype
+        replicated = NamedSharding(mesh, REPLICATED)
+        full = {
+            name: place(
+                np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt))
+                .astype(cdt),
+                replicated,
+            )
+            for name, lay in layouts.items()
+        }
+        return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine,
+                   skipped)
+
+
+def _opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, UnitLayout],
+                     dtype: Any) -> PyTree:
+    """PartitionSpec of each optimizer-state leaf: sharded if it follows the parameters.
+
+    A leaf is per-parameter (Adam's moments) if its shape follows the shard length, and
+    global otherwise (a step count). Decided by initialising abstractly at two different
+    shard lengths, so it holds on a one-device mesh too, where local and global shapes agree.
+    """
+    def state_at(scale: int) -> PyTree:
+        shapes = {k: jax.ShapeDtypeStruct((scale * lay.shard_len,), dtype)
+                  for k, lay in layouts.items()}
+        return jax.eval_shape(tx.init, shapes)
+
+    return jax.tree_util.tree_map(
+        lambda a, b: REPLICATED if a.shape == b.shape else SHARDED, state_at(1), state_at(2)
+    )
+
+
+def _store_frozen(
+    layouts: Mapping[str, UnitLayout],
+    trees: Mapping[tuple[str, ...], PyTree],
+    config: ZeroPPConfig,
+    sharding: NamedSharding,
+) -> FrozenShards:
+    """Frozen subtrees -> their primary shards on the mesh, quantized if configured."""
+    values, scales = {}, {}
+    for name, lay in layouts.items():
+        flat = np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[lay.path]),
+                                      config.param_jnp_dtype))
+        if config.quantize_frozen:
+            v, s = quantize_frozen_flat(flat, config, lay)
+            values[name], scales[name] = place(v, sharding), place(s, sharding)
+        else:
+            values[name] = place(flat, sharding)
+    return FrozenShards(values, scales, config.quantize_frozen, config.weight_bits,
+                        config.block_size)

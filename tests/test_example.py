@@ -40,6 +40,7 @@ def test_cli_json_hlo_and_falling_loss(tmp_path):
     assert "all-gather" in (hlo / "compiled.hlo").read_text()
 
 
+@pytest.mark.slow  # 40 s of CLI runs; the library's mesh-shape parity tests run in `make test`
 def test_same_seed_same_losses_on_every_mesh_shape(tmp_path):
     common = ["--steps", "4", "--compute-dtype", "float32"]
     a = _run(tmp_path, "a", "--nodes", "2", "--local", "2", *common)

@@ -36,7 +36,8 @@ def _loss_and_grads(config, mesh_shape, params, batch):
 
 @pytest.mark.parametrize(
     "mesh_shape,group",
-    [((2, 4), None), ((4, 2), None), ((4, 2), 4), ((2, 4), 8), ((8, 1), 4)],
+    [((2, 4), None), ((4, 2), None), ((4, 2), 4),
+     pytest.param((2, 4), 8, marks=pytest.mark.slow), pytest.param((8, 1), 4, marks=pytest.mark.slow)],
 )
 def test_hpz_alone_equals_zero3(mesh_shape, group):
     params, batch = init_params(seed=31), tokens(16, seed=32)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pathlib
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).parents[1] / "examples" / "mesh_layouts.ipynb"
 
 
+@pytest.mark.slow  # 40 s; the notebook's code is viz/analysis, tested in test_viz.py
 def test_mesh_layouts_notebook_runs_every_cell():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]

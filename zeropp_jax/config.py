@@ -75,13 +75,14 @@ class ZeroPPConfig:
         requantization. False keeps them in ``param_dtype``. Frozen parameters never get
         gradients or optimizer state either way.
       remat: what a stage-3 unit keeps from forward for its backward (never its gathered
-        weights: backward regathers them). ``"full"``: only the unit's inputs; backward
-        recomputes the whole unit (least memory, one extra forward). ``"minimal"``: also
-        the outputs of every matmul (``dot_general``), so backward recomputes only the
-        cheap elementwise work between them; no forward matmul runs twice (the memory of
-        a plain step's activations). A ``jax.checkpoint`` policy callable chooses itself.
-        Default ``"minimal"``: what DeepSpeed ZeRO-3 and FSDP do (regather weights, keep
-        activations); activation checkpointing is a separate opt-in there and here.
+        weights: backward regathers them). ``"minimal"`` (default): every activation
+        backward needs, as a plain step keeps them (if one is a copy of a weight, e.g. a
+        tied head's transpose: only matmul outputs and collective results, recomputing the
+        elementwise rest); no forward matmul runs twice. What DeepSpeed ZeRO-3 and FSDP do
+        (regather weights, keep activations). ``"full"``: only the unit's inputs; backward
+        recomputes the whole unit (least memory, one extra forward; activation
+        checkpointing, an opt-in there too). A ``jax.checkpoint`` policy callable chooses
+        itself.
       prefetch: how many units' forward gathers may run ahead of the computation (stage 3).
         Each unit's gather waits for the output of the unit ``prefetch + 1`` calls before
         it, so about ``prefetch + 1`` units' full weights are live at once (DeepSpeed's

@@ -4,16 +4,20 @@ Runs inside ``shard_map``. The unit transform composes three separate choices:
 
 * where the weights come from: ``weights.gather_weights`` / ``gather_frozen`` in forward, and
   ``weights.regather`` from the primary shard or hpZ's secondary in backward;
-* what backward keeps: ``config.remat``, a ``jax.checkpoint`` policy over the unit's own
-  computation ("full": its inputs only; "minimal": also every matmul output). The gathered
-  weights are never kept, whatever the policy: they leave the residuals here and backward
-  regathers them;
+* what backward keeps: ``config.remat``. "minimal" (default): every activation backward
+  needs, as in a plain step; "full": only the unit's inputs (a ``jax.checkpoint`` with
+  nothing saved; backward recomputes the unit); or a ``jax.checkpoint`` policy. The
+  gathered weights are never kept, whatever the choice: they leave the residuals here and
+  backward regathers them;
 * where the gradient goes: ``weights.reduce_gradient`` (reduce-scatter or qgZ).
 
-Forward runs the unit once under ``jax.vjp`` of its checkpointed computation, so the policy's
-saved values are the residuals; the full weights are cut out of those residuals and replaced
-by what rebuilds them. Backward rebuilds the weights, puts them back, and runs the saved
-pullback: with "minimal", no forward matmul runs twice.
+Forward runs the unit once under ``jax.vjp`` (of its checkpointed computation, for "full"
+and policies) with the unit's weight arrays as inputs, so they appear among the pullback's
+residuals as themselves; they are cut out there and replaced by what rebuilds them (the
+primary shard, or hpZ's secondary). If a residual is a copy of a weight instead (a cast, a
+transpose), "minimal" falls back to keeping only matmul outputs and collective results.
+Backward rebuilds the weights, puts them back, and runs the saved pullback: with "minimal",
+no forward matmul runs twice.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from zeropp_jax import compat
 from zeropp_jax.config import ZeroPPConfig
@@ -52,12 +57,14 @@ def _minimal(prim: Any, *avals: Any, **params: Any) -> bool:
 def remat_policy(remat: Any) -> Callable[..., bool]:
     """``config.remat`` -> a ``jax.checkpoint`` policy (a callable passes through).
 
-    "full": nothing saved (only the unit's inputs). "minimal": matmul outputs and the
-    results of collectives inside the unit."""
+    "full": nothing saved (only the unit's inputs). "minimal": None, meaning no checkpoint:
+    every activation backward needs is kept, as in a plain step, except the weights (cut
+    out by identity); if a residual is a copy of a weight, ``_minimal`` (matmul outputs
+    and collective results) instead."""
     if remat == "full":
         return compat.nothing_saveable
     if remat == "minimal":
-        return _minimal
+        return None  # no checkpoint: backward keeps what it needs, less the weights
     return remat
 
 
@@ -92,6 +99,14 @@ class _Pullback:
             else:
                 slots.append(("weights", i))
         return cls(tuple(kept), treedef, tuple(slots))
+
+    def holds_copies_of(self, weights: tuple, min_size: int = 1024) -> bool:
+        """True if a kept residual has a weight's shape (or its transpose) without being
+        that weight: likely a copy (a cast or a transpose) that would keep the full
+        weights alive from forward to backward. Small arrays are ignored."""
+        shapes = {tuple(w.shape) for w in weights if w.size >= min_size}
+        shapes |= {s[::-1] for s in shapes}
+        return any(tuple(r.shape) in shapes for r in self.kept if hasattr(r, "shape"))
 
     def restore(self, weights: tuple) -> Callable[..., Any]:
         leaves = [self.kept[j] if kind == "kept" else weights[j] for kind, j in self.slots]
@@ -140,17 +155,37 @@ def zero_unit(
     # Frozen storage: (values, scales) when stored quantized, else (values,).
     n_stored = 0 if frozen_layout is None else (2 if config.quantize_frozen else 1)
 
-    def run(full: tuple, ffull: tuple, arrays: tuple) -> Any:
-        tree = layout.unflatten(full[0]) if full else {}
-        if ffull:
-            tree = merge_trees(tree, frozen_layout.unflatten(ffull[0]))
+    def split(full: tuple, ffull: tuple) -> tuple[tuple, tuple]:
+        """Full flat buffers -> the unit's weight arrays (trainable, frozen), in leaf order.
+        Outside the differentiated function, so the pullback holds the very arrays the
+        unit computes with and they can be cut out by identity."""
+        w = jax.tree_util.tree_leaves(layout.unflatten(full[0])) if full else []
+        f = jax.tree_util.tree_leaves(frozen_layout.unflatten(ffull[0])) if ffull else []
+        return tuple(w), tuple(f)
+
+    def run(w: tuple, f: tuple, arrays: tuple) -> Any:
+        tree = jax.tree_util.tree_unflatten(layout.treedef, list(w)) if w else {}
+        if f:
+            tree = merge_trees(tree, jax.tree_util.tree_unflatten(frozen_layout.treedef, list(f)))
         return fn(tree, *arrays)
+
+    def flat(gw: tuple) -> tuple:
+        """Weight-array gradients -> the flat ``[n_pad]`` gradient (zero padded)."""
+        if not gw:
+            return ()
+        parts = [jnp.ravel(g) for g in gw]
+        if layout.n_pad > layout.n:
+            parts.append(jnp.zeros((layout.n_pad - layout.n,), parts[0].dtype))
+        return (jnp.concatenate(parts) if len(parts) > 1 else parts[0],)
 
     # prevent_cse=False: the replay in backward runs on the regathered weights, which XLA
     # cannot identify with the forward's, so no matmul is merged away (the compiled step of
     # remat="full" recomputes them: tests/test_units.py), and without the barriers XLA may
     # fuse across the replay.
-    checkpointed = jax.checkpoint(run, policy=policy, prevent_cse=False)
+    def pullback_of(policy: Any, weights: tuple, frozen: tuple, arrays: tuple) -> tuple:
+        f = run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False)
+        out, pullback = jax.vjp(f, weights, frozen, arrays)
+        return out, _Pullback.cut(pullback, weights + frozen)
 
     def gather(shard: tuple, frozen: tuple) -> tuple[tuple, tuple, tuple]:
         """-> (trainable full weights, frozen full weights, what backward keeps)."""
@@ -164,15 +199,22 @@ def zero_unit(
     @jax.custom_vjp
     def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> Any:
         full, ffull, _ = gather(shard, frozen)
-        return run(full, ffull, arrays)
+        return run(*split(full, ffull), arrays)
 
     def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> tuple[Any, tuple]:
         full, ffull, kept = gather(shard, frozen)
-        out, pullback = jax.vjp(checkpointed, full, ffull, arrays)
-        # The pullback's residuals: what the policy saved, plus the checkpoint's inputs. Of
-        # those, the full weights are dropped here (ZeRO-3's memory saving) and rebuilt in
-        # backward from ``kept`` (primary shards, or hpZ secondaries).
-        return out, (_Pullback.cut(pullback, full + ffull), kept, flags)
+        w, f = split(full, ffull)
+        # The pullback's residuals: what backward needs (all of it with "minimal", what the
+        # policy saved plus the inputs otherwise). The weight arrays among them are dropped
+        # here (ZeRO-3's memory saving) and rebuilt in backward from ``kept`` (primary
+        # shards, or hpZ secondaries).
+        out, pullback = pullback_of(policy, w, f, arrays)
+        if policy is None and pullback.holds_copies_of(w + f):
+            # A residual is a copy of a weight (a cast, a transpose: a tied head's
+            # ``embedding.T``): keep only matmul outputs and collectives instead, which
+            # never holds weights, and recompute the elementwise rest.
+            out, pullback = pullback_of(_minimal, w, f, arrays)
+        return out, (pullback, kept, flags)
 
     def unit_bwd(res: tuple, g: Any) -> tuple:
         pullback, kept, flags = res
@@ -181,7 +223,9 @@ def zero_unit(
         trainable, frozen = jax.tree_util.tree_map(lambda w: after(w, g), kept)
         full = tuple(regather((w,), config) for w in trainable)
         ffull = (regather(frozen, config, frozen=frozen_layout),) if frozen else ()
-        g_full, _, g_arrays = pullback.restore(full + ffull)(g)
+        w, f = split(full, ffull)
+        g_w, _, g_arrays = pullback.restore(w + f)(g)
+        g_full = flat(g_w)
         qgz_on = flags[0] if flags else None
         g_shard = tuple(reduce_gradient(gf, config.param_jnp_dtype, config, qgz_on)
                         for gf in g_full)

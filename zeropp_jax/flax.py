@@ -23,6 +23,7 @@ from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.frozen import frozen_local_shards
 from zeropp_jax.ordering import after
 from zeropp_jax.partition import REST, STACKED_SHARD, UnitLayout, merge_units
+from zeropp_jax import unit as unit_policies
 from zeropp_jax.unit import zero_unit
 
 PyTree = Any
@@ -218,6 +219,11 @@ def apply_units(
     for lay in layouts.values():
         if lay.layer is not None:
             stacks.setdefault(lay.path, []).append(lay)
+    # Inside nn.scan, remat="minimal" keeps matmul outputs and collective results only
+    # (measured: keeping every activation grew compiled temp memory by ~1x a layer's
+    # weights per layer in a scan, against 0.6x this way; cause not yet found).
+    stack_config = (dataclasses.replace(config, remat=unit_policies.minimal_policy)
+                    if config.remat == "minimal" else config)
     for path, lays in stacks.items():
         lays.sort(key=lambda lay: lay.layer)
         # Every layer has the same layout; nn.scan hands each iteration its row of this.
@@ -225,7 +231,7 @@ def apply_units(
         rest = merge_units(rest, {path: {STACKED_SHARD: stacked}})
 
         def make(fn: Callable, shard: jax.Array, layout: UnitLayout = lays[0]) -> Callable:
-            unit = zero_unit(fn, layout, config)
+            unit = zero_unit(fn, layout, stack_config)
             return lambda *arrays: unit(shard, (), *arrays, qgz_on=qgz_on)
 
         units[path] = Stacked(make)

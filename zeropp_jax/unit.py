@@ -54,6 +54,9 @@ def _minimal(prim: Any, *avals: Any, **params: Any) -> bool:
     return bool(compat.checkpoint_dots(prim, *avals, **params)) or prim.name in _COLLECTIVES
 
 
+minimal_policy = _minimal  # matmul outputs and collective results (a jax.checkpoint policy)
+
+
 def remat_policy(remat: Any) -> Callable[..., bool]:
     """``config.remat`` -> a ``jax.checkpoint`` policy (a callable passes through).
 

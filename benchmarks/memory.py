@@ -94,7 +94,7 @@ def depth_growth(nodes: int, local: int) -> dict:
     import optax
 
     import zeropp_jax as zpp
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_jax.models.gpt import GPT, GPTConfig, lm_train_step
 
     d, seq = 128, 8
 
@@ -117,13 +117,7 @@ def depth_growth(nodes: int, local: int) -> dict:
 
     tokens = np.zeros((nodes * local, seq + 1), np.int32)
 
-    @zpp.train_step
-    def step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, g = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=g), {"loss": loss}
+    step = lm_train_step()
 
     def temp(model, layers, remat, stacked):
         params = model.init(jax.random.PRNGKey(0), tokens[:1, :-1])["params"]

@@ -144,20 +144,9 @@ def plain_step(model, tx):
 
 def zero3_step():
     """The same step written for ``@zpp.train_step`` (state donated, as in ``plain_step``)."""
-    import jax
+    from zeropp_jax.models.gpt import lm_train_step
 
-    import zeropp_jax as zpp
-    from zeropp_jax.models.gpt import loss_fn
-
-    @zpp.train_step(donate_state=True)
-    def step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-    return step
+    return lm_train_step(donate_state=True)
 
 
 class Runner:

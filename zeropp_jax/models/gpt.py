@@ -133,13 +133,14 @@ def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def lm_train_step():
+def lm_train_step(donate_state: bool = False):
     """The examples' language-model step on ``int32 [batch, seq + 1]`` token windows
-    (inputs ``[:, :-1]``, targets ``[:, 1:]``), decorated with ``zeropp_jax.train_step``.
-    Returns ``(state, {"loss": mean next-byte cross entropy})``."""
+    (inputs ``[:, :-1]``, targets ``[:, 1:]``), decorated with ``zeropp_jax.train_step``
+    (``donate_state`` passed on). Returns ``(state, {"loss": mean next-byte cross
+    entropy})``."""
     import zeropp_jax as zpp  # the model itself stays free of zeropp_jax
 
-    @zpp.train_step
+    @zpp.train_step(donate_state=donate_state)
     def step(state, batch):
         def loss_of(p):
             return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])

@@ -4,7 +4,9 @@
 unit's method (a unit is a submodule, by default each direct child of the root) is replaced
 by ``zero_unit``: gather that unit's weights, run the method on an unbound copy of the module
 with the gathered weights, and let the custom_vjp regather and reduce-scatter in backward.
-Nothing in the model's code changes.
+``GatherOrder`` ties each unit's gather to an earlier unit's output (bounded live weights);
+``Stacked`` units are the layers of an ``nn.scan`` stack, whose shards ride through the scan
+as one ``[layers, shard]`` parameter. Nothing in the model's code changes.
 """
 
 from __future__ import annotations

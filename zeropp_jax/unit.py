@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from zeropp_jax import compat
 from zeropp_jax.config import ZeroPPConfig
@@ -176,10 +175,8 @@ def zero_unit(
         """Weight-array gradients -> the flat ``[n_pad]`` gradient (zero padded)."""
         if not gw:
             return ()
-        parts = [jnp.ravel(g) for g in gw]
-        if layout.n_pad > layout.n:
-            parts.append(jnp.zeros((layout.n_pad - layout.n,), parts[0].dtype))
-        return (jnp.concatenate(parts) if len(parts) > 1 else parts[0],)
+        return (layout.flatten(jax.tree_util.tree_unflatten(layout.treedef, list(gw)),
+                               gw[0].dtype),)
 
     # prevent_cse=False: the replay in backward runs on the regathered weights, which XLA
     # cannot identify with the forward's, so no matmul is merged away (the compiled step of

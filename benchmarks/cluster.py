@@ -26,7 +26,9 @@ Needs root (network namespaces, veth, tc). What it builds, all of it its own:
 Per cell: median step time, speedup over zero3 at the same bandwidth in the same run,
 measured bytes per node per step, and the bytes ``zeropp_jax.analysis.comm_report``
 predicts from the compiled program (cross-node bytes per node). Writes
-``OUT/cluster.json`` and ``OUT/cluster.png`` (speedup vs bandwidth, one line per mode).
+``OUT/cluster.json`` and ``OUT/cluster.png`` (speedup vs bandwidth, one line per mode;
+``--out`` defaults to the git-ignored ``benchmarks/out/``; ``--out benchmarks/results``
+replaces the tracked results).
 Everything is torn down on exit, on failure and on Ctrl-C.
 
 Fair baseline: XLA's CPU backend widens bf16 reduce-scatters to f32. If ``ZeroPPConfig``
@@ -96,8 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="tiny run: tiny model, zero3 and zeropp, 100mbit and 10gbit, 1 round of 2 steps")
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks/results",
-                   help="directory for cluster.json and cluster.png")
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "out",
+                   help="directory for NAME.json and NAME.png (default benchmarks/out/, "
+                        "git-ignored; --out benchmarks/results updates the tracked ones)")
     p.add_argument("--name", default="cluster", help="output file stem (default cluster)")
     p.add_argument("--subnet", default="10.213.0", help="/24 prefix for node addresses")
     p.add_argument("--timeout", type=float, default=600,

@@ -20,6 +20,12 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+# Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
+# benchmarks/results/ change only when asked: --out benchmarks/results.
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
+OUT_HELP = ("directory for the results (default benchmarks/out/, git-ignored; "
+            "--out benchmarks/results updates the tracked ones)")
+
 MODES = {
     "zero3": {},
     "zero3 (hierarchical RS)": {"reduce_scatter": "hierarchical"},
@@ -37,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--local", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=OUT_HELP)
     return p.parse_args()
 
 

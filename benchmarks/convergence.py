@@ -5,10 +5,13 @@ source, 5% held out) with the same seed, data and hyperparameters under five con
 zero3; zeropp; zeropp with qgZ for the first 50% of steps; qwZ + hpZ; zeropp with
 non-blocked quantization (one scale per message). Each run is examples/train_gpt.py in its
 own process (it simulates its own CPU devices). Prints the table of final validation loss
-and its difference to zero3, and writes results/convergence.json and .png.
+and its difference to zero3, and writes OUT/NAME.json, OUT/NAME.png and each run's JSON
+under OUT/NAME_runs/ (OUT: ``--out``, default the git-ignored benchmarks/out/; NAME:
+``--name``, default convergence, convergence_quick with ``--quick``).
 
-    python benchmarks/convergence.py            # ~30 min on 2 CPU cores
-    python benchmarks/convergence.py --quick    # 2-minute smoke run (numbers meaningless)
+    .venv/bin/python benchmarks/convergence.py            # ~30 min on 2 CPU cores
+    .venv/bin/python benchmarks/convergence.py --quick    # 2-minute smoke run (numbers meaningless)
+    .venv/bin/python benchmarks/convergence.py --out benchmarks/results   # the tracked results
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
-RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_OUT = ROOT / "benchmarks" / "out"  # git-ignored; benchmarks/results only when asked
 
 # name -> (train_gpt flags, paper Table 5 value for the analogous row, target)
 CONFIGS = {
@@ -51,8 +54,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", default=None, help="run only these config names")
     p.add_argument("--quick", action="store_true", help="tiny model, 30 steps: a smoke run")
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS / "convergence.json")
-    return p.parse_args()
+    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
+                   help="directory for the results (default benchmarks/out/, git-ignored; "
+                        "--out benchmarks/results updates the tracked ones). A path ending in "
+                        ".json names the summary file itself (then --name is ignored)")
+    p.add_argument("--name", default=None,
+                   help="file stem: NAME.json, NAME.png, NAME_runs/ "
+                        "(default convergence; convergence_quick with --quick)")
+    args = p.parse_args()
+    if args.out.suffix != ".json":  # a directory: OUT/NAME.json
+        name = args.name or ("convergence_quick" if args.quick else "convergence")
+        args.out = args.out / f"{name}.json"
+    return args
 
 
 def run_config(name: str, flags: list[str], args: argparse.Namespace, workdir: pathlib.Path) -> dict:
@@ -123,7 +136,6 @@ def main() -> None:
     if args.quick:
         args.steps, args.layers, args.d_model, args.heads = 30, 2, 64, 4
         args.eval_every, args.eval_batches = 10, 2
-        args.out = args.out.with_name("convergence_quick.json")
     names = list(CONFIGS) if not args.only else args.only
     if "zero3" not in names:
         names = ["zero3", *names]
@@ -152,7 +164,7 @@ def main() -> None:
                   f"{'met' if d <= limit else 'MISSED'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "settings": {k: v for k, v in vars(args).items() if k != "out" and k != "only"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "name", "only")},
         "table": text,
         "targets": targets,
         "runs": rows,

@@ -25,13 +25,19 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+# Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
+# benchmarks/results/ change only when asked: --out benchmarks/results.
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
+OUT_HELP = ("directory for the results (default benchmarks/out/, git-ignored; "
+            "--out benchmarks/results updates the tracked ones)")
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--local", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = p.parse_args()
     import zeropp_jax as zpp
 

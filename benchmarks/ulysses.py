@@ -15,7 +15,7 @@ parallelism (batch over all devices).
     over multiples of ``--granule`` tokens: without SP a device holds one whole sequence;
     with SP each node's ``P`` devices share one. Then the step time of both at one length
     with the same global batch (same tokens and FLOPs per device), and their ratio.
-Writes ``benchmarks/results/ulysses.json``.
+Writes ``OUT/ulysses.json`` (``--out``, default the git-ignored ``benchmarks/out/``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+# Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
+# benchmarks/results/ change only when asked: --out benchmarks/results.
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
+OUT_HELP = ("directory for the results (default benchmarks/out/, git-ignored; "
+            "--out benchmarks/results updates the tracked ones)")
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -42,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-seq", type=int, default=16384, help="largest length (b) tries")
     p.add_argument("--time-seq", type=int, default=1024, help="sequence length of timing")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=OUT_HELP)
     return p.parse_args()
 
 

@@ -1,6 +1,7 @@
 """zeropp_jax: ZeRO++ (qwZ, hpZ, qgZ) for JAX and Flax."""
 
-from zeropp_jax import checkpoint
+# Submodules the README names as zeropp_jax.<module>.<function>.
+from zeropp_jax import analysis, checkpoint, generate, ulysses
 from zeropp_jax.accumulate import accumulate_gradients
 from zeropp_jax.checkpoint import consolidate
 from zeropp_jax.config import ZeroPPConfig
@@ -17,8 +18,10 @@ __all__ = [
     "Engine",
     "FrozenShards",
     "accumulate_gradients",
+    "analysis",
     "checkpoint",
     "consolidate",
+    "generate",
     "global_norm",
     "ShardedParams",
     "TrainState",
@@ -26,5 +29,6 @@ __all__ = [
     "make_mesh",
     "simulate_cpu_devices",
     "train_step",
+    "ulysses",
 ]
 __version__ = "0.1.0"

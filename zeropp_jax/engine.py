@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax import collectives
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.flax import apply_units
+from zeropp_jax.hf import hf_call
 from zeropp_jax.frozen import FrozenShards, dequantize_frozen_flat, merge_trees
 from zeropp_jax.mesh import AXES, mesh_shape
 from zeropp_jax.partition import REST, UnitLayout, merge_units
@@ -97,6 +98,9 @@ class Engine:
     # unit name like ``layouts``; a unit may appear in both (LoRA adapters beside frozen
     # weights) or only here (a wholly frozen unit).
     frozen_layouts: dict[str, UnitLayout] = dataclasses.field(default_factory=dict)
+    # A transformers FlaxPreTrainedModel the model came from (``model`` is its module), so
+    # ``apply_fn`` also takes its call style; None for a plain linen model.
+    wrapper: Any = None
 
     @property
     def has_frozen(self) -> bool:
@@ -117,6 +121,18 @@ class Engine:
                 "base weights with TrainState.create(..., frozen=...)"
             )
 
+    def unit_table(self) -> tuple[list[tuple[str, int, int]], int]:
+        """([(unit name, parameters, shard elements per device)], total parameters),
+        trainable and frozen parts of a unit counted together, in unit order."""
+        rows: dict[str, list[int]] = {}
+        for lays in (self.layouts, self.frozen_layouts):
+            for name, lay in lays.items():
+                row = rows.setdefault(name, [0, 0])
+                row[0] += lay.n
+                row[1] += lay.shard_len
+        table = [(name, n, shard) for name, (n, shard) in rows.items()]
+        return table, sum(r[1] for r in table)
+
     @property
     def num_devices(self) -> int:
         nodes, local = mesh_shape(self.mesh)
@@ -135,6 +151,15 @@ class Engine:
         (frozen weights must then come as ``variables["frozen"]``; qgZ always on). Prefer
         ``state.apply_fn``, which carries the state's frozen shards and qgZ schedule."""
         return self.apply_step(StepState(), variables, *args, method=method, **kwargs)
+
+    def call(self, step: "StepState", *args: Any, **kwargs: Any) -> Any:
+        """``state.apply_fn``: ``apply_step`` for ``({"params": ...}, *args)``; for a
+        transformers model called its own way (``**batch, params=..., train=...``), the
+        model's ``__call__`` with its module applied on the shards."""
+        if self.wrapper is not None and not (args and isinstance(args[0], Mapping)):
+            return hf_call(self.wrapper, lambda v, *a, **k: self.apply_step(step, v, *a, **k),
+                           *args, **kwargs)
+        return self.apply_step(step, *args, **kwargs)
 
     def apply_step(
         self,

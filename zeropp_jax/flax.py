@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
 from flax import errors
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeropp_jax.config import ZeroPPConfig
-from zeropp_jax.frozen import frozen_local_shards
+from zeropp_jax.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.ordering import after
 from zeropp_jax.partition import REST, STACKED_SHARD, UnitLayout, merge_units
 from zeropp_jax import unit as unit_policies
@@ -70,16 +70,38 @@ class Stacked:
     make: Callable[[Callable, jax.Array], Callable]
 
 
+def external_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """Attribute name -> bound module, for ``module``'s dataclass attributes that are
+    modules owned outside ``module`` (a shared ``nn.Embed`` passed to an encoder). A
+    sequence attribute's items are named as Flax adopts them (``name_0``, ``name_1``)."""
+    own = tuple(module.path)
+    out: dict[str, nn.Module] = {}
+    for field in dataclasses.fields(module):
+        if field.name in ("parent", "name"):
+            continue
+        value = getattr(module, field.name, None)
+        items = ([(field.name, value)] if isinstance(value, nn.Module) else
+                 [(f"{field.name}_{i}", v) for i, v in enumerate(value)]
+                 if isinstance(value, (list, tuple)) else [])
+        for name, sub in items:
+            if isinstance(sub, nn.Module) and sub.scope is not None:
+                if tuple(sub.path)[: len(own)] != own:
+                    out[name] = sub
+    return out
+
+
 class _UnitInterceptor:
     """Routes calls of unit modules through ``zero_unit``; passes every other call through."""
 
     def __init__(self, units: Mapping[tuple[str, ...], Callable[[Callable], Callable]],
-                 order: "GatherOrder | None" = None):
+                 order: "GatherOrder | None" = None,
+                 externals: set[tuple[str, ...]] | None = None):
         # units[path](fn) -> call(*arrays): runs ``fn(params_tree, *arrays)`` on that unit's
         # gathered weights (ZeRO-3: through zero_unit's custom_vjp; generation: a plain
         # gather from the hpZ secondary).
         self.units = units
         self.order = order
+        self.externals = externals
         # > 0 while running inside a unit: its own submodules are not units.
         self.depth = 0
 
@@ -107,14 +129,25 @@ class _UnitInterceptor:
         # had, and backward's recomputation reuses them (they are residuals like any input).
         streams = sorted(module.scope.rngs) if module.scope.rngs else []
         rngs = {name: module.make_rng(name) for name in streams}
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs, rngs))
+        # Modules handed to this unit as attributes but owned elsewhere (a shared embedding
+        # passed to an encoder): the unbound copy adopts them under the attribute's name,
+        # so their weights are read from the outer model here and passed in as arrays
+        # (their gradient flows back to their owner; they are resident: find_resident).
+        outside = external_modules(module)
+        if self.externals is not None:
+            self.externals.update(tuple(sub.path) for sub in outside.values())
+        shared = {name: sub.variables.get("params", {}) for name, sub in outside.items()}
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs, rngs, shared))
         dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
         def fn(params: PyTree, *arrays: jax.Array) -> Any:
             filled = list(leaves)
             for i, a in zip(dynamic, arrays):
                 filled[i] = a
-            call_args, call_kwargs, call_rngs = jax.tree_util.tree_unflatten(treedef, filled)
+            call_args, call_kwargs, call_rngs, call_shared = jax.tree_util.tree_unflatten(
+                treedef, filled)
+            if call_shared:
+                params = merge_trees(params, call_shared)
             with self._inside_unit():
                 return unbound.apply(
                     {"params": params}, *call_args, method=method, rngs=call_rngs or None,
@@ -148,12 +181,14 @@ def run_units(
     *args: Any,
     method: str | Callable | None = None,
     order: GatherOrder | None = None,
+    externals: set[tuple[str, ...]] | None = None,
     **kwargs: Any,
 ) -> Any:
     """``model.apply({"params": rest}, ...)`` with every call of a unit module routed through
     ``units[path](fn)(*arrays)``, where ``fn(params_tree, *arrays)`` runs that call on the
-    unit's weights. Units nested inside another unit's call are not intercepted."""
-    interceptor = _UnitInterceptor(units, order)
+    unit's weights. Units nested inside another unit's call are not intercepted.
+    ``externals``: if given, receives the paths of modules passed to units as attributes."""
+    interceptor = _UnitInterceptor(units, order, externals)
     with nn.intercept_methods(interceptor):
         if method is None:
             return model.apply({"params": rest}, *args, **kwargs)
@@ -210,13 +245,12 @@ def apply_units(
     names = {n for n in set(layouts) | set(frozen_layouts)
              if n not in layouts or layouts[n].layer is None}
     path_of = {name: (layouts.get(name) or frozen_layouts[name]).path for name in names}
-    units: dict[tuple[str, ...], Any] = {
-        path_of[name]: unit_call(name) for name in names if name != REST}
     rest: PyTree = {}
     if REST in names:
         # The rest unit's weights are used wherever the root likes, so they stay gathered
         # for the whole step (they are small by construction: no submodule owns them).
         rest = unit_call(REST)(lambda p: p)()
+    stacked_units: dict[tuple[str, ...], Any] = {}
     stacks: dict[tuple[str, ...], list[UnitLayout]] = {}
     for lay in layouts.values():
         if lay.layer is not None:
@@ -236,5 +270,121 @@ def apply_units(
             unit = zero_unit(fn, layout, stack_config)
             return lambda *arrays: unit(shard, (), *arrays, qgz_on=qgz_on)
 
-        units[path] = Stacked(make)
+        stacked_units[path] = Stacked(make)
+    shapes = {path_of[name]: _unit_shapes(layouts.get(name), frozen_layouts.get(name))
+              for name in names if name != REST}
+    resident = find_resident(model, shapes, stacked_units, rest, config.compute_jnp_dtype,
+                             args, kwargs, method)
+    # Units whose weights are read outside their own calls (a tied head reading
+    # ``.variables``, a module passed to another unit as an attribute) are gathered once
+    # for the whole step, like the rest unit: the gradient is the exact sum over every use.
+    units: dict[tuple[str, ...], Any] = dict(stacked_units)
+    for name in names - {REST}:
+        if path_of[name] in resident:
+            rest = merge_units(rest, {path_of[name]: unit_call(name)(lambda p: p)()})
+        else:
+            units[path_of[name]] = unit_call(name)
     return run_units(model, units, rest, *args, method=method, order=order, **kwargs)
+
+
+def _unit_shapes(layout: UnitLayout | None, frozen: UnitLayout | None) -> PyTree:
+    """A unit's params tree of shapes (trainable and frozen parts merged)."""
+    trees = [jax.tree_util.tree_unflatten(lay.treedef, lay.shapes)
+             for lay in (layout, frozen) if lay is not None]
+    return trees[0] if len(trees) == 1 else merge_trees(*trees)
+
+
+def find_resident(
+    model: nn.Module,
+    shapes: Mapping[tuple[str, ...], PyTree],
+    stacked: Mapping[tuple[str, ...], Any],
+    rest: PyTree,
+    dtype: Any,
+    args: tuple,
+    kwargs: dict,
+    method: str | Callable | None,
+) -> set[tuple[str, ...]]:
+    """The units that must stay gathered for the whole step. Inside ``shard_map``.
+
+    Traces the model once more (``jax.make_jaxpr``; nothing runs), with every unit call
+    replaced by a call on fresh placeholder weights, and each unit's own weights present
+    at its path as other placeholders. A placeholder read outside its unit's calls (a
+    tied head reading ``.variables``, ``nn.Embed.attend`` on a path that is not the unit's
+    call) shows up as a value the traced program uses: that unit is resident. A unit call
+    that uses any parameter from outside itself (a module passed to it as an attribute)
+    is resident too, with the unit whose weights it reads. Raises ValueError if the call
+    reaches no parameter at all (an NNX bridge module whose weights never come from the
+    params collection would otherwise train with a zero gradient).
+
+    Args:
+      shapes: unit path -> its params tree of shapes (not the stacked units).
+      stacked: path -> ``Stacked`` of the scanned stacks (always reached, never resident).
+      rest: the gathered rest unit's params tree.
+      dtype: the compute dtype the units' weights arrive in.
+    """
+    placeholders = {path: jax.tree_util.tree_map(
+        lambda s: jnp.zeros(s, dtype), tree, is_leaf=lambda x: isinstance(x, tuple))
+        for path, tree in shapes.items()}
+    owner = {id(leaf): path for path, tree in placeholders.items()
+             for leaf in jax.tree_util.tree_leaves(tree)}
+    params_ids = set(owner) | {id(x) for x in jax.tree_util.tree_leaves(rest)}
+    resident: set[tuple[str, ...]] = set()
+    reached = [bool(stacked)]
+    externals: set[tuple[str, ...]] = set()
+
+    def owner_of(path: tuple[str, ...]) -> tuple[str, ...] | None:
+        return next((u for u in shapes if path[: len(u)] == u), None)
+
+    def probe_unit(path: tuple[str, ...]) -> Callable[[Callable], Callable]:
+        def make(fn: Callable) -> Callable:
+            def call(*arrays: Any) -> Any:
+                reached[0] = True
+                # Fresh weights made inside: only what fn reads from outside is a const.
+                inner = lambda *a: fn(jax.tree_util.tree_map(  # noqa: E731
+                    lambda s: jnp.zeros(s, dtype), shapes[path],
+                    is_leaf=lambda x: isinstance(x, tuple)), *a)
+                closed, out = jax.make_jaxpr(inner, return_shape=True)(*arrays)
+                outside = [c for c in closed.consts if id(c) in params_ids]
+                if outside:
+                    resident.add(path)
+                    resident.update(owner[id(c)] for c in outside if id(c) in owner)
+                return jax.tree_util.tree_map(lambda o: jnp.zeros(o.shape, o.dtype), out)
+
+            return call
+
+        return make
+
+    def probe_stacked(entry: Any) -> Stacked:
+        def make(fn: Callable, shard: jax.Array) -> Callable:
+            return lambda *arrays: entry.make(fn, shard)(*arrays)
+
+        return Stacked(make)
+
+    probe = {path: probe_unit(path) for path in shapes}
+    probe.update({path: probe_stacked(entry) for path, entry in stacked.items()})
+    tree = merge_units(rest, placeholders)
+
+    def run() -> list[jax.Array]:
+        out = run_units(model, probe, tree, *args, method=method, externals=externals,
+                        **kwargs)
+        return [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
+
+    closed = jax.make_jaxpr(run)()
+    # Modules passed to a unit as attributes are read from the outer model (and passed in
+    # as arrays), so the units owning them stay gathered.
+    resident.update(u for u in map(owner_of, externals) if u is not None)
+    for c in closed.consts:
+        if id(c) in owner:
+            resident.add(owner[id(c)])
+        if id(c) in params_ids:
+            reached[0] = True
+    if not reached[0] and (shapes or jax.tree_util.tree_leaves(rest)):
+        raise ValueError(
+            "the model's call used none of its parameters: no unit was called and no "
+            "parameter was read, so training would see a zero gradient. The model must "
+            "read its weights from the variables passed to apply (an NNX module wrapped "
+            "with nnx.bridge.to_linen keeps its own copy; pass the nnx.Module itself to "
+            "TrainState.create instead)."
+        )
+    return resident
+

@@ -26,19 +26,20 @@ from zeropp_jax.frozen import (
     quantize_frozen_flat,
     split_frozen,
 )
+from zeropp_jax.hf import is_hf_model
 from zeropp_jax.hpz import group_nodes
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.optim import check_elementwise
 from zeropp_jax.partition import (
     REST,
     UnitLayout,
-    default_unit_paths,
     make_unit_layout,
     split_units,
     stack_layers,
     unit_name,
 )
 from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams, place
+from zeropp_jax.wrap import describe_units, resolve_units, warn_if_unbalanced
 
 PyTree = Any
 
@@ -73,8 +74,10 @@ class TrainState:
     @property
     def apply_fn(self) -> Callable[..., Any]:
         """``model.apply`` for this state's params: ``apply_fn({"params": state.params},
-        *args, **kwargs)``. Bound to this state's frozen shards and qgZ schedule."""
-        return functools.partial(self.engine.apply_step, self.engine.step_state(self))
+        *args, **kwargs)``. Bound to this state's frozen shards and qgZ schedule. For a
+        transformers model, also its own call style: ``apply_fn(**batch, params=params,
+        dropout_rng=rng, train=True)``."""
+        return functools.partial(self.engine.call, self.engine.step_state(self))
 
     @property
     def tx(self) -> optax.GradientTransformation:
@@ -92,6 +95,10 @@ class TrainState:
         """Optimizer step on primary shards. Call inside a ``train_step`` function."""
         return self.engine.apply_gradients(self, grads)
 
+    def describe(self) -> str:
+        """A table of the units: parameters, share of the model, shard per device."""
+        return describe_units(*self.engine.unit_table())
+
     def consolidate(self) -> PyTree:
         """The full parameters as a plain Flax params tree of numpy arrays (param dtype)."""
         return self.engine.consolidate(self.params if self.master is None else self.master,
@@ -102,26 +109,35 @@ class TrainState:
         cls,
         *,
         model: nn.Module,
-        params: PyTree,
+        params: PyTree = None,
         tx: optax.GradientTransformation,
         mesh: Mesh,
         config: ZeroPPConfig | None = None,
-        units: Sequence[Sequence[str]] | None = None,
+        units: Any = None,
         frozen: FrozenFilter | None = None,
         stacked: Sequence[str | Sequence[str]] = (),
     ) -> "TrainState":
         """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
 
         Args:
-          model: the Flax linen model; ``model.apply({"params": params}, ...)`` must work.
+          model: the Flax linen model (``model.apply({"params": params}, ...)`` must work),
+            or a transformers ``FlaxPreTrainedModel`` (its ``module`` is the model, its
+            ``params`` the default ``params``).
           params: its parameters (the ``"params"`` collection of ``model.init``).
             Multi-host: every process passes the same values (same init seed); each places
             only its own devices' shards.
           tx: an optax transformation acting elementwise (checked).
           mesh: a ``("node", "local")`` mesh from ``make_mesh``.
           config: default ``ZeroPPConfig.zero3()``.
-          units: module paths of the units (each a tuple of names). Default: every direct
-            child module of the root. Parameters outside every unit form one rest unit.
+          units: which modules are units (gathered together, one at a time). Default
+            ``"auto"``: the repeated blocks at any depth (siblings named alike with an
+            index: ``h/0, h/1``, ``block_0, block_1``), larger leftover modules as units of
+            their own, the rest in one rest unit. Also: module paths (``"a/b"`` or
+            tuples), path globs (``"transformer/h/*"``), module classes or class names, an
+            int (FSDP's size-based policy: the deepest modules with at least that many
+            parameters), or a callable ``(path, subtree) -> bool``. See
+            ``zeropp_jax.wrap``. ``state.describe()`` prints the resulting table; a unit
+            holding over half of the parameters triggers a warning naming the fix.
           frozen: which parameters do not train: a callable on the parameter path (tuple of
             names from the root) returning True for frozen ones, or a sequence of path
             prefixes. They get no gradient and no optimizer state, and are stored in
@@ -132,6 +148,10 @@ class TrainState:
             weights (one compiled body; live weights bounded by construction).
         """
         config = ZeroPPConfig.zero3() if config is None else config
+        wrapper = None
+        if is_hf_model(model):  # a transformers FlaxPreTrainedModel: its module and params
+            wrapper, model = model, model.module
+            params = wrapper.params if params is None else params
         if not isinstance(config, ZeroPPConfig):
             raise TypeError(f"config must be a ZeroPPConfig, got {type(config).__name__}")
         nodes, local = mesh_shape(mesh)
@@ -152,11 +172,12 @@ class TrainState:
         if config.hpz:
             group_nodes(config.hpz_group_size, nodes, local)  # raises naming the valid sizes
 
-        unit_paths = (
-            default_unit_paths(params) if units is None else tuple(tuple(u) for u in units)
-        )
         stacked = tuple(tuple(p.split("/")) if isinstance(p, str) else tuple(p) for p in stacked)
-        unit_paths += tuple(p for p in stacked if p not in unit_paths)
+        # A scanned stack is a unit per layer by construction: no policy looks inside it.
+        unit_paths = tuple(
+            p for p in resolve_units(units, params, model)
+            if not any(p[: len(s)] == s or s[: len(p)] == p for s in stacked))
+        unit_paths += stacked
         unit_trees, rest = split_units(params, unit_paths)
         frozen_trees: dict[tuple[str, ...], PyTree] = {}
         if stacked and frozen is not None:
@@ -218,7 +239,8 @@ class TrainState:
             jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
         )(master)
 
-        engine = Engine(model, tx, mesh, config, layouts, opt_specs, frozen_layouts)
+        engine = Engine(model, tx, mesh, config, layouts, opt_specs, frozen_layouts, wrapper)
+        warn_if_unbalanced(*engine.unit_table(), params)
         step = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         skipped = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         if config.stage == 3:

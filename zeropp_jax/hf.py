@@ -1,0 +1,57 @@
+"""Hugging Face ``FlaxPreTrainedModel``s as models: their linen module, their call style.
+
+``transformers``' Flax models wrap a linen module (``model.module``) and its parameters
+(``model.params``); their ``__call__(input_ids, ..., params=, dropout_rng=, train=)`` builds
+default inputs (attention masks, position ids, BERT's float ``head_mask``) and then calls
+``self.module.apply({"params": params}, ...)``. ``hf_call`` runs that same ``__call__`` on
+a shallow copy whose ``module.apply`` is the engine's sharded apply, so a step written as
+in transformers' Flax example scripts (``state.apply_fn(**batch, params=params,
+dropout_rng=rng, train=True)``) works unchanged. transformers is not imported here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import flax.linen as nn
+
+PyTree = Any
+
+
+def is_hf_model(model: Any) -> bool:
+    """True for a transformers ``FlaxPreTrainedModel`` (by its shape, not by import)."""
+    return (not isinstance(model, nn.Module) and isinstance(getattr(model, "module", None),
+                                                            nn.Module)
+            and hasattr(model, "params") and hasattr(model, "config"))
+
+
+class _ShardedModule:
+    """Stands in for a FlaxPreTrainedModel's ``module``: ``apply`` is the sharded apply."""
+
+    def __init__(self, module: nn.Module, apply: Callable[..., Any]):
+        self._module, self._apply = module, apply
+
+    def apply(self, variables: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._apply(variables, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def hf_call(wrapper: Any, apply: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``wrapper(*args, **kwargs)`` (a FlaxPreTrainedModel's ``__call__``) with its
+    ``module.apply`` replaced by ``apply`` (``{"params": ShardedParams}, ...`` -> output).
+
+    ``params=`` must be the step's ``ShardedParams``: without it the wrapper would fall back
+    to its own full ``params``, which are not what the step differentiates."""
+    if kwargs.get("params") is None:
+        raise TypeError(
+            "state.apply_fn(..., params=params) needs the parameters being differentiated "
+            "(state.params, or what jax.grad passes): the model's own .params are not "
+            "sharded and would receive no gradient"
+        )
+    shallow = copy.copy(wrapper)
+    # FlaxPreTrainedModel.module is a property returning _module.
+    object.__setattr__(shallow, "_module", _ShardedModule(wrapper.module, apply))
+    return type(wrapper).__call__(shallow, *args, **kwargs)

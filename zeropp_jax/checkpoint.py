@@ -172,6 +172,17 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
         if rec["kind"] == "unit":
             x = x[: engine.layouts[rec["unit"]].n]
         arrays["opt"][f"o{i}"] = np.asarray(x)
+    coll_recs = []
+    if state.collections:
+        arrays["collections"] = {}
+        for i, (path, leaf) in enumerate(
+                jax.tree_util.tree_flatten_with_path(state.collections)[0]):
+            key = _is_key(leaf)
+            x = _to_host(jax.random.key_data(leaf) if key else leaf)
+            arrays["collections"][f"c{i}"] = np.asarray(x)
+            coll_recs.append({"key": jax.tree_util.keystr(path), "shape": list(np.shape(x)),
+                              "dtype": str(np.asarray(x).dtype),
+                              "prng": str(jax.random.key_impl(leaf)) if key else None})
     nodes, local = mesh_shape(engine.mesh)
     meta = {
         "format": FORMAT,
@@ -182,6 +193,7 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
                        "config": dataclasses.asdict(engine.config)},
         "units": unit_recs,
         "opt_state": opt_recs,
+        "collections": coll_recs,
         "checksums": {f"{group}/{k}": _crc(v) for group, d in arrays.items()
                       for k, v in d.items()},
     }
@@ -326,7 +338,9 @@ def restore(
         jax.tree_util.tree_structure(state.opt_state), opt_leaves
     )
     master_arrays = {k: _place(v, sharded) for k, v in master.items()}
+    collections = _restore_collections(state, meta, arrays, path, replicated)
     new = state.replace(
+        collections=collections,
         step=_place(np.asarray(meta["step"], np.int32), replicated),
         skipped_steps=_place(np.asarray(meta.get("skipped_steps", 0), np.int32), replicated),
         opt_state=opt_state,
@@ -337,6 +351,37 @@ def restore(
     full = {k: _place(v.astype(cdt), replicated) for k, v in master.items()}
     return new.replace(params=ShardedParams(full, False),
                        master=ShardedParams(master_arrays, True))
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _restore_collections(state: TrainState, meta: dict, arrays: dict, path: Any,
+                         replicated: NamedSharding) -> Any:
+    """The checkpoint's variable collections (batch_stats, NNX state), placed replicated,
+    in the structure of ``state.collections``; an error if the two disagree."""
+    want = jax.tree_util.tree_flatten_with_path(state.collections or {})[0]
+    have = meta.get("collections", [])
+    if [jax.tree_util.keystr(p) for p, _ in want] != [r["key"] for r in have]:
+        raise CheckpointError(
+            f"{path} holds variable collections {[r['key'] for r in have][:4]}... but this "
+            f"state has {[jax.tree_util.keystr(p) for p, _ in want][:4]}...: create the "
+            "template state from the same model (with its batch_stats / state)"
+        )
+    if not want:
+        return state.collections
+    leaves = []
+    for i, ((_, leaf), rec) in enumerate(zip(want, have)):
+        x = np.asarray(arrays["collections"][f"c{i}"]).astype(rec["dtype"])
+        placed = _place(x.reshape(rec["shape"]), replicated)
+        if rec.get("prng"):
+            impl = jax.random.key_impl(leaf)
+            placed = jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl),
+                             out_shardings=replicated)(placed)
+        leaves.append(placed)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.collections),
+                                        leaves)
 
 
 def load_params(directory: str | os.PathLike, *, step: int | None = None) -> PyTree:

@@ -87,6 +87,10 @@ class ZeroPPConfig:
         Each unit's gather waits for the output of the unit ``prefetch + 1`` calls before
         it, so about ``prefetch + 1`` units' full weights are live at once (DeepSpeed's
         ``stage3_prefetch_bucket_size``, FSDP's ``limit_all_gathers`` / forward prefetch).
+      output_dtype: floating outputs of ``state.apply_fn`` (logits, a model-computed loss)
+        are cast to this dtype when the compute dtype is narrower, so the loss and the
+        metrics are computed in fp32 (jmp's ``output=float32``; PyTorch autocast runs
+        losses in fp32 too). None keeps the model's output dtype.
     """
 
     stage: int = 3
@@ -110,11 +114,14 @@ class ZeroPPConfig:
     quantize_frozen: bool = False
     remat: Any = "minimal"
     prefetch: int = 1
+    output_dtype: str | None = "float32"
 
     def __post_init__(self) -> None:
         # Normalise dtypes to canonical names so equal configs hash equal.
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
+        if self.output_dtype is not None:
+            object.__setattr__(self, "output_dtype", _dtype_name(self.output_dtype))
         self._validate()
 
     def _validate(self) -> None:
@@ -159,7 +166,9 @@ class ZeroPPConfig:
                 f"remat={self.remat!r} is invalid; use one of {_REMATS} or a jax.checkpoint "
                 "policy callable (e.g. jax.checkpoint_policies.dots_saveable)"
             )
-        for name in ("compute_dtype", "param_dtype"):
+        for name in ("compute_dtype", "param_dtype", "output_dtype"):
+            if name == "output_dtype" and self.output_dtype is None:
+                continue
             if getattr(self, name) not in _FLOAT_DTYPES:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is invalid; valid dtypes are {_FLOAT_DTYPES}"

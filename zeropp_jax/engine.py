@@ -65,6 +65,12 @@ def _stack(*xs: Any) -> Any:
     return jnp.stack(xs)
 
 
+def _mean_over_devices(x: Any) -> Any:
+    """Float leaves: mean over ``("node", "local")``; others as they are."""
+    x = jnp.asarray(x)
+    return jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+
 def _per_device_rngs(rngs: Any) -> Any:
     """Folds this device's index into every RNG key passed to ``apply_fn``. Inside ``shard_map``.
 
@@ -101,6 +107,9 @@ class Engine:
     # A transformers FlaxPreTrainedModel the model came from (``model`` is its module), so
     # ``apply_fn`` also takes its call style; None for a plain linen model.
     wrapper: Any = None
+    # True when the user chose the units (units=...): then units the call reads outside
+    # their own calls are reported (the default policy's leftovers are silently resident).
+    explicit_units: bool = False
 
     @property
     def has_frozen(self) -> bool:
@@ -177,12 +186,8 @@ class Engine:
         """
         if not isinstance(variables, Mapping) or "params" not in variables:
             raise TypeError("apply_fn expects {'params': state.params} as its first argument")
-        extra = set(variables) - {"params"} - ({"frozen"} if self.has_frozen else set())
-        if extra:
-            raise NotImplementedError(
-                f"variable collections {sorted(extra)} are not supported yet; zeropp_jax "
-                "shards the 'params' collection only"
-            )
+        collections = {k: v for k, v in variables.items()
+                       if k not in ("params", "frozen")}
         params = variables["params"]
         if not isinstance(params, ShardedParams):
             raise TypeError(
@@ -194,15 +199,39 @@ class Engine:
             kwargs["rngs"] = _per_device_rngs(kwargs["rngs"])
         if self.config.stage == 3:
             frozen = variables.get("frozen", step.frozen) if self.has_frozen else None
-            return apply_units(
+            out = apply_units(
                 self.model, self.layouts, params.units, self.config, *args, method=method,
                 frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
-                **kwargs,
+                collections=collections, warn_resident=self.explicit_units, **kwargs,
             )
-        tree = self.unflatten_full(params.units)
-        if method is None:
-            return self.model.apply({"params": tree}, *args, **kwargs)
-        return self.model.apply({"params": tree}, *args, method=method, **kwargs)
+        else:
+            tree = {"params": self.unflatten_full(params.units), **collections}
+            if method is not None:
+                kwargs["method"] = method
+            out = self.model.apply(tree, *args, **kwargs)
+        if kwargs.get("mutable") not in (None, False):
+            # Each device updated the collections from its own batch shard (BatchNorm's
+            # running averages): the replicated state keeps their mean over all devices.
+            result, updates = out
+            return self._cast_output(result), jax.tree_util.tree_map(_mean_over_devices,
+                                                                     updates)
+        return self._cast_output(out)
+
+    def _cast_output(self, out: Any) -> Any:
+        """Floating outputs narrower than ``config.output_dtype`` -> that dtype (fp32), so
+        a loss computed from bf16 logits is computed in fp32."""
+        dtype = self.config.output_dtype
+        if dtype is None:
+            return out
+        dtype = jnp.dtype(dtype)
+
+        def cast(x: Any) -> Any:
+            if (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+                    and jnp.finfo(x.dtype).bits < jnp.finfo(dtype).bits):
+                return x.astype(dtype)
+            return x
+
+        return jax.tree_util.tree_map(cast, out)
 
     def unflatten_full(
         self, flats: Mapping[str, jax.Array], frozen_flats: Mapping[str, jax.Array] | None = None
@@ -353,6 +382,7 @@ class Engine:
             master=None if state.master is None else state.master.specs(),
             opt_state=self.opt_specs,
             frozen=None if state.frozen is None else state.frozen.specs(),
+            collections=jax.tree_util.tree_map(lambda _: REPLICATED, state.collections),
         )
 
     def shard_batch(self, batch: PyTree, spec: P = SHARDED) -> PyTree:

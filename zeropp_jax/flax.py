@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
@@ -68,6 +69,19 @@ class Stacked:
     layer whose primary shard ``shard`` the current scan iteration holds."""
 
     make: Callable[[Callable, jax.Array], Callable]
+
+
+def _write_back(module: nn.Module, mutable: Any, out: Any) -> Any:
+    """A unit call's ``(output, updated collections)`` -> output, with the updates written
+    into ``module``'s scope of the outer apply (which returns them); ``out`` as it is if
+    no collection is mutable."""
+    if mutable is False:
+        return out
+    result, updates = out
+    for col, tree in updates.items():
+        for name, value in tree.items():
+            module.scope.put_variable(col, name, value)
+    return result
 
 
 def external_modules(module: nn.Module) -> dict[str, nn.Module]:
@@ -137,21 +151,25 @@ class _UnitInterceptor:
         if self.externals is not None:
             self.externals.update(tuple(sub.path) for sub in outside.values())
         shared = {name: sub.variables.get("params", {}) for name, sub in outside.items()}
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs, rngs, shared))
+        # Other collections (BatchNorm's batch_stats) go in as arrays; the mutable ones the
+        # outer apply asked for come back out and are written into the outer scope.
+        cols = {c: v for c, v in module.variables.items() if c != "params"}
+        mutable = module.scope.mutable
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs, rngs, shared, cols))
         dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
 
         def fn(params: PyTree, *arrays: jax.Array) -> Any:
             filled = list(leaves)
             for i, a in zip(dynamic, arrays):
                 filled[i] = a
-            call_args, call_kwargs, call_rngs, call_shared = jax.tree_util.tree_unflatten(
-                treedef, filled)
+            call_args, call_kwargs, call_rngs, call_shared, call_cols = (
+                jax.tree_util.tree_unflatten(treedef, filled))
             if call_shared:
                 params = merge_trees(params, call_shared)
             with self._inside_unit():
                 return unbound.apply(
-                    {"params": params}, *call_args, method=method, rngs=call_rngs or None,
-                    **call_kwargs,
+                    {"params": params, **call_cols}, *call_args, method=method,
+                    rngs=call_rngs or None, mutable=mutable, **call_kwargs,
                 )
 
         arrays = [leaves[i] for i in dynamic]
@@ -160,9 +178,9 @@ class _UnitInterceptor:
             # of the stacked shards. Ordering is the scan's own; tracers of its body must
             # not leak into the order of the units around it.
             shard = module.scope.get_variable("params", STACKED_SHARD)
-            return make_call.make(fn, shard)(*arrays)
+            return _write_back(module, mutable, make_call.make(fn, shard)(*arrays))
         try:
-            out = make_call(fn)(*arrays)
+            out = _write_back(module, mutable, make_call(fn)(*arrays))
         except errors.ScopeParamShapeError as e:
             raise ValueError(
                 f"unit {'/'.join(path)!r} received its weights with another shape than its "
@@ -182,17 +200,23 @@ def run_units(
     method: str | Callable | None = None,
     order: GatherOrder | None = None,
     externals: set[tuple[str, ...]] | None = None,
+    collections: Mapping[str, PyTree] | None = None,
     **kwargs: Any,
 ) -> Any:
     """``model.apply({"params": rest}, ...)`` with every call of a unit module routed through
     ``units[path](fn)(*arrays)``, where ``fn(params_tree, *arrays)`` runs that call on the
     unit's weights. Units nested inside another unit's call are not intercepted.
-    ``externals``: if given, receives the paths of modules passed to units as attributes."""
+    ``externals``: if given, receives the paths of modules passed to units as attributes.
+    ``collections``: the model's other variable collections (``batch_stats``), full."""
+    if hasattr(model, "run_units"):  # an adapted model (an NNX module): it routes itself
+        return model.run_units(units, rest, *args, method=method, order=order,
+                               externals=externals, collections=collections, **kwargs)
     interceptor = _UnitInterceptor(units, order, externals)
+    variables = {"params": rest, **(collections or {})}
     with nn.intercept_methods(interceptor):
         if method is None:
-            return model.apply({"params": rest}, *args, **kwargs)
-        return model.apply({"params": rest}, *args, method=method, **kwargs)
+            return model.apply(variables, *args, **kwargs)
+        return model.apply(variables, *args, method=method, **kwargs)
 
 
 def apply_units(
@@ -205,6 +229,8 @@ def apply_units(
     frozen_layouts: Mapping[str, UnitLayout] | None = None,
     frozen: Any = None,
     qgz_on: jax.Array | None = None,
+    collections: Mapping[str, PyTree] | None = None,
+    warn_resident: bool = False,
     **kwargs: Any,
 ) -> Any:
     """``model.apply`` with ZeRO-3 parameters. Runs inside ``shard_map``.
@@ -220,6 +246,10 @@ def apply_units(
         ``frozen_layouts``).
       qgz_on: with ``config.qgz_until``, the traced bool choosing qgZ (True) or the plain
         reduce-scatter for this step; None: qgZ whenever ``config.qgz``.
+      collections: the model's other variable collections (``batch_stats``), full and
+        replicated; with ``mutable=`` the call returns ``(output, updated collections)``.
+      warn_resident: warn when units must stay gathered for the whole step (the user
+        chose them; the default policy's leftovers are resident without a word).
       *args, method, **kwargs: as for ``model.apply``.
     """
     frozen_layouts = frozen_layouts or {}
@@ -274,17 +304,25 @@ def apply_units(
     shapes = {path_of[name]: _unit_shapes(layouts.get(name), frozen_layouts.get(name))
               for name in names if name != REST}
     resident = find_resident(model, shapes, stacked_units, rest, config.compute_jnp_dtype,
-                             args, kwargs, method)
+                             args, {**kwargs, "collections": collections}, method)
     # Units whose weights are read outside their own calls (a tied head reading
     # ``.variables``, a module passed to another unit as an attribute) are gathered once
     # for the whole step, like the rest unit: the gradient is the exact sum over every use.
+    if resident and warn_resident:
+        warnings.warn(
+            f"units {sorted('/'.join(p) for p in resident)} are read outside their own "
+            "calls (a tied head reading .variables, a module passed to another unit, a "
+            "wrapper that reads its weights itself), so they stay gathered for the whole "
+            "step; results are exact, only their memory saving is lost. Choose units "
+            "around them (TrainState.create(..., units=...)) to avoid it.", stacklevel=2)
     units: dict[tuple[str, ...], Any] = dict(stacked_units)
-    for name in names - {REST}:
+    for name in sorted(names - {REST}):
         if path_of[name] in resident:
             rest = merge_units(rest, {path_of[name]: unit_call(name)(lambda p: p)()})
         else:
             units[path_of[name]] = unit_call(name)
-    return run_units(model, units, rest, *args, method=method, order=order, **kwargs)
+    return run_units(model, units, rest, *args, method=method, order=order,
+                     collections=collections, **kwargs)
 
 
 def _unit_shapes(layout: UnitLayout | None, frozen: UnitLayout | None) -> PyTree:

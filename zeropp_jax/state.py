@@ -27,6 +27,7 @@ from zeropp_jax.frozen import (
     split_frozen,
 )
 from zeropp_jax.hf import is_hf_model
+from zeropp_jax.nnx import NNXModel, is_nnx
 from zeropp_jax.hpz import group_nodes
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.optim import check_elementwise
@@ -61,6 +62,10 @@ class TrainState:
       frozen: primary shards of the frozen parameters (``create(..., frozen=...)``), stored
         quantized with ``config.quantize_frozen``; never differentiated or updated. None
         when every parameter trains.
+      collections: the model's other variable collections (``batch_stats``, ...), full and
+        replicated on every device; a step updates them with the mean over devices of what
+        each device's call returns (``apply_fn(..., mutable=[...])``). None if there are
+        none. ``state.batch_stats`` reads the BatchNorm statistics.
     """
 
     step: jax.Array
@@ -70,6 +75,15 @@ class TrainState:
     engine: Engine = struct.field(pytree_node=False)
     skipped_steps: jax.Array | None = None
     frozen: FrozenShards | None = None
+    collections: dict[str, PyTree] | None = None
+
+    @property
+    def batch_stats(self) -> PyTree:
+        """The ``batch_stats`` collection (BatchNorm running statistics), replicated."""
+        if not self.collections or "batch_stats" not in self.collections:
+            raise AttributeError("this state has no batch_stats collection (the model was "
+                                 "created without one)")
+        return self.collections["batch_stats"]
 
     @property
     def apply_fn(self) -> Callable[..., Any]:
@@ -91,9 +105,22 @@ class TrainState:
     def config(self) -> ZeroPPConfig:
         return self.engine.config
 
-    def apply_gradients(self, *, grads: ShardedParams) -> "TrainState":
-        """Optimizer step on primary shards. Call inside a ``train_step`` function."""
-        return self.engine.apply_gradients(self, grads)
+    def apply_gradients(self, *, grads: ShardedParams, **collections: PyTree) -> "TrainState":
+        """Optimizer step on primary shards. Call inside a ``train_step`` function.
+
+        ``collections``: new values of variable collections, as Flax's examples pass
+        ``apply_gradients(grads=grads, batch_stats=updates["batch_stats"])``."""
+        new = self.engine.apply_gradients(self, grads)
+        if not collections:
+            return new
+        unknown = set(collections) - set(self.collections or {})
+        if unknown:
+            raise TypeError(
+                f"apply_gradients got {sorted(unknown)}, which are not collections of this "
+                f"state ({sorted(self.collections or {})}); create the state with them: "
+                "TrainState.create(..., params=variables) with the whole variables dict"
+            )
+        return new.replace(collections={**self.collections, **collections})
 
     def describe(self) -> str:
         """A table of the units: parameters, share of the model, shard per device."""
@@ -116,14 +143,19 @@ class TrainState:
         units: Any = None,
         frozen: FrozenFilter | None = None,
         stacked: Sequence[str | Sequence[str]] = (),
+        batch_stats: PyTree = None,
+        collections: Mapping[str, PyTree] | None = None,
     ) -> "TrainState":
         """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
 
         Args:
           model: the Flax linen model (``model.apply({"params": params}, ...)`` must work),
-            or a transformers ``FlaxPreTrainedModel`` (its ``module`` is the model, its
-            ``params`` the default ``params``).
-          params: its parameters (the ``"params"`` collection of ``model.init``).
+            a transformers ``FlaxPreTrainedModel`` (its ``module`` is the model, its
+            ``params`` the default ``params``), or an ``nnx.Module`` (``params=None``: its
+            ``nnx.Param`` values; its other state becomes ``collections``).
+          params: its parameters (the ``"params"`` collection of ``model.init``), or the
+            whole variables dict of ``model.init`` (``params`` plus other collections such
+            as ``batch_stats``, which then go to ``state.collections``).
             Multi-host: every process passes the same values (same init seed); each places
             only its own devices' shards.
           tx: an optax transformation acting elementwise (checked).
@@ -146,23 +178,43 @@ class TrainState:
             stacks: modules whose parameters carry a leading layer axis. Each layer is its
             own unit, and inside the step every scan iteration gathers only its layer's
             weights (one compiled body; live weights bounded by construction).
+          batch_stats, collections: other variable collections (``batch_stats=`` or
+            ``collections={"batch_stats": ...}``), kept full and replicated.
         """
         config = ZeroPPConfig.zero3() if config is None else config
         wrapper = None
         if is_hf_model(model):  # a transformers FlaxPreTrainedModel: its module and params
             wrapper, model = model, model.module
             params = wrapper.params if params is None else params
+        if is_nnx(model):  # an nnx.Module: its Params and its other state, as trees
+            if stacked:
+                raise NotImplementedError("stacked= is for linen nn.scan stacks; an NNX "
+                                          "model's layers are units by the default policy")
+            model, nnx_params, nnx_collections = NNXModel.from_module(model)
+            if params is not None and not _same_tree(params, nnx_params):
+                raise ValueError(
+                    "for an NNX model pass params=None (its nnx.Param values are used); "
+                    "to start from other weights, nnx.update the module first"
+                )
+            params = nnx_params
+            collections = {**nnx_collections, **(collections or {})}
+        elif params is None:
+            raise TypeError("TrainState.create needs params= (model.init(...)['params'])")
         if not isinstance(config, ZeroPPConfig):
             raise TypeError(f"config must be a ZeroPPConfig, got {type(config).__name__}")
         nodes, local = mesh_shape(mesh)
         num_devices = nodes * local
-        if isinstance(params, Mapping) and set(params) == {"params"} and isinstance(
+        collections = dict(collections or {})
+        if batch_stats is not None:
+            collections["batch_stats"] = batch_stats
+        if isinstance(params, Mapping) and "params" in params and isinstance(
             params["params"], Mapping
-        ):
-            raise ValueError(
-                "pass the 'params' collection, not the whole variables dict: "
-                "params=variables['params']"
-            )
+        ) and all(isinstance(v, Mapping) for v in params.values()):
+            # The whole variables dict of model.init: params plus other collections.
+            collections = {**{k: v for k, v in params.items() if k != "params"},
+                           **collections}
+            params = params["params"]
+        collections = {k: v for k, v in collections.items() if jax.tree_util.tree_leaves(v)}
         if not isinstance(params, Mapping) or not jax.tree_util.tree_leaves(params):
             raise ValueError(
                 "the model has no parameters, so there is nothing for ZeRO to shard; "
@@ -239,9 +291,12 @@ class TrainState:
             jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
         )(master)
 
-        engine = Engine(model, tx, mesh, config, layouts, opt_specs, frozen_layouts, wrapper)
+        engine = Engine(model, tx, mesh, config, layouts, opt_specs, frozen_layouts, wrapper,
+                        explicit_units=units is not None and units != "auto")
         warn_if_unbalanced(*engine.unit_table(), params)
         step = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
+        placed_collections = jax.tree_util.tree_map(
+            lambda x: _place_replicated(x, mesh), collections) if collections else None
         skipped = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         if config.stage == 3:
             frozen_shards = (
@@ -249,7 +304,7 @@ class TrainState:
                 if frozen_layouts else None
             )
             return cls(step, ShardedParams(master, True), opt_state, None, engine, skipped,
-                       frozen_shards)
+                       frozen_shards, placed_collections)
         cdt = config.compute_jnp_dtype
         replicated = NamedSharding(mesh, REPLICATED)
         full = {
@@ -261,7 +316,37 @@ class TrainState:
             for name, lay in layouts.items()
         }
         return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine,
-                   skipped)
+                   skipped, None, placed_collections)
+
+
+def _place_replicated(x: Any, mesh: Mesh) -> jax.Array:
+    """A collection leaf on every device (typed PRNG keys, e.g. NNX's, as keys)."""
+    sharding = NamedSharding(mesh, REPLICATED)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(x)
+        data = place(np.asarray(jax.random.key_data(x)), sharding)
+        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl),
+                       out_shardings=sharding)(data)
+    return place(np.asarray(x), sharding)
+
+
+def _same_tree(a: Any, b: Mapping[str, Any]) -> bool:
+    """True if ``a`` (params given for an NNX model: an nnx.State or a nested dict) holds
+    the same values at the same paths as ``b`` (the module's own params, string keys)."""
+    from flax import nnx
+
+    def flat(tree: Any, prefix: tuple = ()) -> dict:
+        if isinstance(tree, nnx.State):
+            return {tuple(str(k) for k in p): (v.get_value() if hasattr(v, "get_value")
+                                               else v.value)
+                    for p, v in tree.flat_state()}
+        if isinstance(tree, Mapping):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, prefix + (str(key),)).items()}
+        return {prefix: tree}
+
+    fa, fb = flat(a), flat(b)
+    return fa.keys() == fb.keys() and all(
+        np.array_equal(np.asarray(fa[k]), np.asarray(fb[k])) for k in fa)
 
 
 def _opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, UnitLayout],

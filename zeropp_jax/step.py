@@ -55,6 +55,11 @@ def _average_metrics(out: PyTree) -> PyTree:
         if _is_container(x):
             return x
         x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            # Metrics come back in fp32 at least: a bf16 mean over devices would round a
+            # slowly falling loss to the same value step after step.
+            wide = jnp.promote_types(x.dtype, jnp.float32)
+            return jax.lax.pmean(x.astype(wide), AXES)
         if jnp.issubdtype(x.dtype, jnp.inexact):
             return jax.lax.pmean(x, AXES)
         return x

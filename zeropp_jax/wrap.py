@@ -12,6 +12,7 @@ turns the user's ``units=`` into module paths:
   own if they are at least a quarter of a block, else join the *rest* unit (gathered for the
   whole step, as FSDP's root unit is). A model with no block list falls back to its direct
   children.
+- ``"children"``: every direct child module of the root.
 - a sequence of entries, each a module path (``("decoder", "layers_0")`` or
   ``"decoder/layers_0"``), a path glob (``"transformer/h/*"``), a module class or a class
   name (``FlaxGPT2Block`` / ``"FlaxGPT2Block"``: every module of that class, outermost).
@@ -76,6 +77,8 @@ def module_classes(model: Any, params: Mapping[str, Any]) -> dict[Path, str]:
     are missing from the result.
     """
     classes: dict[Path, str] = {}
+    if hasattr(model, "modules") and hasattr(model, "graphdef"):  # an NNXModel
+        return {p: c for p, (_, c) in model.modules.items()}
     try:
         import flax.linen as nn
 
@@ -124,11 +127,16 @@ def _block_lists(params: Mapping[str, Any]) -> list[list[Path]]:
     return groups
 
 
+def children_units(params: Mapping[str, Any]) -> tuple[Path, ...]:
+    """Every direct child module of the root (``units="children"``)."""
+    return tuple((k,) for k, v in params.items() if isinstance(v, Mapping) and _size(v))
+
+
 def auto_units(params: Mapping[str, Any]) -> tuple[Path, ...]:
     """The default policy: repeated blocks at any depth, large leftovers as own units."""
     groups = _block_lists(params)
     if not groups:
-        return tuple((k,) for k, v in params.items() if isinstance(v, Mapping) and _size(v))
+        return children_units(params)
     block = max(float(np.median([_size(_subtree(params, p)) for p in g])) for g in groups)
     # A list of tiny modules (two norms named norm_0, norm_1) is not a list of blocks.
     blocks = [p for g in groups
@@ -152,12 +160,9 @@ def auto_units(params: Mapping[str, Any]) -> tuple[Path, ...]:
 
 
 def _outermost(paths: Iterable[Path]) -> list[Path]:
-    paths = sorted(set(paths), key=len)
-    out: list[Path] = []
-    for p in paths:
-        if not any(p[: len(q)] == q for q in out):
-            out.append(p)
-    return out
+    """The paths not inside another of them, in their given order."""
+    paths = list(dict.fromkeys(paths))
+    return [p for p in paths if not any(q != p and p[: len(q)] == q for q in paths)]
 
 
 def _by_size(params: Mapping[str, Any], threshold: int) -> list[Path]:
@@ -199,6 +204,8 @@ def resolve_units(spec: Any, params: Mapping[str, Any], model: Any = None) -> tu
     Raises ValueError naming the available paths when an entry matches nothing."""
     if spec is None or (isinstance(spec, str) and spec == "auto"):
         return auto_units(params)
+    if isinstance(spec, str) and spec == "children":
+        return children_units(params)
     if isinstance(spec, bool):
         raise TypeError("units= takes paths, globs, classes, an int or a callable, not a bool")
     if isinstance(spec, int):

@@ -47,12 +47,18 @@ def test_model_without_parameters():
                               mesh=zpp.make_mesh(2, 4))
 
 
-def test_whole_variables_dict_instead_of_params():
+def test_whole_variables_dict_is_split_into_params_and_collections():
     model = GPT(SMALL)
-    variables = {"params": init_params()}
-    with pytest.raises(ValueError, match=r"variables\['params'\]"):
-        zpp.TrainState.create(model=model, params=variables, tx=optax.sgd(0.1),
-                              mesh=zpp.make_mesh(2, 4))
+    params = init_params()
+    extra = {"scale": np.full((3,), 2.0, np.float32)}
+    state = zpp.TrainState.create(model=model, params={"params": params, "stats": extra},
+                                  tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4))
+    plain = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4))
+    assert state.engine.layouts.keys() == plain.engine.layouts.keys()
+    np.testing.assert_array_equal(np.asarray(state.collections["stats"]["scale"]),
+                                  extra["scale"])
+    assert plain.collections is None
 
 
 def test_non_elementwise_optimizer():

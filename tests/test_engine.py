@@ -31,9 +31,11 @@ def test_loss_and_grads_equal_single_device(nodes, local):
     params = init_params(seed=nodes)
     batch = tokens(16, seed=100 + nodes)
     mesh = zpp.make_mesh(nodes, local)
+    # units="children" (every direct child a unit): the root-level logit scale alone is
+    # then the rest unit, a unit smaller than the device count.
     state = zpp.TrainState.create(
         model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
-        config=zpp.ZeroPPConfig.zero3(**FP32),
+        config=zpp.ZeroPPConfig.zero3(**FP32), units="children",
     )
     # The test model exercises padding and a unit smaller than the device count.
     layouts = state.engine.layouts

@@ -130,11 +130,15 @@ def test_one_gather_per_iteration_and_memory_flat_in_depth():
     assert growth <= 0.5 * layer_bytes, (growth, layer_bytes)
 
 
-def test_scan_without_stacked_names_the_fix():
+def test_default_policy_finds_the_stack_and_other_policies_name_the_fix():
     batch = _batch(1)
     params = _Scanned().init(jax.random.PRNGKey(0), batch["x"][:2])["params"]
     state = zpp.TrainState.create(model=_Scanned(), params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4))
+    assert [n for n in state.engine.layouts if n.startswith("layers")] == [
+        f"layers[{i}]" for i in range(_Scanned.layers)]
+    state = zpp.TrainState.create(model=_Scanned(), params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), units="children")
     with pytest.raises(ValueError, match=r"stacked=\['layers'\]"):
         _step()(state, batch)
 

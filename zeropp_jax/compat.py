@@ -179,3 +179,12 @@ def saved_residuals(f: Any, *args: Any, **kwargs: Any) -> list[tuple[Any, str]]:
     from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 
     return _saved_residuals(f, *args, **kwargs)
+
+
+def eval_jaxpr(closed: Any, *args: Any) -> list[Any]:
+    """Evaluates a ``ClosedJaxpr`` (from ``jax.make_jaxpr``) on ``args`` in the current
+    trace: the recorded equations are bound again, no Python is re-run.
+    ``jax.core.eval_jaxpr`` is public in 0.10 to 0.12."""
+    from jax import core
+
+    return core.eval_jaxpr(closed.jaxpr, closed.consts, *args)

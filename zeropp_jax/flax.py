@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeropp_jax import compat
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.ordering import after
@@ -183,9 +184,9 @@ class _UnitInterceptor:
             out = _write_back(module, mutable, make_call(fn)(*arrays))
         except errors.ScopeParamShapeError as e:
             raise ValueError(
-                f"unit {'/'.join(path)!r} received its weights with another shape than its "
+                f"unit {'/'.join(map(str, path))!r} received its weights with another shape than its "
                 "call expects. If it is an nn.scan stack (parameters with a leading layer "
-                f"axis), pass TrainState.create(..., stacked=[{'/'.join(path)!r}])."
+                f"axis), pass TrainState.create(..., stacked=[{'/'.join(map(str, path))!r}])."
             ) from e
         if self.order is not None:
             self.order.record(out)
@@ -277,8 +278,8 @@ def apply_units(
     path_of = {name: (layouts.get(name) or frozen_layouts[name]).path for name in names}
     rest: PyTree = {}
     if REST in names:
-        # The rest unit's weights are used wherever the root likes, so they stay gathered
-        # for the whole step (they are small by construction: no submodule owns them).
+        # The rest unit's weights (outside every unit: small modules the wrap policy left,
+        # root-level parameters) are used wherever the model likes: gathered for the step.
         rest = unit_call(REST)(lambda p: p)()
     stacked_units: dict[tuple[str, ...], Any] = {}
     stacks: dict[tuple[str, ...], list[UnitLayout]] = {}
@@ -310,7 +311,7 @@ def apply_units(
     # for the whole step, like the rest unit: the gradient is the exact sum over every use.
     if resident and warn_resident:
         warnings.warn(
-            f"units {sorted('/'.join(p) for p in resident)} are read outside their own "
+            f"units {sorted('/'.join(map(str, p)) for p in resident)} are read outside their own "
             "calls (a tied head reading .variables, a module passed to another unit, a "
             "wrapper that reads its weights itself), so they stay gathered for the whole "
             "step; results are exact, only their memory saving is lost. Choose units "
@@ -332,6 +333,29 @@ def _unit_shapes(layout: UnitLayout | None, frozen: UnitLayout | None) -> PyTree
     return trees[0] if len(trees) == 1 else merge_trees(*trees)
 
 
+# find_resident's answers by the call's static structure: train_step traces its body twice
+# (an abstract pass for the output structure, then the real one), and the second asks the
+# same question. Keyed by the model's identity, so entries of dropped models never match.
+_RESIDENT: dict[Any, tuple[Any, frozenset]] = {}
+
+
+def _resident_key(model: Any, shapes: Mapping, stacked: Mapping, rest: PyTree, dtype: Any,
+                  args: tuple, kwargs: dict, method: Any) -> Any:
+    """A hashable description of everything find_resident's answer depends on, or None."""
+    def describe(tree: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        return treedef, tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else x
+                              for x in leaves)
+
+    key = (id(model), tuple(sorted(map(str, shapes))), tuple(sorted(map(str, stacked))),
+           describe(shapes), describe(rest), str(dtype), describe((args, kwargs)), method)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def find_resident(
     model: nn.Module,
     shapes: Mapping[tuple[str, ...], PyTree],
@@ -350,9 +374,10 @@ def find_resident(
     tied head reading ``.variables``, ``nn.Embed.attend`` on a path that is not the unit's
     call) shows up as a value the traced program uses: that unit is resident. A unit call
     that uses any parameter from outside itself (a module passed to it as an attribute)
-    is resident too, with the unit whose weights it reads. Raises ValueError if the call
-    reaches no parameter at all (an NNX bridge module whose weights never come from the
-    params collection would otherwise train with a zero gradient).
+    is resident too, with the unit whose weights it reads (a module passed as an attribute
+    is handled by the interceptor instead: its owner becomes resident). Raises ValueError
+    if the call reaches no parameter at all: a model that does not read its weights from
+    the variables passed to ``apply`` would otherwise train with a zero gradient.
 
     Args:
       shapes: unit path -> its params tree of shapes (not the stacked units).
@@ -360,6 +385,11 @@ def find_resident(
       rest: the gathered rest unit's params tree.
       dtype: the compute dtype the units' weights arrive in.
     """
+    key = _resident_key(model, shapes, stacked, rest, dtype, args, kwargs, method)
+    if key is not None and key in _RESIDENT and _RESIDENT[key][0] is model:
+        return set(_RESIDENT[key][1])
+    if len(_RESIDENT) > 256:
+        _RESIDENT.clear()
     placeholders = {path: jax.tree_util.tree_map(
         lambda s: jnp.zeros(s, dtype), tree, is_leaf=lambda x: isinstance(x, tuple))
         for path, tree in shapes.items()}
@@ -381,12 +411,16 @@ def find_resident(
                 inner = lambda *a: fn(jax.tree_util.tree_map(  # noqa: E731
                     lambda s: jnp.zeros(s, dtype), shapes[path],
                     is_leaf=lambda x: isinstance(x, tuple)), *a)
-                closed, out = jax.make_jaxpr(inner, return_shape=True)(*arrays)
+                closed, shape = jax.make_jaxpr(inner, return_shape=True)(*arrays)
                 outside = [c for c in closed.consts if id(c) in params_ids]
                 if outside:
                     resident.add(path)
                     resident.update(owner[id(c)] for c in outside if id(c) in owner)
-                return jax.tree_util.tree_map(lambda o: jnp.zeros(o.shape, o.dtype), out)
+                # The output, from the recorded program (zeros would lose its device-varying
+                # type, which an nn.scan carry must keep; tracing the model again is slow).
+                flat = [x for x in jax.tree_util.tree_leaves(arrays)]
+                out = compat.eval_jaxpr(closed, *flat)
+                return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), out)
 
             return call
 
@@ -420,9 +454,11 @@ def find_resident(
         raise ValueError(
             "the model's call used none of its parameters: no unit was called and no "
             "parameter was read, so training would see a zero gradient. The model must "
-            "read its weights from the variables passed to apply (an NNX module wrapped "
-            "with nnx.bridge.to_linen keeps its own copy; pass the nnx.Module itself to "
-            "TrainState.create instead)."
+            "read its weights from the variables passed to apply (a wrapper that builds "
+            "or keeps its own copy of them, e.g. an NNX module, can be passed to "
+            "TrainState.create itself)."
         )
+    if key is not None:
+        _RESIDENT[key] = (model, frozenset(resident))  # the model: ids get reused
     return resident
 

@@ -25,7 +25,7 @@ REST = "<rest>"
 
 def unit_name(path: Sequence[str], layer: int | None = None) -> str:
     """``"a/b"`` for a module path, ``"a/b[3]"`` for layer 3 of a scanned stack there."""
-    name = "/".join(path) if path else REST
+    name = "/".join(map(str, path)) if path else REST
     return name if layer is None else f"{name}[{layer}]"
 
 
@@ -39,7 +39,7 @@ def stack_layers(subtree: PyTree, path: Sequence[str]) -> list[PyTree]:
     """A scanned stack's params (every leaf ``[layers, ...]``) -> one subtree per layer."""
     leaves = jax.tree_util.tree_leaves(subtree)
     lengths = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
-    name = "/".join(path)
+    name = "/".join(map(str, path))
     if not leaves or len(lengths) != 1 or None in lengths:
         raise ValueError(
             f"{name!r} is not an nn.scan stack: its parameters do not all share a leading "
@@ -147,7 +147,7 @@ def default_unit_paths(params: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]
 def _get(tree: Mapping[str, Any], path: Sequence[str]) -> Any:
     for k in path:
         if not isinstance(tree, Mapping) or k not in tree:
-            raise KeyError("/".join(path))
+            raise KeyError("/".join(map(str, path)))
         tree = tree[k]
     return tree
 
@@ -178,13 +178,13 @@ def split_units(
             units[p] = _get(params, p)
         except KeyError:
             raise ValueError(
-                f"unit path {'/'.join(p)!r} is not in the model's params; top-level names "
+                f"unit path {'/'.join(map(str, p))!r} is not in the model's params; top-level names "
                 f"are {list(params)}"
             ) from None
     for a in unit_paths:
         for b in unit_paths:
             if a != b and b[: len(a)] == a:
-                raise ValueError(f"unit {'/'.join(b)!r} is nested inside unit {'/'.join(a)!r}")
+                raise ValueError(f"unit {'/'.join(map(str, b))!r} is nested inside unit {'/'.join(map(str, a))!r}")
     return units, _without(params, unit_paths)
 
 

@@ -40,7 +40,7 @@ from zeropp_jax.partition import (
     unit_name,
 )
 from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams, place
-from zeropp_jax.wrap import describe_units, resolve_units, warn_if_unbalanced
+from zeropp_jax.wrap import describe_units, resolve_units, scan_stacks, warn_if_unbalanced
 
 PyTree = Any
 
@@ -175,7 +175,8 @@ class TrainState:
             prefixes. They get no gradient and no optimizer state, and are stored in
             ``state.frozen`` (quantized with ``config.quantize_frozen``). Stage 3 only.
           stacked: module paths (``"layers"`` or ``("decoder", "layers")``) of ``nn.scan``
-            stacks: modules whose parameters carry a leading layer axis. Each layer is its
+            stacks: modules whose parameters carry a leading layer axis. The default
+            ``units`` policy adds the stacks it recognises (``wrap.scan_stacks``). Each layer is its
             own unit, and inside the step every scan iteration gathers only its layer's
             weights (one compiled body; live weights bounded by construction).
           batch_stats, collections: other variable collections (``batch_stats=`` or
@@ -225,6 +226,9 @@ class TrainState:
             group_nodes(config.hpz_group_size, nodes, local)  # raises naming the valid sizes
 
         stacked = tuple(tuple(p.split("/")) if isinstance(p, str) else tuple(p) for p in stacked)
+        if units is None or (isinstance(units, str) and units == "auto"):
+            # The default policy also finds nn.scan stacks (each layer its own unit).
+            stacked += tuple(p for p in scan_stacks(params) if p not in stacked)
         # A scanned stack is a unit per layer by construction: no policy looks inside it.
         unit_paths = tuple(
             p for p in resolve_units(units, params, model)

@@ -97,7 +97,7 @@ def module_classes(model: Any, params: Mapping[str, Any]) -> dict[Path, str]:
         pass
     for path in module_paths(params):
         if path not in classes:
-            m = re.match(r"^([A-Z]\w*?)_\d+$", path[-1])
+            m = re.match(r"^([A-Z]\w*?)_\d+$", str(path[-1]))
             if m:
                 classes[path] = m.group(1)
     return classes
@@ -111,7 +111,7 @@ def _block_lists(params: Mapping[str, Any]) -> list[list[Path]]:
         by_stem: dict[str, list[str]] = {}
         for k, v in tree.items():
             if isinstance(v, Mapping) and _size(v):
-                m = _INDEXED.match(k)
+                m = _INDEXED.match(str(k))
                 if m:
                     by_stem.setdefault(m.group(1), []).append(k)
         members = set()
@@ -125,6 +125,47 @@ def _block_lists(params: Mapping[str, Any]) -> list[list[Path]]:
 
     walk(params, ())
     return groups
+
+
+def scan_stacks(params: Mapping[str, Any]) -> tuple[Path, ...]:
+    """Modules that look like ``nn.scan`` stacks (``variable_axes={"params": 0}``): every
+    parameter below them has a leading layer axis of one common length ``L``.
+
+    The test is strict, so ordinary modules do not pass it: at least two parameters, all
+    of rank >= 2 (a stacked bias or norm scale is ``[L, d]``; an unstacked one is 1-D),
+    below a module with submodules, and ``L`` smaller than each parameter's largest other
+    dimension (attention's four ``[d, d]`` kernels share a leading ``d`` but are not
+    smaller than themselves). Outermost matches only."""
+    found: list[Path] = []
+
+    def looks_stacked(tree: Mapping[str, Any]) -> bool:
+        shapes = [np.shape(x) for x in _leaves(tree)]
+        if len(shapes) < 2 or any(len(sh) < 2 for sh in shapes):
+            return False
+        lead = {sh[0] for sh in shapes}
+        if len(lead) != 1:
+            return False
+        (layers,) = lead
+        return layers >= 2 and all(layers < max(sh[1:]) for sh in shapes)
+
+    def walk(tree: Mapping[str, Any], path: Path) -> None:
+        for k, v in tree.items():
+            if not isinstance(v, Mapping):
+                continue
+            nested = any(isinstance(c, Mapping) for c in v.values())
+            if nested and looks_stacked(v):
+                found.append(path + (k,))
+            else:
+                walk(v, path + (k,))
+
+    walk(params, ())
+    return tuple(found)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, Mapping):
+        return [x for v in tree.values() for x in _leaves(v)]
+    return [tree]
 
 
 def children_units(params: Mapping[str, Any]) -> tuple[Path, ...]:
@@ -239,15 +280,18 @@ def resolve_units(spec: Any, params: Mapping[str, Any], model: Any = None) -> tu
                 )
             chosen.extend(hits)
         elif isinstance(entry, str) and any(c in entry for c in "*?["):
-            hits = [p for p in paths if fnmatch.fnmatchcase("/".join(p), entry)]
+            hits = [p for p in paths if fnmatch.fnmatchcase("/".join(map(str, p)), entry)]
             if not hits:
                 raise ValueError(
                     f"units glob {entry!r} matches no module path; paths look like "
-                    f"{['/'.join(p) for p in paths[:8]]}"
+                    f"{['/'.join(map(str, p)) for p in paths[:8]]}"
                 )
             chosen.extend(_outermost(hits))
         else:
-            chosen.append(tuple(entry.split("/")) if isinstance(entry, str) else tuple(entry))
+            want = tuple(entry.split("/")) if isinstance(entry, str) else tuple(entry)
+            # Keys may be ints (an NNX list through nnx.bridge): match by their text.
+            by_text = {tuple(map(str, p)): p for p in paths}
+            chosen.append(by_text.get(tuple(map(str, want)), want))
     seen: set[Path] = set()
     return tuple(p for p in chosen if not (p in seen or seen.add(p)))
 
@@ -272,11 +316,11 @@ def warn_if_unbalanced(rows: Sequence[tuple[str, int, int]], total: int,
     if n * 2 <= total:
         return
     hint = ""
-    inner = [p for p in module_paths(params) if "/".join(p).startswith(name + "/")
+    inner = [p for p in module_paths(params) if "/".join(map(str, p)).startswith(name + "/")
              or name == "<rest>"]
     if inner:
-        hint = (f" Modules inside it include {['/'.join(p) for p in inner[:4]]}; e.g. "
-                f"units=['{'/'.join(inner[0][:-1] + ('*',)) if len(inner[0]) > 1 else inner[0][0]}']")
+        hint = (f" Modules inside it include {['/'.join(map(str, p)) for p in inner[:4]]}; e.g. "
+                f"units=['{'/'.join(map(str, inner[0][:-1] + ('*',))) if len(inner[0]) > 1 else inner[0][0]}']")
     warnings.warn(
         f"unit {name!r} holds {100 * n / total:.0f}% of the parameters, so ZeRO-3 saves "
         "little weight memory: choose smaller units with TrainState.create(..., units=...) "

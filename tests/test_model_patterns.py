@@ -135,8 +135,9 @@ def test_module_passed_to_units_as_attribute(mesh):
 
     # encoder and decoder are units that use `shared` (owned by the root): the shared
     # weights come in as arguments, their gradient is the sum of three uses.
-    state, ours, theirs, ref = _train_both(model, params, mesh, loss, [ids, _ids(4)],
-                                           units=["encoder", "decoder", "shared"])
+    with pytest.warns(UserWarning, match=r"\['shared'\] are read outside"):
+        state, ours, theirs, ref = _train_both(model, params, mesh, loss, [ids, _ids(4)],
+                                               units=["encoder", "decoder", "shared"])
     np.testing.assert_allclose(ours, theirs, atol=TOL)
     assert _max_diff(state.consolidate(), ref) < TOL
     # The default policy: the Embed is its own unit, called (and attend-ed) from inside

@@ -66,6 +66,21 @@ def test_save_layout_and_restore_on_the_same_mesh(trained):
     assert restored.params.units["block_0"].sharding == state.params.units["block_0"].sharding
 
 
+def test_units_are_restored_by_name_not_position(trained):
+    """A template listing the same units in another order (explicit units= reversed, the
+    same shapes) gets each unit's own weights back, not its neighbour's."""
+    state, d, _, _ = trained
+    names = list(state.engine.layouts)
+    paths = [state.engine.layouts[n].path for n in names if n != "<rest>"]
+    template = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=31), tx=TX,
+                                     mesh=zpp.make_mesh(2, 4),
+                                     config=zpp.ZeroPPConfig.zero3(**FP32),
+                                     units=list(reversed(paths)))
+    assert list(template.engine.layouts) != names  # the order really differs
+    restored = ckpt.restore(d, template)
+    _leaves_equal(restored.consolidate(), state.consolidate())
+
+
 def test_restore_across_mesh_shapes_and_device_counts(trained):
     """2x4 -> 1x8 -> 4x2 (a checkpoint written on each), then onto 4 devices (other padding)
     and with ZeRO stage 2: identical parameters and optimizer moments, and training

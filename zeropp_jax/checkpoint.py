@@ -325,8 +325,11 @@ def restore(
         return out
 
     pdt = np.dtype(cfg.param_jnp_dtype)
-    master = {name: padded(arrays["params"][f"u{i}"], lay, pdt)
-              for i, (name, lay) in enumerate(engine.layouts.items())}
+    # Units by name, never by position: the template may list them in another order (a
+    # params tree rebuilt with sorted keys, another units= order, another policy's order).
+    saved = {r["name"]: i for i, r in enumerate(meta["units"])}
+    master = {name: padded(arrays["params"][f"u{saved[name]}"], lay, pdt)
+              for name, lay in engine.layouts.items()}
     opt_leaves = []
     for i, rec in enumerate(opt_want):
         x = np.asarray(arrays["opt"][f"o{i}"]).astype(rec["dtype"])

@@ -25,6 +25,18 @@ def test_batch_not_divisible_by_devices(state):
         make_step()(state, tokens(12, seed=0))
 
 
+def test_batch_leaves_must_agree_and_not_be_empty(state):
+    @zpp.train_step
+    def step(state, batch):
+        return state, {}
+
+    x = tokens(16, seed=0)
+    with pytest.raises(ValueError, match=r"disagree on their leading.*'x'.*16.*'y'.*8"):
+        step(state, {"x": x, "y": x[:8]})  # 8 rows each would divide: still refused
+    with pytest.raises(ValueError, match="empty"):
+        step(state, {"x": x[:0], "y": x[:0]})
+
+
 def test_scalar_batch_leaf(state):
     @zpp.train_step
     def step(state, batch):
@@ -93,3 +105,18 @@ def test_apply_fn_with_a_plain_params_dict(state):
 
     with pytest.raises(TypeError, match="state.params"):
         step(state, tokens(8, seed=0)[:, :-1])
+
+
+def test_donated_state_cannot_be_used_again():
+    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4))
+
+    @zpp.train_step(donate_state=True)
+    def step(state, batch):
+        return state, {}
+
+    batch = tokens(8, seed=1)
+    new, _ = step(state, batch)
+    with pytest.raises(ValueError, match="donate_state=True"):
+        step(state, batch)
+    step(new, batch)  # the returned state works

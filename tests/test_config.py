@@ -83,6 +83,33 @@ def test_from_mode():
         ZeroPPConfig.from_mode("zero4")
 
 
+def test_int4_gradients_need_an_even_block():
+    with pytest.raises(ValueError, match="grad_bits=4.*must be even"):
+        ZeroPPConfig(qgz=True, block_size=255)
+    ZeroPPConfig(qgz=True, block_size=255, grad_bits=8)  # INT8: any block size
+    ZeroPPConfig(qgz=False, block_size=255)  # grad_bits unused without qgZ
+
+
+def test_from_deepspeed_reads_strictly():
+    """Typos, strings and 'auto' used to be read silently (a typo turned qwZ off, "false"
+    turned it on); now they either mean what DeepSpeed means or raise."""
+    zo = lambda **kw: {"zero_optimization": {"stage": 3, **kw}}  # noqa: E731
+    assert ZeroPPConfig.from_deepspeed(zo(zero_quantized_weights="true")).qwz
+    assert not ZeroPPConfig.from_deepspeed(zo(zero_quantized_weights="false")).qwz
+    assert not ZeroPPConfig.from_deepspeed(zo(zero_quantized_gradients=0)).qgz
+    with pytest.raises(ValueError, match="did you mean 'zero_quantized_weights'"):
+        ZeroPPConfig.from_deepspeed(zo(zero_quantized_weight=True))
+    with pytest.raises(ValueError, match="not a boolean.*auto"):
+        ZeroPPConfig.from_deepspeed({"bf16": {"enabled": "auto"}})
+    with pytest.raises(ValueError, match="gradient_clipping='auto'"):
+        ZeroPPConfig.from_deepspeed({"gradient_clipping": "auto"})
+    with pytest.raises(ValueError, match="both bf16 and fp16"):
+        ZeroPPConfig.from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    assert ZeroPPConfig.from_deepspeed({"bf16": True}).compute_dtype == "bfloat16"
+    # DeepSpeed keys that only tune its own bucketing are still ignored.
+    assert ZeroPPConfig.from_deepspeed(zo(overlap_comm=True, reduce_bucket_size=5e8)).stage == 3
+
+
 def test_from_deepspeed():
     ds = {
         "bf16": {"enabled": True},

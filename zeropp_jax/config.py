@@ -8,6 +8,7 @@ user already has.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -142,6 +143,11 @@ class ZeroPPConfig:
                 f"weight_bits=4 packs two values per byte: block_size={self.block_size} "
                 "must be even"
             )
+        if self.qgz and self.grad_bits == 4 and self.block_size % 2:
+            raise ValueError(
+                f"qgZ with grad_bits=4 packs two values per byte: block_size="
+                f"{self.block_size} must be even (or grad_bits=8)"
+            )
         if self.quantization_impl not in _IMPLEMENTATIONS:
             raise ValueError(
                 f"quantization_impl={self.quantization_impl!r} is invalid; valid values are "
@@ -254,29 +260,54 @@ class ZeroPPConfig:
         Understood keys: ``stage``, ``zero_quantized_weights``, ``zero_hpz_partition_size``
         (> 1 turns hpZ on with that group size; DeepSpeed's default 1 means off),
         ``zero_quantized_gradients``. The top-level ``bf16.enabled`` / ``fp16.enabled`` pick the
-        compute dtype; a top-level ``gradient_clipping`` > 0 sets ``gradient_clipping``. Unknown ``zero_optimization`` keys are ignored, as they only tune
-        DeepSpeed's own bucketing.
+        compute dtype; a top-level ``gradient_clipping`` > 0 sets ``gradient_clipping``.
+        Other ``zero_optimization`` keys are ignored, as they only tune DeepSpeed's own
+        bucketing, except near misses of the keys above (typos), which raise. Flags accept
+        booleans, 0/1 and "true"/"false"; "auto" (as transformers' integration writes)
+        raises: resolve it first.
         """
         if not isinstance(ds_config, Mapping):
             raise TypeError(f"ds_config must be a dict, got {type(ds_config).__name__}")
         zo = ds_config.get("zero_optimization", {})
         if not isinstance(zo, Mapping):
             raise TypeError("ds_config['zero_optimization'] must be a dict")
-        kwargs: dict[str, Any] = {"stage": int(zo.get("stage", 3))}
-        kwargs["qwz"] = bool(zo.get("zero_quantized_weights", False))
-        kwargs["qgz"] = bool(zo.get("zero_quantized_gradients", False))
-        hpz = int(zo.get("zero_hpz_partition_size", 1))
+        understood = ("stage", "zero_quantized_weights", "zero_quantized_gradients",
+                      "zero_hpz_partition_size")
+        for key in zo:
+            # Other DeepSpeed keys only tune its bucketing and are ignored; a near miss of
+            # a key we read is a typo that would silently turn a technique off.
+            close = difflib.get_close_matches(key, understood, n=1, cutoff=0.8)
+            if key not in understood and close:
+                raise ValueError(f"zero_optimization key {key!r} is not a DeepSpeed key; did "
+                                 f"you mean {close[0]!r}?")
+        kwargs: dict[str, Any] = {"stage": _ds_int(zo.get("stage", 3), "stage")}
+        kwargs["qwz"] = _ds_flag(zo.get("zero_quantized_weights", False),
+                                 "zero_optimization.zero_quantized_weights")
+        kwargs["qgz"] = _ds_flag(zo.get("zero_quantized_gradients", False),
+                                 "zero_optimization.zero_quantized_gradients")
+        hpz = _ds_int(zo.get("zero_hpz_partition_size", 1), "zero_hpz_partition_size")
         if hpz < 1:
             raise ValueError(f"zero_hpz_partition_size must be >= 1, got {hpz}")
         kwargs["hpz"] = hpz > 1
         kwargs["hpz_group_size"] = hpz if hpz > 1 else None
-        if ds_config.get("bf16", {}).get("enabled", False):
-            kwargs["compute_dtype"] = "bfloat16"
-        elif ds_config.get("fp16", {}).get("enabled", False):
-            kwargs["compute_dtype"] = "float16"
-        else:
-            kwargs["compute_dtype"] = "float32"
+
+        def enabled(name: str) -> bool:
+            section = ds_config.get(name, {})
+            if isinstance(section, Mapping):
+                return _ds_flag(section.get("enabled", False), f"{name}.enabled")
+            return _ds_flag(section, name)  # "bf16": true, a common shorthand
+
+        bf16, fp16 = enabled("bf16"), enabled("fp16")
+        if bf16 and fp16:
+            raise ValueError("ds_config enables both bf16 and fp16; enable one of them")
+        kwargs["compute_dtype"] = "bfloat16" if bf16 else "float16" if fp16 else "float32"
         clip = ds_config.get("gradient_clipping", 0.0)
+        if isinstance(clip, str):
+            raise ValueError(
+                f"gradient_clipping={clip!r}: give a number (transformers' DeepSpeed "
+                "integration fills 'auto' from TrainingArguments.max_grad_norm; resolve it "
+                "before passing the dict here)"
+            )
         if clip:  # DeepSpeed's 0.0 means off
             kwargs["gradient_clipping"] = float(clip)
         kwargs.update(overrides)
@@ -310,3 +341,25 @@ class ZeroPPConfig:
     @property
     def param_jnp_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
+
+
+def _ds_flag(value: Any, key: str) -> bool:
+    """A DeepSpeed boolean: True/False, 0/1 or "true"/"false"; anything else raises."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    hint = (" ('auto' is filled in by transformers' DeepSpeed integration; resolve it "
+            "before passing the dict here)") if value == "auto" else ""
+    raise ValueError(f"{key}={value!r} is not a boolean{hint}")
+
+
+def _ds_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{key}={value!r} is not an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is not an integer") from None

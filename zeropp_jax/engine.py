@@ -428,4 +428,18 @@ class Engine:
                 return jax.device_put(x, sharding)  # a global array: reshard it
             return place(x, sharding)
 
+        # Every leaf split on its leading dimension must have the same number of rows, and
+        # some: x with 16 rows beside y with 8 would pair each device's x rows with the
+        # wrong labels (or broadcast), and an empty batch would count as a step.
+        if spec and spec[0] is not None:
+            rows = {jax.tree_util.keystr(path) or "batch": np.shape(x)[0]
+                    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+                    if np.ndim(x)}
+            if len(set(rows.values())) > 1:
+                raise ValueError(
+                    f"batch leaves disagree on their leading (batch) size: {rows}; every "
+                    "leaf of the batch must hold the same number of examples"
+                )
+            if 0 in rows.values():
+                raise ValueError(f"the batch is empty ({rows}): a step needs examples")
         return jax.tree_util.tree_map_with_path(put, batch)

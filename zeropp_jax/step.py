@@ -140,6 +140,15 @@ def train_step(
                 "a train_step function takes a zeropp_jax.TrainState as its first argument "
                 f"(from zeropp_jax.TrainState.create), got {type(state).__name__}"
             )
+        # A donated (or deleted) state's buffers are gone; JAX may crash on them instead of
+        # raising, so say it here.
+        if any(isinstance(x, jax.Array) and x.is_deleted()
+               for x in jax.tree_util.tree_leaves(state)):
+            raise ValueError(
+                "this train state's arrays were deleted: it was passed to a step with "
+                "donate_state=True (which reuses its buffers for the new state). Use the "
+                "state the step returned: state, metrics = step(state, batch)"
+            )
         return state.engine
 
     @functools.wraps(fn)

@@ -363,5 +363,9 @@ def test_nnx_state_updates_must_be_asked_for_and_match_nnx_training(mesh):
     for _ in range(2):
         state, value = step(state, ids)
         assert abs(float(value) - float(ref_step(ref, opt, ids))) < TOL
-    ours = state.engine.model.merge(state.consolidate(), jax.device_get(state.collections))
+    pure = state.consolidate()
+    assert list(pure["blocks"]) == [0, 1]  # NNX's own keys: list indices are ints
+    ref_params = nnx.state(ref, nnx.Param)
+    nnx.replace_by_pure_dict(ref_params, pure)  # the structure NNX expects
+    ours = state.engine.model.merge(pure, jax.device_get(state.collections))
     assert _max_diff(nnx.state(ours), nnx.state(ref)) < TOL

@@ -108,6 +108,36 @@ class NNXModel:
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), s)
         return cls(graphdef, abstract(params), abstract(others), keys, modules), tree, collections
 
+    def to_pure_dict(self, tree: Mapping[str, Any]) -> dict:
+        """A string-keyed tree -> the same with NNX's own keys (list indices as ints), as
+        ``nnx.State.to_pure_dict()`` gives and ``nnx.replace_by_pure_dict`` takes."""
+        out: dict = {}
+        for spath, value in _flat(tree):
+            _put(out, self.keys.get(spath, spath), value)
+        return out
+
+    def params_from(self, given: Any, own: Mapping[str, Any]) -> dict:
+        """User-given parameters (an ``nnx.State`` or its pure dict, any key types) -> a
+        string-keyed tree like ``own`` (the module's), checked path by path and shape by
+        shape."""
+        if isinstance(given, nnx.State):
+            flat = {tuple(str(k) for k in p): _value(v) for p, v in _to_flat(given)}
+        else:
+            flat = {tuple(str(k) for k in p): v for p, v in _flat_any(given)}
+        mine = dict(_flat(own))
+        if flat.keys() != mine.keys():
+            missing = sorted("/".join(p) for p in mine.keys() - flat.keys())[:4]
+            extra = sorted("/".join(p) for p in flat.keys() - mine.keys())[:4]
+            raise ValueError(f"params do not match the NNX model's parameters: missing "
+                             f"{missing}, unexpected {extra}")
+        tree: dict = {}
+        for p, v in flat.items():
+            if jnp.shape(v) != jnp.shape(mine[p]):
+                raise ValueError(f"parameter {'/'.join(p)}: shape {jnp.shape(v)}, the model "
+                                 f"has {jnp.shape(mine[p])}")
+            _put(tree, p, jnp.asarray(v))
+        return tree
+
     # -- building modules from trees ------------------------------------------------------
 
     def _state(self, template: Any, values: Mapping[Path, Any], prefix: tuple = ()) -> Any:
@@ -120,11 +150,12 @@ class NNXModel:
             flat.append((path, var.replace(value=values.get(full, _value(var)))))
         return _from_flat(flat)
 
-    def merge(self, params: Mapping[str, Any], collections: Mapping[str, Any]) -> nnx.Module:
-        """A module from (partial) string-keyed params and collection trees."""
-        values = dict(_flat(params))
+    def merge(self, params: Mapping[Any, Any], collections: Mapping[str, Any]) -> nnx.Module:
+        """A module from (partial) params and collection trees (string keys, or NNX's own
+        as ``state.consolidate()`` returns them)."""
+        values = {tuple(map(str, p)): v for p, v in _flat_any(params)}
         for tree in collections.values():
-            values.update(_flat(tree))
+            values.update({tuple(map(str, p)): v for p, v in _flat_any(tree)})
         return nnx.merge(self.graphdef, self._state(self.params, values),
                          self._state(self.others, values))
 
@@ -194,6 +225,12 @@ class NNXModel:
             _route(sub, path, make_call, self, order)
         out = _call(module, method, args, kwargs)
         return self._finish(module, out, collections, mutable)
+
+
+def _flat_any(tree: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    if isinstance(tree, Mapping):
+        return [kv for k, v in tree.items() for kv in _flat_any(v, prefix + (k,))]
+    return [(prefix, tree)]
 
 
 def _flat(tree: Any, prefix: Path = ()) -> list[tuple[Path, Any]]:

@@ -127,9 +127,13 @@ class TrainState:
         return describe_units(*self.engine.unit_table())
 
     def consolidate(self) -> PyTree:
-        """The full parameters as a plain Flax params tree of numpy arrays (param dtype)."""
-        return self.engine.consolidate(self.params if self.master is None else self.master,
+        """The full parameters as a plain Flax params tree of numpy arrays (param dtype);
+        for an NNX model, the pure dict ``nnx.State.to_pure_dict()`` gives (list indices
+        as int keys), ready for ``nnx.replace_by_pure_dict``."""
+        tree = self.engine.consolidate(self.params if self.master is None else self.master,
                                        self.frozen)
+        return self.engine.model.to_pure_dict(tree) if isinstance(
+            self.engine.model, NNXModel) else tree
 
     @classmethod
     def create(
@@ -192,12 +196,9 @@ class TrainState:
                 raise NotImplementedError("stacked= is for linen nn.scan stacks; an NNX "
                                           "model's layers are units by the default policy")
             model, nnx_params, nnx_collections = NNXModel.from_module(model)
-            if params is not None and not _same_tree(params, nnx_params):
-                raise ValueError(
-                    "for an NNX model pass params=None (its nnx.Param values are used); "
-                    "to start from other weights, nnx.update the module first"
-                )
-            params = nnx_params
+            # params=None: the module's own nnx.Param values; else an nnx.State or pure
+            # dict of the same parameters (e.g. trained elsewhere), checked path by path.
+            params = nnx_params if params is None else model.params_from(params, nnx_params)
             collections = {**nnx_collections, **(collections or {})}
         elif params is None:
             raise TypeError("TrainState.create needs params= (model.init(...)['params'])")
@@ -332,25 +333,6 @@ def _place_replicated(x: Any, mesh: Mesh) -> jax.Array:
         return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl),
                        out_shardings=sharding)(data)
     return place(np.asarray(x), sharding)
-
-
-def _same_tree(a: Any, b: Mapping[str, Any]) -> bool:
-    """True if ``a`` (params given for an NNX model: an nnx.State or a nested dict) holds
-    the same values at the same paths as ``b`` (the module's own params, string keys)."""
-    from flax import nnx
-
-    def flat(tree: Any, prefix: tuple = ()) -> dict:
-        if isinstance(tree, nnx.State):
-            return {tuple(str(k) for k in p): (v.get_value() if hasattr(v, "get_value")
-                                               else v.value)
-                    for p, v in tree.flat_state()}
-        if isinstance(tree, Mapping):
-            return {k: v for key, sub in tree.items() for k, v in flat(sub, prefix + (str(key),)).items()}
-        return {prefix: tree}
-
-    fa, fb = flat(a), flat(b)
-    return fa.keys() == fb.keys() and all(
-        np.array_equal(np.asarray(fa[k]), np.asarray(fb[k])) for k in fa)
 
 
 def _opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, UnitLayout],

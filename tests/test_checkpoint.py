@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -203,3 +204,67 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_usable(trained, tmp_p
     # The next save clears the debris and commits.
     ckpt.save(d, restored)
     assert not list(d.glob(".tmp-*"))
+
+
+def _at(state, step):
+    return state.replace(step=jax.device_put(np.int32(step), state.step.sharding))
+
+
+def test_retention_after_a_rollback_drops_the_abandoned_run(trained, tmp_path):
+    """save 100/200/300, go back to 100, save 110 and 120 (keep=3): the run that went on
+    from 100 is kept, the abandoned 200 and 300 are dropped, and latest_step is 120."""
+    state = trained[0]
+    d = tmp_path / "ck"
+    for s in (100, 200, 300):
+        ckpt.save(d, _at(state, s), keep=3)
+    assert ckpt.latest_step(d) == 300
+    back = ckpt.restore(d, _state(), step=100)
+    ckpt.save(d, _at(back, 110), keep=3)
+    assert ckpt.latest_step(d) == 110
+    ckpt.save(d, _at(back, 120), keep=3)
+    assert ckpt.available_steps(d) == [100, 110, 120]
+    assert ckpt.latest_step(d) == 120
+    assert int(ckpt.restore(d, _state()).step) == 120  # the default is the latest written
+
+
+def test_resave_dying_between_its_renames_loses_nothing(trained, tmp_path):
+    """A re-save of step 2 that died after moving the old copy aside and before moving the
+    new one in: the complete old copy is put back, by a restore or by the next save."""
+    state, d, _, _ = trained
+    d = _copy(d, tmp_path)
+    old = ckpt._step_dir(d, 2)
+    os.rename(old, d / ".tmp-replaced-step_00000002-deadbeef")
+    (d / ".tmp-step_00000002-cafecafe").mkdir()  # the new copy, incomplete
+    assert ckpt.available_steps(d) == []
+    restored = ckpt.restore(d, _state())  # recovers step 2
+    assert int(restored.step) == 2 and ckpt.available_steps(d) == [2]
+    _leaves_equal(restored.consolidate(), state.consolidate())
+    os.rename(old, d / ".tmp-replaced-step_00000002-deadbeef")
+    ckpt.save(d, _at(state, 3), keep=3)  # the next save recovers it too, then cleans up
+    assert ckpt.available_steps(d) == [2, 3]
+    assert not list(d.glob(".tmp-*"))
+
+
+def test_concurrent_saves_into_one_directory_both_succeed(trained, tmp_path):
+    import threading
+
+    state = trained[0]
+    d = tmp_path / "ck"
+    errors = []
+
+    def save(step):
+        try:
+            for i in range(3):
+                ckpt.save(d, _at(state, step + i), keep=None)
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(s,)) for s in (10, 20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert ckpt.available_steps(d) == [10, 11, 12, 20, 21, 22]
+    for s in (12, 22):
+        assert int(ckpt.restore(d, _state(), step=s).step) == s

@@ -29,7 +29,8 @@ import re
 import shutil
 import uuid
 import zlib
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -68,10 +69,64 @@ def available_steps(directory: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
+def _written(directory: pathlib.Path, step: int) -> int:
+    """The checkpoint's place in write order (meta "written_seq"; 0 if unknown)."""
+    try:
+        return int(json.loads((_step_dir(directory, step) / "meta.json").read_text())
+                   .get("written_seq", 0))
+    except (OSError, ValueError):
+        return 0
+
+
 def latest_step(directory: str | os.PathLike) -> int | None:
-    """The newest finished checkpoint's step, or None."""
+    """The step of the checkpoint written last, or None. After a rollback (restore step
+    100 of 300, train, save 110) that is 110, not the abandoned 300."""
+    directory = pathlib.Path(directory)
     steps = available_steps(directory)
-    return steps[-1] if steps else None
+    if not steps:
+        return None
+    return max(steps, key=lambda s: (_written(directory, s), s))
+
+
+@contextlib.contextmanager
+def _locked(directory: pathlib.Path) -> Iterator[None]:
+    """Holds ``directory/.lock`` exclusively (``flock``): saves into one directory run
+    one after another, and while one holds it every ``.tmp-*`` entry belongs to a save
+    that died. The lock goes with the process if it dies."""
+    import fcntl
+
+    with open(directory / ".lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _recover(directory: pathlib.Path) -> None:
+    """Under the lock: a re-save that died between its two renames left the complete old
+    copy as ``.tmp-replaced-step_N-*`` and no ``step_N``: put it back. Other ``.tmp-*``
+    entries are debris of dead saves and go."""
+    for p in sorted(directory.glob(".tmp-replaced-step_*")):
+        m = re.match(r"^\.tmp-replaced-(step_\d+)-", p.name)
+        final = directory / m.group(1) if m else None
+        if final is not None and not final.exists() and (p / "meta.json").is_file():
+            os.rename(p, final)
+    for p in directory.glob(".tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _retain(directory: pathlib.Path, step: int, keep: int) -> None:
+    """Keeps ``keep`` checkpoints after writing ``step``. Checkpoints of later steps
+    written before it belong to a run abandoned by a rollback: they go first (oldest
+    written first); then the lowest steps of the current run."""
+    steps = available_steps(directory)
+    seq = {s: _written(directory, s) for s in steps}
+    mine = seq.get(step, 0)
+    abandoned = sorted((s for s in steps if s > step and seq[s] < mine), key=lambda s: seq[s])
+    current = [s for s in steps if s not in abandoned]
+    for old in (abandoned + current)[: max(0, len(steps) - keep)]:
+        shutil.rmtree(_step_dir(directory, old), ignore_errors=True)
 
 
 # -- what a state holds, mesh-independently ----------------------------------------------------
@@ -144,9 +199,13 @@ def _crc(x: np.ndarray) -> str:
 def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 3) -> pathlib.Path:
     """Writes ``state`` to ``directory/step_<state.step>`` and returns that path.
 
-    Atomic: the checkpoint appears under its final name only once complete. ``keep``: how
-    many finished checkpoints to keep (oldest removed after a successful save; None keeps
-    all). Saving a step that already exists replaces it.
+    Atomic: the checkpoint appears under its final name only once complete. Saves into
+    one directory take turns (a lock file; two concurrent saves both succeed), and a
+    re-save that dies between its two renames is undone by the next save or restore, so a
+    complete checkpoint is never hidden or deleted by a crash. ``keep``: how many finished
+    checkpoints to keep after a successful save (None keeps all): checkpoints of later
+    steps written earlier (a run abandoned by restoring an older step) go first, then the
+    lowest steps. Saving a step that already exists replaces it.
     """
     import orbax.checkpoint as ocp
 
@@ -198,19 +257,20 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
                       for k, v in d.items()},
     }
 
-    for p in directory.glob(".tmp-*"):  # debris of interrupted saves
-        shutil.rmtree(p, ignore_errors=True)
-    tmp = directory / f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    ocp.PyTreeCheckpointer().save(tmp / "arrays", arrays)
-    with open(tmp / "meta.json", "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    final = _finalize(tmp, _step_dir(directory, step))
-    if keep is not None:
-        for old in available_steps(directory)[:-keep]:
-            shutil.rmtree(_step_dir(directory, old), ignore_errors=True)
+    with _locked(directory):
+        _recover(directory)
+        meta["written_seq"] = 1 + max([_written(directory, s)
+                                       for s in available_steps(directory)] or [0])
+        tmp = directory / f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        ocp.PyTreeCheckpointer().save(tmp / "arrays", arrays)
+        with open(tmp / "meta.json", "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        final = _finalize(tmp, _step_dir(directory, step))
+        if keep is not None:
+            _retain(directory, step, keep)
     return final
 
 
@@ -234,6 +294,9 @@ def _read(directory: str | os.PathLike, step: int | None) -> tuple[dict, dict, p
     import orbax.checkpoint as ocp
 
     directory = pathlib.Path(directory).absolute()  # orbax wants absolute paths
+    if directory.is_dir() and any(directory.glob(".tmp-replaced-*")):
+        with _locked(directory):  # a re-save died between its renames: undo it first
+            _recover(directory)
     steps = available_steps(directory)
     if step is None:
         if not steps:
@@ -241,7 +304,7 @@ def _read(directory: str | os.PathLike, step: int | None) -> tuple[dict, dict, p
             if directory.is_dir() and any(directory.glob(".tmp-*")):
                 hint = " (only an unfinished save is there: it was interrupted)"
             raise CheckpointError(f"no checkpoint in {directory}{hint}")
-        step = steps[-1]
+        step = latest_step(directory)
     path = _step_dir(directory, step)
     others = [s for s in steps if s != step]
     fallback = (f"; other checkpoints here: steps {others} (pass step=...)" if others else "")

@@ -33,8 +33,12 @@ def test_elementwise_transforms_accepted(tx):
         optax.lars(1e-3),
         optax.adafactor(1e-3),
         optax.adamw(1e-3, mask=lambda p: {k: v.ndim > 1 for k, v in p.items()}),
+        # A threshold above every probe norm: the probe sees no clipping, the structure does.
+        optax.chain(optax.clip_by_global_norm(1e30), optax.sgd(1e-4)),
+        optax.apply_if_finite(optax.adam(1e-3), max_consecutive_errors=3),
     ],
-    ids=["clip_global_norm+adam", "clip_global_norm", "lamb", "lars", "adafactor", "masked"],
+    ids=["clip_global_norm+adam", "clip_global_norm", "lamb", "lars", "adafactor", "masked",
+         "clip_above_every_probe", "apply_if_finite"],
 )
 def test_non_elementwise_transforms_rejected(tx):
     with pytest.raises(ValueError, match="not elementwise") as e:

@@ -10,6 +10,8 @@ a mask chosen by parameter name or shape — because a shard is one flat slice o
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import optax
 
@@ -37,6 +39,61 @@ def _flat(tree: dict[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(tree[k])) for k in sorted(tree)])
 
 
+# optax transforms that look across elements, by the name of the function that builds them,
+# with what to use instead. Found in the transform's structure (``_builders``), so no probe
+# value can hide them (a clip threshold larger than the probe's norms would).
+_ACROSS_ELEMENTS = {
+    "clip_by_global_norm": "ZeroPPConfig(gradient_clipping=max_norm) (the norm over all "
+                           "devices' shards, exactly as optax computes it)",
+    "adaptive_grad_clip": "ZeroPPConfig(gradient_clipping=...)",
+    "per_example_global_norm_clip": "ZeroPPConfig(gradient_clipping=...)",
+    "clip_by_block_rms": "an elementwise clip (optax.clip)",
+    "apply_if_finite": "ZeroPPConfig(skip_nonfinite=True) (the default: a step whose "
+                       "gradient holds inf/NaN on any device is skipped on all)",
+    "scale_by_trust_ratio": "adam/adamw (lamb and lars need per-tensor norms)",
+    "scale_by_factored_rms": "adam (adafactor factors per-tensor statistics)",
+    "masked": "an unmasked transform (a mask by name or shape cannot see flat shards)",
+    "multi_transform": "one transform for all parameters",
+    "centralize": "an elementwise transform",
+    "normalize_by_update_norm": "an elementwise transform",
+    "scale_by_sm3": "adam",
+}
+
+
+def _builders(tx: object) -> set[str]:
+    """Names of the functions a transform is built from (``clip_by_global_norm``, ...),
+    found by walking its ``init``/``update`` functions and what their closures hold
+    (``optax.chain`` keeps its parts there)."""
+    seen: set[int] = set()
+    names: set[str] = set()
+    todo: list[object] = [tx]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, (tuple, list)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, functools.partial):
+            todo.extend([x.func, *x.args, *x.keywords.values()])
+        elif callable(x) and hasattr(x, "__code__"):
+            names.update(part for part in x.__qualname__.split(".") if part != "<locals>")
+            todo.extend(c.cell_contents for c in (x.__closure__ or ())
+                        if _has_contents(c))
+            todo.extend(v for v in (x.__defaults__ or ()) if callable(v))
+    return names
+
+
+def _has_contents(cell: object) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+        return True
+    except ValueError:
+        return False
+
+
 def check_elementwise(tx: optax.GradientTransformation) -> None:
     """Raises ``ValueError`` unless ``tx`` acts elementwise (so it is exact on shards).
 
@@ -47,6 +104,17 @@ def check_elementwise(tx: optax.GradientTransformation) -> None:
     a clipping or normalizing transform in front of them, and
     parameters are large so that a masked weight decay shows.
     """
+    found = sorted(n for n in _builders(tx) if n in _ACROSS_ELEMENTS)
+    if found:
+        raise ValueError(
+            f"the optimizer contains {', '.join(f'optax.{n}' for n in found)}, which is not "
+            "elementwise (it looks across elements), so on ZeRO's flat parameter shards it "
+            "would compute something else than on the whole parameters. Use instead: "
+            + "; ".join(f"for {n}, {_ACROSS_ELEMENTS[n]}" for n in found) + ". "
+            "Elementwise transforms are exact on shards (adam, adamw without mask, sgd, "
+            "schedules); for global-norm clipping set ZeroPPConfig(gradient_clipping="
+            "max_norm), which clips exactly as optax.clip_by_global_norm does."
+        )
     rng = np.random.default_rng(1234)
     tree = _probe_tree(rng, 100.0, 100.0)
     flat = _flat(tree)

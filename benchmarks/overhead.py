@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-per-round", type=int, default=2,
                    help="steps of one variant per round (timed together, then divided)")
     p.add_argument("--compute-dtype", default="float32",
-                   choices=["float32", "bfloat16", "float16"])
+                   choices=["float32", "bfloat16"])
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="ZeRO-3 with skip_nonfinite=True (the library default: a finite check "
                         "over the gradient each step; the plain step has none)")

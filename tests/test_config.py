@@ -116,9 +116,15 @@ def test_from_deepspeed():
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8},
     }
     assert ZeroPPConfig.from_deepspeed(ds) == ZeroPPConfig.zero3()
-    ds2 = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}}
-    c2 = ZeroPPConfig.from_deepspeed(ds2)
-    assert (c2.stage, c2.compute_dtype) == (2, "float16")
+    c2 = ZeroPPConfig.from_deepspeed({"bf16": {"enabled": True},
+                                      "zero_optimization": {"stage": 2}})
+    assert (c2.stage, c2.compute_dtype) == (2, "bfloat16")
+    # fp16 without loss scaling trains wrongly without a word: refused, naming bf16.
+    with pytest.raises(ValueError, match="loss scaling.*bfloat16"):
+        ZeroPPConfig.from_deepspeed({"fp16": {"enabled": True},
+                                     "zero_optimization": {"stage": 2}})
+    with pytest.raises(ValueError, match="loss scaling"):
+        ZeroPPConfig(compute_dtype="float16")
     assert ZeroPPConfig.from_deepspeed({}).compute_dtype == "float32"
     # DeepSpeed's ZeRO++ keys reach the switches.
     c = ZeroPPConfig.from_deepspeed(

@@ -172,6 +172,17 @@ class ZeroPPConfig:
                 f"remat={self.remat!r} is invalid; use one of {_REMATS} or a jax.checkpoint "
                 "policy callable (e.g. jax.checkpoint_policies.dots_saveable)"
             )
+        if self.compute_dtype == "float16":
+            # fp16 needs loss scaling (its smallest normal is 6e-5: small gradients vanish)
+            # and fp32 sums of reduced gradients (8 devices' 2e4 overflow 65504); neither
+            # is implemented, and training would go wrong without a word.
+            raise ValueError(
+                "compute_dtype='float16' is not supported: it needs dynamic loss scaling "
+                "(DeepSpeed's fp16.loss_scale) and fp32 gradient sums, which zeropp_jax "
+                "does not implement. Use compute_dtype='bfloat16' (same bytes on the wire, "
+                "fp32's range, no loss scaling needed); from a DeepSpeed config, enable "
+                "bf16 instead of fp16."
+            )
         for name in ("compute_dtype", "param_dtype", "output_dtype"):
             if name == "output_dtype" and self.output_dtype is None:
                 continue

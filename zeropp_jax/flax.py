@@ -80,6 +80,8 @@ def _write_back(module: nn.Module, mutable: Any, out: Any) -> Any:
         return out
     result, updates = out
     for col, tree in updates.items():
+        if col == "params":  # mutable=True returns the (gathered) weights too: not state
+            continue
         for name, value in tree.items():
             module.scope.put_variable(col, name, value)
     return result

@@ -108,6 +108,16 @@ def test_from_deepspeed_reads_strictly():
     assert ZeroPPConfig.from_deepspeed({"bf16": True}).compute_dtype == "bfloat16"
     # DeepSpeed keys that only tune its own bucketing are still ignored.
     assert ZeroPPConfig.from_deepspeed(zo(overlap_comm=True, reduce_bucket_size=5e8)).stage == 3
+    # Any other key raises, with the closest valid one; features not implemented are named.
+    with pytest.raises(ValueError, match="did you mean 'overlap_comm'"):
+        ZeroPPConfig.from_deepspeed(zo(overlap_com=True))
+    with pytest.raises(ValueError, match="not a DeepSpeed key"):
+        ZeroPPConfig.from_deepspeed(zo(something_else=1))
+    with pytest.raises(NotImplementedError, match="offload_optimizer.*offload"):
+        ZeroPPConfig.from_deepspeed(zo(offload_optimizer={"device": "cpu"}))
+    ZeroPPConfig.from_deepspeed(zo(offload_optimizer={"device": "none"}))  # disabled: fine
+    with pytest.raises(ValueError, match="did you mean 'gradient_clipping'"):
+        ZeroPPConfig.from_deepspeed({"gradient_cliping": 1.0})
 
 
 def test_from_deepspeed():

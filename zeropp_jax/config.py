@@ -272,10 +272,12 @@ class ZeroPPConfig:
         (> 1 turns hpZ on with that group size; DeepSpeed's default 1 means off),
         ``zero_quantized_gradients``. The top-level ``bf16.enabled`` / ``fp16.enabled`` pick the
         compute dtype; a top-level ``gradient_clipping`` > 0 sets ``gradient_clipping``.
-        Other ``zero_optimization`` keys are ignored, as they only tune DeepSpeed's own
-        bucketing, except near misses of the keys above (typos), which raise. Flags accept
-        booleans, 0/1 and "true"/"false"; "auto" (as transformers' integration writes)
-        raises: resolve it first.
+        ``zero_optimization`` keys that only tune DeepSpeed's own bucketing and prefetching
+        are accepted and ignored (XLA schedules those here); DeepSpeed features not
+        implemented here (offload, MiCS, LoCo, quantized frozen weights) raise naming
+        themselves when enabled; any other key raises with the closest valid one. Flags
+        accept booleans, 0/1 and "true"/"false"; "auto" (as transformers' integration
+        writes) raises: resolve it first.
         """
         if not isinstance(ds_config, Mapping):
             raise TypeError(f"ds_config must be a dict, got {type(ds_config).__name__}")
@@ -284,13 +286,25 @@ class ZeroPPConfig:
             raise TypeError("ds_config['zero_optimization'] must be a dict")
         understood = ("stage", "zero_quantized_weights", "zero_quantized_gradients",
                       "zero_hpz_partition_size")
-        for key in zo:
-            # Other DeepSpeed keys only tune its bucketing and are ignored; a near miss of
-            # a key we read is a typo that would silently turn a technique off.
-            close = difflib.get_close_matches(key, understood, n=1, cutoff=0.8)
-            if key not in understood and close:
-                raise ValueError(f"zero_optimization key {key!r} is not a DeepSpeed key; did "
-                                 f"you mean {close[0]!r}?")
+        for key, value in zo.items():
+            if key in understood or key in _DS_TUNING:
+                continue
+            if key in _DS_UNIMPLEMENTED:
+                if _ds_active(value):
+                    raise NotImplementedError(
+                        f"zero_optimization.{key}={value!r}: {_DS_UNIMPLEMENTED[key]} is not "
+                        "implemented by zeropp_jax; remove it (or disable it) to run without")
+                continue
+            close = difflib.get_close_matches(
+                key, [*understood, *_DS_TUNING, *_DS_UNIMPLEMENTED], n=1, cutoff=0.6)
+            raise ValueError(f"zero_optimization key {key!r} is not a DeepSpeed key"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
+        for key in ds_config:
+            close = difflib.get_close_matches(key, ["zero_optimization", "bf16", "fp16",
+                                                    "gradient_clipping"], n=1, cutoff=0.8)
+            if close and key != close[0]:
+                raise ValueError(f"ds_config key {key!r} is not a DeepSpeed key; did you mean "
+                                 f"{close[0]!r}?")
         kwargs: dict[str, Any] = {"stage": _ds_int(zo.get("stage", 3), "stage")}
         kwargs["qwz"] = _ds_flag(zo.get("zero_quantized_weights", False),
                                  "zero_optimization.zero_quantized_weights")
@@ -352,6 +366,45 @@ class ZeroPPConfig:
     @property
     def param_jnp_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
+
+
+# zero_optimization keys that tune DeepSpeed's own bucketing, prefetching and bookkeeping:
+# here XLA schedules the collectives, so they have nothing to set. Accepted and ignored.
+_DS_TUNING = frozenset({
+    "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
+    "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
+    "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "gather_16bit_weights_on_model_save", "round_robin_gradients", "ignore_unused_parameters",
+    "legacy_stage1", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
+    "log_trace_cache_warnings", "stage3_module_granularity_threshold",
+    "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+    "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
+    "override_module_apply", "allgather_sequential"})
+
+# DeepSpeed features zeropp_jax does not implement: an error naming them when enabled.
+_DS_UNIMPLEMENTED = {
+    "offload_optimizer": "optimizer offload to CPU/NVMe",
+    "offload_param": "parameter offload to CPU/NVMe",
+    "cpu_offload": "optimizer offload to CPU",
+    "cpu_offload_params": "parameter offload to CPU",
+    "cpu_offload_use_pin_memory": "pinned-memory offload",
+    "zero_quantized_nontrainable_weights": "quantized frozen weights from a DeepSpeed "
+                                           "config (use TrainState.create(frozen=...) with "
+                                           "ZeroPPConfig(quantize_frozen=True))",
+    "mics_shard_size": "MiCS sharding",
+    "zeropp_loco_param": "LoCo error-feedback gradient quantization",
+}
+
+
+def _ds_active(value: Any) -> bool:
+    """Whether a DeepSpeed feature setting turns the feature on."""
+    if value is None or value is False or value in (0, -1, "none"):
+        return False
+    if isinstance(value, Mapping):
+        return value.get("device", "none") not in (None, "none")
+    return True
 
 
 def _ds_flag(value: Any, key: str) -> bool:

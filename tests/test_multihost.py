@@ -167,3 +167,46 @@ def test_missing_cluster_arguments_named():
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "--coordinator" in r.stderr and "ZEROPP_COORDINATOR" in r.stderr
+
+
+_DISAGREE = r"""
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id={pid},
+                           initialization_timeout=60)
+import numpy as np, optax
+import zeropp_jax as zpp
+from zeropp_jax.models.gpt import GPT, GPTConfig
+cfg = GPTConfig(vocab_size=32, seq_len=8, layers=1, d_model=16, heads=2)
+model = GPT(cfg)
+params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                              mesh=zpp.make_mesh(2, 2))
+
+@zpp.train_step
+def step(state, batch):
+    return state, {{}}
+
+rows = 8 if {pid} == 0 else 12  # process 1 passes another global batch
+try:
+    step(state, np.zeros((rows, 8), np.int32))
+except ValueError as e:
+    print("REFUSED", e)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_processes_passing_different_global_batches_are_refused(tmp_path):
+    port = _free_port()
+    procs = [subprocess.Popen([PY, "-c", _DISAGREE.format(port=port, pid=pid)], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for pid in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+        _kill(procs)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+        assert "processes passed different global batches" in out, out[-3000:]

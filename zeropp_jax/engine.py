@@ -65,6 +65,35 @@ def _stack(*xs: Any) -> Any:
     return jnp.stack(xs)
 
 
+# Batch structures (leaf paths, shapes, dtypes) every process has been seen to agree on.
+_AGREED: set[str] = set()
+
+
+def _check_processes_agree(batch: PyTree) -> None:
+    """With several processes, every process must pass the same global batch (each places
+    only its own devices' rows of it). Their structures are compared once per structure
+    (a tiny all-gather of a checksum), so a process passing 8 rows where another passes 12
+    is an error, not a silently different step."""
+    import zlib
+
+    from jax.experimental import multihost_utils
+
+    sig = repr([(jax.tree_util.keystr(p), np.shape(x), str(np.asarray(x).dtype)
+                 if not hasattr(x, "dtype") else str(x.dtype))
+                for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]])
+    if sig in _AGREED:
+        return
+    mine = np.array([zlib.crc32(sig.encode())], np.int64)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
+    if np.any(every != every[0]):
+        raise ValueError(
+            f"processes passed different global batches (this process, {jax.process_index()}: "
+            f"{sig}); every process must pass the same global batch, e.g. built from the "
+            "same seed and step, and each places only its own devices' rows"
+        )
+    _AGREED.add(sig)
+
+
 def _mean_over_devices(x: Any) -> Any:
     """Float leaves: mean over ``("node", "local")``; others as they are."""
     x = jnp.asarray(x)
@@ -442,4 +471,6 @@ class Engine:
                 )
             if 0 in rows.values():
                 raise ValueError(f"the batch is empty ({rows}): a step needs examples")
+        if jax.process_count() > 1:
+            _check_processes_agree(batch)
         return jax.tree_util.tree_map_with_path(put, batch)

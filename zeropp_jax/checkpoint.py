@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams
+from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams, is_prng_key, place_keys
 from zeropp_jax.placement import place as _place
 from zeropp_jax.placement import to_host as _to_host
 from zeropp_jax.state import TrainState
@@ -236,7 +236,7 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
         arrays["collections"] = {}
         for i, (path, leaf) in enumerate(
                 jax.tree_util.tree_flatten_with_path(state.collections)[0]):
-            key = _is_key(leaf)
+            key = is_prng_key(leaf)
             x = _to_host(jax.random.key_data(leaf) if key else leaf)
             arrays["collections"][f"c{i}"] = np.asarray(x)
             coll_recs.append({"key": jax.tree_util.keystr(path), "shape": list(np.shape(x)),
@@ -419,10 +419,6 @@ def restore(
                        master=ShardedParams(master_arrays, True))
 
 
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _restore_collections(state: TrainState, meta: dict, arrays: dict, path: Any,
                          replicated: NamedSharding) -> Any:
     """The checkpoint's variable collections (batch_stats, NNX state), placed replicated,
@@ -439,13 +435,10 @@ def _restore_collections(state: TrainState, meta: dict, arrays: dict, path: Any,
         return state.collections
     leaves = []
     for i, ((_, leaf), rec) in enumerate(zip(want, have)):
-        x = np.asarray(arrays["collections"][f"c{i}"]).astype(rec["dtype"])
-        placed = _place(x.reshape(rec["shape"]), replicated)
-        if rec.get("prng"):
-            impl = jax.random.key_impl(leaf)
-            placed = jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl),
-                             out_shardings=replicated)(placed)
-        leaves.append(placed)
+        x = np.asarray(arrays["collections"][f"c{i}"]).astype(rec["dtype"]).reshape(
+            rec["shape"])
+        leaves.append(place_keys(x, jax.random.key_impl(leaf), replicated) if rec.get("prng")
+                      else _place(x, replicated))
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.collections),
                                         leaves)
 

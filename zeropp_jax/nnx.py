@@ -22,6 +22,7 @@ from flax import nnx
 
 from zeropp_jax import collectives
 from zeropp_jax.mesh import AXES
+from zeropp_jax.placement import is_prng_key
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -187,7 +188,7 @@ class NNXModel:
             # RNG keys never change in NNX (counts do); the step folded the device index
             # into them, so give back the replicated ones it received.
             for p, v in _flat(tree):
-                if _is_key(v) and p in given.get(k, {}):
+                if is_prng_key(v) and p in given.get(k, {}):
                     _put(tree, p, given[k][p])
         changed = sorted(k for k, tree in new.items()
                          if any(v is not given.get(k, {}).get(p) for p, v in _flat(tree)))
@@ -253,16 +254,12 @@ def _lookup(module: Any, path: tuple) -> Any:
     return module
 
 
-def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _per_device(collections: Mapping[str, Any]) -> dict[str, Any]:
     """RNG keys with this device's index folded in (each device draws its own dropout
     masks, as each rank does under DDP/DeepSpeed). Inside ``shard_map``."""
     index = collectives.axis_index(AXES)
     return {k: jax.tree_util.tree_map(
-        lambda x: jax.random.fold_in(x, index) if _is_key(x) else x, v)
+        lambda x: jax.random.fold_in(x, index) if is_prng_key(x) else x, v)
         for k, v in collections.items()}
 
 

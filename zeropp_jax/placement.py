@@ -39,6 +39,26 @@ def place(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
+def is_prng_key(x: Any) -> bool:
+    """True for a typed PRNG key array (``jax.random.key``; NNX's RNG state holds them)."""
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def place_keys(data: Any, impl: Any, sharding: NamedSharding) -> jax.Array:
+    """Typed PRNG keys of ``impl`` from their raw ``key_data``, placed on ``sharding``
+    (numpy cannot hold keys, so they travel as their data)."""
+    placed = place(np.asarray(data), sharding)
+    return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl),
+                   out_shardings=sharding)(placed)
+
+
+def place_replicated(x: Any, sharding: NamedSharding) -> jax.Array:
+    """A host value (or typed PRNG keys) on every device of ``sharding``."""
+    if is_prng_key(x):
+        return place_keys(jax.random.key_data(x), jax.random.key_impl(x), sharding)
+    return place(np.asarray(x), sharding)
+
+
 def to_host(x: jax.Array) -> np.ndarray:
     """The global value of ``x`` as numpy; a collective over processes if it spans several."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:

@@ -39,7 +39,7 @@ from zeropp_jax.partition import (
     stack_layers,
     unit_name,
 )
-from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams, place
+from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams, place, place_replicated
 from zeropp_jax.wrap import describe_units, resolve_units, scan_stacks, warn_if_unbalanced
 
 PyTree = Any
@@ -301,7 +301,8 @@ class TrainState:
         warn_if_unbalanced(*engine.unit_table(), params)
         step = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         placed_collections = jax.tree_util.tree_map(
-            lambda x: _place_replicated(x, mesh), collections) if collections else None
+            lambda x: place_replicated(x, NamedSharding(mesh, REPLICATED)), collections
+        ) if collections else None
         skipped = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         if config.stage == 3:
             frozen_shards = (
@@ -322,17 +323,6 @@ class TrainState:
         }
         return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine,
                    skipped, None, placed_collections)
-
-
-def _place_replicated(x: Any, mesh: Mesh) -> jax.Array:
-    """A collection leaf on every device (typed PRNG keys, e.g. NNX's, as keys)."""
-    sharding = NamedSharding(mesh, REPLICATED)
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        impl = jax.random.key_impl(x)
-        data = place(np.asarray(jax.random.key_data(x)), sharding)
-        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl),
-                       out_shardings=sharding)(data)
-    return place(np.asarray(x), sharding)
 
 
 def _opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, UnitLayout],

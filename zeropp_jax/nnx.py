@@ -124,7 +124,7 @@ class NNXModel:
         if isinstance(given, nnx.State):
             flat = {tuple(str(k) for k in p): _value(v) for p, v in _to_flat(given)}
         else:
-            flat = {tuple(str(k) for k in p): v for p, v in _flat_any(given)}
+            flat = {tuple(str(k) for k in p): v for p, v in _flat(given)}
         mine = dict(_flat(own))
         if flat.keys() != mine.keys():
             missing = sorted("/".join(p) for p in mine.keys() - flat.keys())[:4]
@@ -154,9 +154,9 @@ class NNXModel:
     def merge(self, params: Mapping[Any, Any], collections: Mapping[str, Any]) -> nnx.Module:
         """A module from (partial) params and collection trees (string keys, or NNX's own
         as ``state.consolidate()`` returns them)."""
-        values = {tuple(map(str, p)): v for p, v in _flat_any(params)}
+        values = {tuple(map(str, p)): v for p, v in _flat(params)}
         for tree in collections.values():
-            values.update({tuple(map(str, p)): v for p, v in _flat_any(tree)})
+            values.update({tuple(map(str, p)): v for p, v in _flat(tree)})
         return nnx.merge(self.graphdef, self._state(self.params, values),
                          self._state(self.others, values))
 
@@ -228,13 +228,8 @@ class NNXModel:
         return self._finish(module, out, collections, mutable)
 
 
-def _flat_any(tree: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
-    if isinstance(tree, Mapping):
-        return [kv for k, v in tree.items() for kv in _flat_any(v, prefix + (k,))]
-    return [(prefix, tree)]
-
-
-def _flat(tree: Any, prefix: Path = ()) -> list[tuple[Path, Any]]:
+def _flat(tree: Any, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(path, leaf) pairs of a nested dict, keys as they are (strings or list indices)."""
     if isinstance(tree, Mapping):
         return [kv for k, v in tree.items() for kv in _flat(v, prefix + (k,))]
     return [(prefix, tree)]

@@ -75,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--save-params", type=pathlib.Path, default=None,
                    help="after training, state.consolidate() (a collective over processes) "
                         "and process 0 saves the full params here (.npz, '/'-joined names)")
+    t.add_argument("--save", type=pathlib.Path, default=None,
+                   help="after training, zeropp_jax.checkpoint.save here: every process "
+                        "writes its own shards (a directory all processes see)")
+    t.add_argument("--resume", action="store_true",
+                   help="start from the latest checkpoint in --save (any process count or "
+                        "mesh may have written it); --steps more steps follow")
     b = p.add_argument_group("benchmark hooks (benchmarks/cluster.py)")
     b.add_argument("--net-iface", default=None,
                    help="count this node's tx/rx bytes on this interface over the timed steps")
@@ -195,6 +201,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     state = zpp.TrainState.create(model=parts["model"], params=parts["params"], tx=parts["tx"],
                                   mesh=mesh, config=config)
     train_step = lm_train_step()
+    if args.resume:
+        if args.save is None:
+            raise SystemExit("--resume needs --save DIR (the checkpoint directory)")
+        state = zpp.checkpoint.restore(args.save, state)  # collective: every process
+    first_step = int(np.asarray(state.step.addressable_shards[0].data))
 
     predicted = None
     if args.comm_report:
@@ -214,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 "lower_and_compile_s": time.perf_counter() - t0,
             }
 
-    step_no = 0
+    step_no = first_step  # batches continue where a resumed run left off
     losses: list[float] = []
 
     def one_step() -> tuple[float, float]:
@@ -277,6 +288,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     summary = {**info, "steps": args.steps, "losses": losses,
                "step_time_median_s": timed["step_time_median_s"] or compile_s,
                "processes": jax.process_count(), "coordinator": args.coordinator}
+    if args.save is not None:
+        summary["saved"] = str(zpp.checkpoint.save(args.save, state))  # collective
     if args.save_params is not None:
         full = state.consolidate()  # every process takes part and gets the full params
         if lead:

@@ -268,3 +268,68 @@ def test_concurrent_saves_into_one_directory_both_succeed(trained, tmp_path):
     assert ckpt.available_steps(d) == [10, 11, 12, 20, 21, 22]
     for s in (12, 22):
         assert int(ckpt.restore(d, _state(), step=s).step) == s
+
+
+def _frozen_kernels(path):
+    return path[-1] == "kernel" or path[0] == "wte"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_frozen_quantized_weights_restore_onto_other_meshes(bits, tmp_path):
+    """Frozen weights stored INT8 / INT4 in blocks: the stored bytes restore exactly onto
+    a mesh with other shards and other padding (blocks never straddle devices), and
+    load_params dequantizes them as consolidate() does. The template is built from other
+    weights, so each value must come from the checkpoint."""
+    cfg = zpp.ZeroPPConfig.zero3(quantize_frozen=True, weight_bits=bits, block_size=64, **FP32)
+
+    def frozen_state(shape, seed, devices=None):
+        return zpp.TrainState.create(
+            model=GPT(SMALL), params=init_params(seed=seed), tx=TX, config=cfg,
+            mesh=zpp.make_mesh(*shape, devices=devices), frozen=_frozen_kernels)
+
+    state = frozen_state((2, 4), 31)
+    state, _ = make_step()(state, tokens(16, seed=3))
+    ckpt.save(tmp_path, state)
+    want = state.consolidate()
+    for shape, devices in (((4, 2), None), ((1, 3), jax.devices()[:3])):
+        restored = ckpt.restore(tmp_path, frozen_state(shape, 5, devices))
+        _leaves_equal(restored.consolidate(), want)
+    _leaves_equal(ckpt.load_params(tmp_path), want)
+    other = zpp.ZeroPPConfig.zero3(quantize_frozen=True, weight_bits=12 - bits, block_size=64,
+                                   **FP32)
+    with pytest.raises(ckpt.CheckpointError, match="bits="):
+        ckpt.restore(tmp_path, zpp.TrainState.create(
+            model=GPT(SMALL), params=init_params(seed=31), tx=TX, config=other,
+            mesh=zpp.make_mesh(2, 4), frozen=_frozen_kernels))
+    with pytest.raises(ckpt.CheckpointError, match="frozen"):
+        ckpt.restore(tmp_path, _state())
+
+
+def test_changed_array_contents_fail_the_checksum(trained, tmp_path):
+    """The arrays are rewritten, readable, with one parameter changed by one ulp (and,
+    separately, two parameters swapped): restore and load_params refuse both."""
+    import orbax.checkpoint as ocp
+
+    for edit in ("ulp", "swap"):
+        d = _copy(trained[1], tmp_path / edit)
+        arrays_dir = d / "step_00000002" / "arrays"
+        args: dict = {}
+        for key in json.loads((arrays_dir.parent / "meta.json").read_text())["checksums"]:
+            group, name = key.split("/")
+            args.setdefault(group, {})[name] = ocp.RestoreArgs(restore_type=np.ndarray)
+        arrays = ocp.PyTreeCheckpointer().restore(arrays_dir, restore_args=args)
+        x = np.array(arrays["params"]["u1"])
+        if edit == "ulp":
+            x[7] = np.nextafter(x[7], np.float32(np.inf))
+        else:
+            assert x[3] != x[4]
+            x[3], x[4] = x[4], x[3]
+        arrays["params"]["u1"] = x
+        import shutil
+
+        shutil.rmtree(arrays_dir)
+        ocp.PyTreeCheckpointer().save(arrays_dir, arrays)
+        with pytest.raises(ckpt.CheckpointError, match="params/u1 fails its checksum"):
+            ckpt.restore(d, _state())
+        with pytest.raises(ckpt.CheckpointError, match="params/u1 fails its checksum"):
+            ckpt.load_params(d)

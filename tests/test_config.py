@@ -118,6 +118,15 @@ def test_from_deepspeed_reads_strictly():
     ZeroPPConfig.from_deepspeed(zo(offload_optimizer={"device": "none"}))  # disabled: fine
     with pytest.raises(ValueError, match="did you mean 'gradient_clipping'"):
         ZeroPPConfig.from_deepspeed({"gradient_cliping": 1.0})
+    # Top level: keys whose setting comes from elsewhere are named; logging keys pass;
+    # anything else raises.
+    with pytest.warns(UserWarning, match=r"optimizer \(pass an optax.*train_batch_size"):
+        ZeroPPConfig.from_deepspeed({"optimizer": {"type": "AdamW"}, "train_batch_size": 8,
+                                     "steps_per_print": 10, **zo()})
+    with pytest.raises(ValueError, match="did you mean 'train_batch_size'"):
+        ZeroPPConfig.from_deepspeed({"train_batchsize": 8})
+    with pytest.raises(ValueError, match="'fancy_feature' is not a DeepSpeed key"):
+        ZeroPPConfig.from_deepspeed({"fancy_feature": True})
 
 
 def test_from_deepspeed():

@@ -113,7 +113,8 @@ def _load_example():
 # zero3 runs in `make test` (about 35 s); the ZeRO++ case adds 30 s more, so it is slow.
 @pytest.mark.parametrize("mode", ["zero3", pytest.param("zeropp", marks=pytest.mark.slow)])
 def test_two_processes_match_one_process(tmp_path, mode):
-    extra = ["--save-params", str(tmp_path / "params.npz")] if mode == "zero3" else []
+    extra = (["--save-params", str(tmp_path / "params.npz"), "--save", str(tmp_path / "ck")]
+             if mode == "zero3" else [])
     multi = run_multihost(tmp_path, mode, extra)
     single = run_single(tmp_path, mode)
     assert (multi["nodes"], multi["local"], multi["processes"]) == (2, 2, 2)
@@ -159,6 +160,13 @@ def test_two_processes_match_one_process(tmp_path, mode):
         # Per tensor against its largest element (measured: <= 3e-7).
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * float(np.max(np.abs(r))),
                                    err_msg=name)
+    # The checkpoint both processes wrote (each its own shards, `--save`) restores here, in
+    # one process, to exactly the parameters they consolidated.
+    restored = zpp.checkpoint.restore(tmp_path / "ck", state)
+    assert int(restored.step) == 4
+    for path, v in jax.tree_util.tree_leaves_with_path(restored.consolidate()):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        np.testing.assert_array_equal(np.asarray(v), got[name], err_msg=name)
 
 
 def test_missing_cluster_arguments_named():
@@ -210,3 +218,111 @@ def test_processes_passing_different_global_batches_are_refused(tmp_path):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
         assert "processes passed different global batches" in out, out[-3000:]
+
+
+def _run_workers(tmp: pathlib.Path, argv_of, timeout: float = TIMEOUT_S,
+                 env: dict | None = None) -> list[str]:
+    """Starts one process per argv (``argv_of(pid, port)``), waits, returns their logs."""
+    port = _free_port()
+    procs = [subprocess.Popen([PY, *argv_of(pid, port)], cwd=ROOT, env=env or _env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for pid in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"workers did not finish within {timeout} s")
+    finally:
+        _kill(procs)
+    for pid, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"worker {pid} exited with {p.returncode}:\n{out[-3000:]}"
+    return outs
+
+
+def test_checkpoint_one_process_to_two_and_back(tmp_path):
+    """1 process (2x4 mesh) saves; 2 processes (2x2, 2 devices each) restore it, train,
+    save — each writing only its own shards — and train on; 1 process restores that onto
+    1x2 and trains the same steps. Trainable units, AdamW moments, INT8 frozen weights and
+    BatchNorm statistics all travel. fp32: only the order of cross-device sums differs
+    between meshes (see the module docstring), so rtol 1e-5 on losses and states."""
+    import multihost_ckpt as mc
+
+    from zeropp_jax import checkpoint as ckpt
+
+    state = mc.build(zpp_mesh(2, 4))
+    state, _ = mc.step(state, mc.batch(0))
+    ckpt.save(tmp_path / "a", state)
+    ref_losses = []
+    for i in range(1, 5):
+        state, value = mc.step(state, mc.batch(i))
+        ref_losses.append(float(value))
+    ref = mc.flat_state(state)
+
+    out = tmp_path / "final.npz"
+    _run_workers(tmp_path, lambda pid, port: [
+        str(ROOT / "tests/multihost_ckpt.py"), "--coordinator", f"127.0.0.1:{port}",
+        "--process-id", str(pid), "--restore", str(tmp_path / "a"),
+        "--save", str(tmp_path / "b"), "--out", str(out)])
+    summary = json.loads(pathlib.Path(str(out) + ".json").read_text())
+    np.testing.assert_allclose(summary["losses"], ref_losses, rtol=1e-5)
+    two = dict(np.load(out))
+    assert set(two) == set(ref)
+    for k in ref:
+        np.testing.assert_allclose(two[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+    # Written by two processes, each its own shards, then read by one on another mesh.
+    step_dir = tmp_path / "b" / "step_00000003"
+    meta = json.loads((step_dir / "meta.json").read_text())
+    assert meta["written_on"]["processes"] == 2 and meta["frozen"]["quantized"]
+    assert {p.name for p in (step_dir / "arrays").glob("ocdbt.process_*")} == {
+        "ocdbt.process_0", "ocdbt.process_1"}
+    small = zpp_mesh(1, 2, devices=jax.devices()[:2])
+    back = ckpt.restore(tmp_path / "b", mc.build(small, seed=7))
+    assert int(back.step) == 3
+    losses = []
+    for i in (3, 4):
+        back, value = mc.step(back, mc.batch(i))
+        losses.append(float(value))
+    np.testing.assert_allclose(losses, summary["losses"][2:], rtol=1e-5)
+    one = mc.flat_state(back)
+    for k in ref:
+        np.testing.assert_allclose(one[k], two[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def zpp_mesh(nodes, local, devices=None):
+    import zeropp_jax as zpp
+
+    return zpp.make_mesh(nodes, local, devices=devices)
+
+
+_ONE_PROCESS_ONLY = r"""
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id={pid},
+                           initialization_timeout=60)
+import numpy as np, optax
+import zeropp_jax as zpp
+from zeropp_jax.models.gpt import GPT, GPTConfig
+cfg = GPTConfig(vocab_size=32, seq_len=8, layers=1, d_model=16, heads=2)
+model = GPT(cfg)
+params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                              mesh=zpp.make_mesh(2, 2))
+if jax.process_index() == 0:  # the misuse: a collective call on one process only
+    try:
+        state.consolidate()
+    except zpp.processes.ProcessesDisagree as e:
+        print("REFUSED", e)
+        sys.exit(0)
+    sys.exit(3)
+"""
+
+
+def test_collective_call_on_one_process_only_times_out_with_a_clear_error(tmp_path):
+    env = _env()
+    env["ZEROPP_COLLECTIVE_TIMEOUT_S"] = "5"
+    outs = _run_workers(tmp_path, lambda pid, port: [
+        "-c", _ONE_PROCESS_ONLY.format(port=port, pid=pid)], timeout=120, env=env)
+    assert "REFUSED state.consolidate: process 0 of 2 waited 5 s" in outs[0], outs[0][-3000:]
+    assert "not under `if jax.process_index() == 0:`" in outs[0]

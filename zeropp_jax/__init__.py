@@ -1,7 +1,7 @@
 """zeropp_jax: ZeRO++ (qwZ, hpZ, qgZ) for JAX and Flax."""
 
 # Submodules the README names as zeropp_jax.<module>.<function>.
-from zeropp_jax import analysis, checkpoint, generate, losses, ulysses, wrap
+from zeropp_jax import analysis, checkpoint, generate, losses, processes, ulysses, wrap
 from zeropp_jax.accumulate import accumulate_gradients
 from zeropp_jax.checkpoint import consolidate
 from zeropp_jax.config import ZeroPPConfig
@@ -24,6 +24,7 @@ __all__ = [
     "consolidate",
     "generate",
     "losses",
+    "processes",
     "global_norm",
     "ShardedParams",
     "TrainState",

@@ -35,6 +35,15 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
 7. ``saved_residuals`` (what a function's backward keeps): private
    (``jax._src.ad_checkpoint``) with the same signature in 0.10 to 0.12; the public
    ``jax.ad_checkpoint`` exports only ``print_saved_residuals``.
+8. The ``jax.distributed`` coordination client (barriers with a timeout, a key-value
+   store): private (``jax._src.distributed.global_state.client``) in 0.10 to 0.12, the
+   same object orbax and ``jax.experimental.multihost_utils`` use; ``wait_at_barrier(id,
+   timeout_in_ms)``, ``key_value_set(key, value)`` and ``blocking_key_value_get(key,
+   timeout_in_ms)`` have the same signatures in all three.
+9. orbax's ``ArrayRestoreArgs`` reading an array into another global length (zero
+   padding or truncation): orbax >= 0.11.x requires ``strict=False`` for it (0.12.8 raises
+   "Truncating/padding is disabled" without); versions before the flag padded silently and
+   reject the keyword.
 """
 
 from __future__ import annotations
@@ -188,3 +197,29 @@ def eval_jaxpr(closed: Any, *args: Any) -> list[Any]:
     from jax import core
 
     return core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+# -- 8. the jax.distributed coordination client --------------------------------------------------
+
+
+def distributed_client() -> Any:
+    """The coordination-service client of ``jax.distributed.initialize``, or None if this
+    process did not join a cluster."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+# -- 9. orbax: restoring into another global length ------------------------------------------------
+
+
+def orbax_resizing_restore_args(sharding: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """``ArrayRestoreArgs`` reading a stored array into ``shape`` on ``sharding``: zeros
+    past the stored end, the stored tail dropped where ``shape`` is shorter."""
+    import orbax.checkpoint as ocp
+
+    try:
+        return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype,
+                                    strict=False)
+    except TypeError:  # an orbax without the flag pads and truncates by itself
+        return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)

@@ -299,12 +299,7 @@ class ZeroPPConfig:
                 key, [*understood, *_DS_TUNING, *_DS_UNIMPLEMENTED], n=1, cutoff=0.6)
             raise ValueError(f"zero_optimization key {key!r} is not a DeepSpeed key"
                              + (f"; did you mean {close[0]!r}?" if close else ""))
-        for key in ds_config:
-            close = difflib.get_close_matches(key, ["zero_optimization", "bf16", "fp16",
-                                                    "gradient_clipping"], n=1, cutoff=0.8)
-            if close and key != close[0]:
-                raise ValueError(f"ds_config key {key!r} is not a DeepSpeed key; did you mean "
-                                 f"{close[0]!r}?")
+        _check_top_level(ds_config)
         kwargs: dict[str, Any] = {"stage": _ds_int(zo.get("stage", 3), "stage")}
         kwargs["qwz"] = _ds_flag(zo.get("zero_quantized_weights", False),
                                  "zero_optimization.zero_quantized_weights")
@@ -384,6 +379,54 @@ _DS_TUNING = frozenset({
     "override_module_apply", "allgather_sequential"})
 
 # DeepSpeed features zeropp_jax does not implement: an error naming them when enabled.
+# Top-level keys from_deepspeed reads.
+_DS_READ = ("zero_optimization", "bf16", "fp16", "gradient_clipping")
+# Top-level DeepSpeed keys it does not read: what they set comes from elsewhere here (the
+# optax transformation, the train loop, ZeroPPConfig), so they are named in a warning.
+_DS_TOP_UNREAD = {
+    "optimizer": "pass an optax transformation to TrainState.create(tx=...)",
+    "scheduler": "use an optax schedule in tx",
+    "train_batch_size": "the train loop's global batch",
+    "train_micro_batch_size_per_gpu": "the train loop's batch",
+    "gradient_accumulation_steps": "zeropp_jax.accumulate_gradients(micro_batches=...)",
+    "activation_checkpointing": "ZeroPPConfig(remat=...)",
+    "communication_data_type": "ZeroPPConfig(compute_dtype=...) sets the wire dtype",
+    "prescale_gradients": "gradients are averaged by the reduce-scatter",
+    "gradient_predivide_factor": "gradients are averaged by the reduce-scatter",
+}
+_DS_TOP_HARMLESS = frozenset({
+    "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "flops_profiler",
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "timers", "aio",
+    "sparse_gradients", "seq_parallel_communication_data_type", "disable_allgather",
+    "autotuning", "elasticity", "checkpoint", "data_types", "amp", "compression_training",
+    "data_efficiency", "curriculum_learning", "sparse_attention", "pipeline",
+    "zero_optimization_stage", "graph_harvesting", "use_data_before_expert_parallelism",
+})
+
+
+def _check_top_level(ds_config: Mapping[str, Any]) -> None:
+    """Unknown top-level keys raise with the closest known one; DeepSpeed keys whose
+    setting comes from elsewhere here are named in one warning; the rest are logging
+    and tooling switches without an effect on training, ignored."""
+    import warnings
+
+    unread = []
+    for key in ds_config:
+        if key in _DS_READ or key in _DS_TOP_HARMLESS:
+            continue
+        if key in _DS_TOP_UNREAD:
+            unread.append(f"{key} ({_DS_TOP_UNREAD[key]})")
+            continue
+        close = difflib.get_close_matches(
+            key, [*_DS_READ, *_DS_TOP_UNREAD, *_DS_TOP_HARMLESS], n=1, cutoff=0.6)
+        raise ValueError(f"ds_config key {key!r} is not a DeepSpeed key zeropp_jax knows"
+                         + (f"; did you mean {close[0]!r}?" if close else ""))
+    if unread:
+        warnings.warn("from_deepspeed does not read these ds_config keys, set them here "
+                      "instead: " + "; ".join(unread), stacklevel=3)
+
+
 _DS_UNIMPLEMENTED = {
     "offload_optimizer": "optimizer offload to CPU/NVMe",
     "offload_param": "parameter offload to CPU/NVMe",

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax import collectives
+from zeropp_jax import collectives, processes
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.flax import apply_units
 from zeropp_jax.hf import hf_call
@@ -76,16 +76,13 @@ def _check_processes_agree(batch: PyTree) -> None:
     is an error, not a silently different step."""
     import zlib
 
-    from jax.experimental import multihost_utils
-
     sig = repr([(jax.tree_util.keystr(p), np.shape(x), str(np.asarray(x).dtype)
                  if not hasattr(x, "dtype") else str(x.dtype))
                 for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]])
     if sig in _AGREED:
         return
-    mine = np.array([zlib.crc32(sig.encode())], np.int64)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
-    if np.any(every != every[0]):
+    every = processes.allgather("batch structure", f"{zlib.crc32(sig.encode()):08x}")
+    if len(set(every)) > 1:
         raise ValueError(
             f"processes passed different global batches (this process, {jax.process_index()}: "
             f"{sig}); every process must pass the same global batch, e.g. built from the "
@@ -144,20 +141,6 @@ class Engine:
     def has_frozen(self) -> bool:
         """True if some parameters are frozen (kept outside ``params`` and ``opt_state``)."""
         return bool(self.frozen_layouts)
-
-    def check_checkpointable(self) -> None:
-        """Raises ``NotImplementedError`` for train states with frozen parameters.
-
-        ``zeropp_jax.checkpoint`` saves ``layouts`` (trainable units) and ``opt_state`` only;
-        it would silently drop frozen weights.
-        """
-        if self.has_frozen:
-            raise NotImplementedError(
-                "checkpointing a train state with frozen parameters is not supported yet: "
-                "the checkpoint would hold only the trainable units. Save the adapters with "
-                "state.consolidate() (a plain params tree) and rebuild the state from the "
-                "base weights with TrainState.create(..., frozen=...)"
-            )
 
     def unit_table(self) -> tuple[list[tuple[str, int, int]], int]:
         """([(unit name, parameters, shard elements per device)], total parameters),
@@ -309,7 +292,7 @@ class Engine:
         for name, lay in self.frozen_layouts.items():
             values = to_host(frozen.values[name])
             if frozen.quantized:
-                with jax.default_device(jax.devices("cpu")[0]):
+                with jax.default_device(jax.local_devices(backend="cpu")[0]):
                     values = dequantize_frozen_flat(values, to_host(frozen.scales[name]),
                                                     self.config, lay)
             out[name] = np.asarray(values, np.float32)

@@ -155,7 +155,7 @@ def quantize_frozen_flat(
     from pallas_kernels.quantize import quantize_reference
 
     block = frozen_block_size(config, layout)
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         v, s = quantize_reference(jnp.asarray(flat, jnp.float32), bits=config.weight_bits,
                                   block_size=block)
     return np.asarray(v), np.asarray(s)

@@ -16,6 +16,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
+from zeropp_jax import processes
 from zeropp_jax.config import ZeroPPConfig
 from zeropp_jax.engine import Engine
 from zeropp_jax.frozen import (
@@ -130,6 +131,7 @@ class TrainState:
         """The full parameters as a plain Flax params tree of numpy arrays (param dtype);
         for an NNX model, the pure dict ``nnx.State.to_pure_dict()`` gives (list indices
         as int keys), ready for ``nnx.replace_by_pure_dict``."""
+        processes.rendezvous("state.consolidate")  # a collective: every process calls it
         tree = self.engine.consolidate(self.params if self.master is None else self.master,
                                        self.frozen)
         return self.engine.model.to_pure_dict(tree) if isinstance(

@@ -26,6 +26,8 @@ import jax
 import numpy as np
 import pytest
 
+import zeropp_jax as zpp
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PY = sys.executable
 TIMEOUT_S = 300
@@ -127,7 +129,6 @@ def test_two_processes_match_one_process(tmp_path, mode):
         return
     # state.consolidate() across processes (process_allgather) gives the parameters of the
     # same 4 steps run here in one process on a 2x2 mesh of this process's devices.
-    import zeropp_jax as zpp
 
     ex = _load_example()
     args = ex.parse_args(["--coordinator", "unused:0", "--num-processes", "1",
@@ -177,10 +178,12 @@ def test_missing_cluster_arguments_named():
     assert "--coordinator" in r.stderr and "ZEROPP_COORDINATOR" in r.stderr
 
 
-_DISAGREE = r"""
+# Two workers (2 CPU devices each, gloo on loopback) holding a tiny GPT state on 2x2.
+_TINY_STATE = r"""
 import sys
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id={pid},
                            initialization_timeout=60)
 import numpy as np, optax
@@ -191,7 +194,9 @@ model = GPT(cfg)
 params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
 state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                               mesh=zpp.make_mesh(2, 2))
+"""
 
+_DISAGREE = _TINY_STATE + r"""
 @zpp.train_step
 def step(state, batch):
     return state, {{}}
@@ -207,16 +212,8 @@ sys.exit(3)
 
 
 def test_processes_passing_different_global_batches_are_refused(tmp_path):
-    port = _free_port()
-    procs = [subprocess.Popen([PY, "-c", _DISAGREE.format(port=port, pid=pid)], cwd=ROOT,
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for pid in range(2)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    finally:
-        _kill(procs)
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for out in _run_workers(tmp_path, lambda pid, port: [
+            "-c", _DISAGREE.format(port=port, pid=pid)]):
         assert "processes passed different global batches" in out, out[-3000:]
 
 
@@ -248,7 +245,7 @@ def test_checkpoint_one_process_to_two_and_back(tmp_path):
 
     from zeropp_jax import checkpoint as ckpt
 
-    state = mc.build(zpp_mesh(2, 4))
+    state = mc.build(zpp.make_mesh(2, 4))
     state, _ = mc.step(state, mc.batch(0))
     ckpt.save(tmp_path / "a", state)
     ref_losses = []
@@ -275,7 +272,7 @@ def test_checkpoint_one_process_to_two_and_back(tmp_path):
     assert meta["written_on"]["processes"] == 2 and meta["frozen"]["quantized"]
     assert {p.name for p in (step_dir / "arrays").glob("ocdbt.process_*")} == {
         "ocdbt.process_0", "ocdbt.process_1"}
-    small = zpp_mesh(1, 2, devices=jax.devices()[:2])
+    small = zpp.make_mesh(1, 2, devices=jax.devices()[:2])
     back = ckpt.restore(tmp_path / "b", mc.build(small, seed=7))
     assert int(back.step) == 3
     losses = []
@@ -288,27 +285,7 @@ def test_checkpoint_one_process_to_two_and_back(tmp_path):
         np.testing.assert_allclose(one[k], two[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def zpp_mesh(nodes, local, devices=None):
-    import zeropp_jax as zpp
-
-    return zpp.make_mesh(nodes, local, devices=devices)
-
-
-_ONE_PROCESS_ONLY = r"""
-import sys
-import jax
-jax.config.update("jax_num_cpu_devices", 2)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id={pid},
-                           initialization_timeout=60)
-import numpy as np, optax
-import zeropp_jax as zpp
-from zeropp_jax.models.gpt import GPT, GPTConfig
-cfg = GPTConfig(vocab_size=32, seq_len=8, layers=1, d_model=16, heads=2)
-model = GPT(cfg)
-params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
-state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
-                              mesh=zpp.make_mesh(2, 2))
+_ONE_PROCESS_ONLY = _TINY_STATE + r"""
 if jax.process_index() == 0:  # the misuse: a collective call on one process only
     try:
         state.consolidate()

@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--reduce-scatter", default=None, choices=["flat", "hierarchical"],
                    help="unquantized gradient reduce-scatter (ZeroPPConfig.reduce_scatter); "
                         "default: the config's default")
+    t.add_argument("--all-gather", default=None, choices=["flat", "hierarchical"],
+                   help="weight all-gathers (ZeroPPConfig.all_gather): hierarchical = over "
+                        "nodes first, then inside the node (each remote byte crosses once)")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--batch", type=int, default=32, help="global batch (split over all devices)")
     t.add_argument("--seq-len", type=int, default=128)
@@ -142,6 +145,8 @@ def build(args: argparse.Namespace) -> dict:
     from zeropp_jax.optim import lr_schedule
 
     overrides = {} if args.reduce_scatter is None else {"reduce_scatter": args.reduce_scatter}
+    if args.all_gather is not None:
+        overrides["all_gather"] = args.all_gather
     if args.stage == 3:
         config = zpp.ZeroPPConfig.from_mode(args.mode, compute_dtype=args.compute_dtype,
                                             **overrides)
@@ -266,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     _, compile_s = one_step()
     info = {"mode": args.mode, "stage": args.stage, "nodes": nodes, "local": local, "params": n_params,
             "compute_dtype": args.compute_dtype, "reduce_scatter": config.reduce_scatter,
+            "all_gather": config.all_gather,
             "batch": args.batch, "seq_len": args.seq_len,
             "compile_and_first_step_s": compile_s, "predicted": predicted}
 

@@ -221,6 +221,61 @@ def test_hierarchical_reduce_scatter_in_the_step_moves_16_bit():
     assert_leaves_rel_close(grads[0], grads[1], rel=1e-5)
 
 
+@pytest.mark.parametrize("nodes,local", MESHES)
+def test_hierarchical_all_gather_is_bitwise_the_flat_one(nodes, local):
+    """Two hops (node, then local, then a transpose) give the flat all-gather's buffer bit
+    for bit: 16- and 32-bit data, and qwZ's values and scales."""
+    from zeropp_jax.collectives import all_gather_flat, qwz_all_gather
+
+    num = nodes * local
+    mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:num])
+    x = np.random.default_rng(num).standard_normal(num * 128).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P(AXES)))
+
+    def run(fn):
+        return np.asarray(jax.jit(jax.shard_map(lambda s: fn(s)[None], mesh=mesh,
+                                                in_specs=P(AXES), out_specs=P(AXES)))(xs))
+
+    for dt in (jnp.bfloat16, jnp.float32):
+        flat = run(lambda s: all_gather_flat(s.astype(dt), distinct=True))
+        two = run(lambda s: all_gather_flat(s.astype(dt), distinct=True, hierarchical=True))
+        np.testing.assert_array_equal(two, flat)
+        np.testing.assert_array_equal(flat[-1], np.asarray(x.astype(dt)))  # the real gather
+    kw = dict(block_size=64, bits=8)
+    np.testing.assert_array_equal(run(lambda s: qwz_all_gather(s, hierarchical=True, **kw)),
+                                  run(lambda s: qwz_all_gather(s, **kw)))
+
+
+def test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups():
+    """In the compiled step every weight all-gather spans one axis: node groups (one
+    device per node) or local groups (one node); none spans all devices. fp32 gradients
+    equal the flat gathers' exactly (the gathers move the same bits)."""
+    from zeropp_jax.analysis import comm_report
+
+    mesh = zpp.make_mesh(2, 4)
+    node_groups = {(0, 4), (1, 5), (2, 6), (3, 7)}
+    local_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
+    grads = []
+    for ag, qwz in (("hierarchical", False), ("hierarchical", True), ("flat", False)):
+        cfg = zpp.ZeroPPConfig(all_gather=ag, qwz=qwz, compute_dtype="float32")
+        st = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=73),
+                                   tx=optax.sgd(0.1), mesh=mesh, config=cfg)
+        batch = tokens(16, seed=74)
+        rows = comm_report(make_step().lower(st, batch).compile(), mesh).rows
+        gathers = [set(r.groups) for r in rows if r.kind == "all-gather"]
+        assert gathers
+        if ag == "hierarchical":
+            assert all(g in (node_groups, local_groups) for g in gathers), gathers
+            assert node_groups in gathers and local_groups in gathers
+        else:
+            assert {tuple(range(8))} in gathers
+        if not qwz:
+            _, out = make_step(with_grads=True)(st, batch)
+            grads.append(st.engine.consolidate(out["grads"]))
+    for a, b in zip(jax.tree_util.tree_leaves(grads[0]), jax.tree_util.tree_leaves(grads[1])):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_pallas_inside_shard_map_on_cpu_is_a_clear_error():
     """On CPU the kernels would run in Pallas interpret mode, which JAX 0.10 cannot trace
     inside shard_map; the error names the fix. (Kernels equal the references bit for bit

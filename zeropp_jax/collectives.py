@@ -77,12 +77,38 @@ def from_wire(x: jax.Array, dtype: Any) -> jax.Array:
     return x if x.dtype == jnp.dtype(dtype) else jax.lax.bitcast_convert_type(x, dtype)
 
 
+def gather_tiled(x: jax.Array, axis_names: AxisNames = AXES, *,
+                 hierarchical: bool = False) -> jax.Array:
+    """``jax.lax.all_gather(x, axis_names, axis=0, tiled=True)`` of a flat ``x``; with
+    ``hierarchical`` and ``axis_names == ("node", "local")``, in two hops (inside
+    ``shard_map``):
+
+    1. over ``"node"``: each device receives the shards of its counterparts (same local
+       index) on the other nodes — every remote byte crosses into a node exactly once,
+       ``(N-1)/N`` of the buffer per node, the lower bound;
+    2. over ``"local"``: the node's devices share what they received (inside the node);
+
+    then a transpose puts the pieces in row-major device order (``node * L + local``).
+    A flat ring over all ``P`` devices instead moves ``(P-1)/P`` of the buffer into each
+    node (0.75 against 0.5 on 2 nodes of 2). Same result, bit for bit.
+    """
+    axes = _as_tuple(axis_names)
+    if hierarchical and axes == tuple(AXES):
+        nodes, local = jax.lax.axis_size(axes[0]), jax.lax.axis_size(axes[1])
+        if nodes > 1 and local > 1:
+            g = jax.lax.all_gather(x, axes[0], axis=0, tiled=True)  # [N k]: (node)
+            g = jax.lax.all_gather(g, axes[1], axis=0, tiled=True)  # [L N k]: (local, node)
+            return g.reshape(local, nodes, -1).swapaxes(0, 1).reshape(-1)
+    return jax.lax.all_gather(x, axes, axis=0, tiled=True)
+
+
 def all_gather_flat(
     shard: jax.Array,
     axis_names: AxisNames = AXES,
     *,
     invariant: bool = False,
     distinct: bool = False,
+    hierarchical: bool = False,
 ) -> jax.Array:
     """Tiled all-gather of flat shards, in the shard's own dtype on the wire.
 
@@ -95,13 +121,18 @@ def all_gather_flat(
       ``[i*k:(i+1)*k]``, same dtype as ``shard``. With ``invariant=True`` the result is
       typed replicated over ``axis_names`` (its transpose is a slice, not a reduce-scatter).
       ``distinct=True`` moves the bits as a different integer type, so XLA never merges this
-      gather with another of the same data (see ``_wire_dtype``).
+      gather with another of the same data (see ``_wire_dtype``). ``hierarchical=True``
+      gathers over the two mesh axes in two hops (``gather_tiled``).
     """
     axes = _as_tuple(axis_names)
     if not invariant and axis_size(axes) == 1:
         return shard  # one device (a 1x1 mesh): the gather is the identity; XLA would copy
-    gather = _all_gather_invariant if invariant else jax.lax.all_gather
-    gathered = gather(to_wire(shard, distinct=distinct), axes, axis=0, tiled=True)
+    if invariant:
+        gathered = _all_gather_invariant(to_wire(shard, distinct=distinct), axes, axis=0,
+                                         tiled=True)
+    else:
+        gathered = gather_tiled(to_wire(shard, distinct=distinct), axes,
+                                hierarchical=hierarchical)
     return from_wire(gathered, shard.dtype)
 
 
@@ -137,6 +168,7 @@ def qwz_all_gather(
     out_dtype: Any = None,
     implementation: str | None = None,
     distinct: bool = False,
+    hierarchical: bool = False,
 ) -> jax.Array:
     """qwZ: quantize the local shard in blocks, all-gather values and scales, dequantize.
 
@@ -151,6 +183,7 @@ def qwz_all_gather(
       out_dtype: dtype of the result; default ``shard.dtype``.
       distinct: move the bits under other integer types so XLA cannot merge this gather
         with an identical one (used for backward regathers; see ``_wire_dtype``).
+      hierarchical: gather over the two mesh axes in two hops (``gather_tiled``).
     Returns:
       ``[k * size]``: the dequantized shards of all devices in row-major device order —
       exactly ``all_gather`` of each device's dequantized shard.
@@ -165,19 +198,15 @@ def qwz_all_gather(
     axes = _as_tuple(axis_names)
     values, scales = quantize_flat(shard, bits=bits, block_size=block_size,
                                    implementation=implementation)
+    gather = lambda x: gather_tiled(x, axes, hierarchical=hierarchical)  # noqa: E731
     if distinct:
         # Same bytes, other integer types: int8 -> uint8 / uint8 -> int8, f32 -> int32.
         v_wire = jnp.uint8 if values.dtype == jnp.int8 else jnp.int8
-        values = jax.lax.all_gather(
-            jax.lax.bitcast_convert_type(values, v_wire), axes, axis=0, tiled=True
-        )
+        values = gather(jax.lax.bitcast_convert_type(values, v_wire))
         values = jax.lax.bitcast_convert_type(values, jnp.int8 if bits == 8 else jnp.uint8)
-        scales = jax.lax.all_gather(
-            jax.lax.bitcast_convert_type(scales, jnp.int32), axes, axis=0, tiled=True
-        )
+        scales = gather(jax.lax.bitcast_convert_type(scales, jnp.int32))
         scales = jax.lax.bitcast_convert_type(scales, jnp.float32)
     else:
-        values = jax.lax.all_gather(values, axes, axis=0, tiled=True)
-        scales = jax.lax.all_gather(scales, axes, axis=0, tiled=True)
+        values, scales = gather(values), gather(scales)
     return dequantize_flat(values, scales, bits=bits, block_size=block_size, dtype=out_dtype,
                            implementation=implementation)

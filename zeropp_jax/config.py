@@ -60,6 +60,11 @@ class ZeroPPConfig:
         ``qgz_until``): ``"flat"`` is XLA's ``psum_scatter`` over all devices;
         ``"hierarchical"`` is qgZ's two-hop all-to-all without quantization, which keeps
         16-bit gradients 16-bit on the wire where a backend widens reduce-scatters (XLA CPU).
+      all_gather: the weight all-gathers (ZeRO-3 and qwZ, forward and backward): ``"flat"``
+        is one all-gather over all devices (a ring over all P devices moves (P-1)/P of the
+        weights into each node); ``"hierarchical"`` gathers over ``"node"`` first, then
+        over ``"local"``, so each node receives each remote byte once ((N-1)/N, the lower
+        bound). Same weights bit for bit.
       blockwise: True (default): one quantization scale per ``block_size`` elements. False:
         the paper's *non-blocked* baseline, one scale per quantized message — a device's
         whole primary shard in qwZ, a whole destination slice in each qgZ hop. Exists to
@@ -109,6 +114,7 @@ class ZeroPPConfig:
     qgz_until: int | float | None = None
     planned_steps: int | None = None
     reduce_scatter: str = "flat"
+    all_gather: str = "flat"
     blockwise: bool = True
     gradient_clipping: float | None = None
     skip_nonfinite: bool = True
@@ -190,11 +196,12 @@ class ZeroPPConfig:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is invalid; valid dtypes are {_FLOAT_DTYPES}"
                 )
-        if self.reduce_scatter not in _REDUCE_SCATTERS:
-            raise ValueError(
-                f"reduce_scatter={self.reduce_scatter!r} is invalid; valid values are "
-                f"{_REDUCE_SCATTERS}"
-            )
+        for name in ("reduce_scatter", "all_gather"):
+            if getattr(self, name) not in _REDUCE_SCATTERS:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is invalid; valid values are "
+                    f"{_REDUCE_SCATTERS}"
+                )
         if self.gradient_clipping is not None and (
             isinstance(self.gradient_clipping, bool)
             or not isinstance(self.gradient_clipping, (int, float))

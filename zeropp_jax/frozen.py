@@ -175,23 +175,26 @@ def dequantize_frozen_flat(values: Any, scales: Any, config: ZeroPPConfig,
 
 
 def all_gather_quantized(
-    values: jax.Array, scales: jax.Array, axis_names: Any = AXES, *, distinct: bool = False
+    values: jax.Array, scales: jax.Array, axis_names: Any = AXES, *, distinct: bool = False,
+    hierarchical: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """All-gathers stored quantized shards as they are (no quantization). Inside ``shard_map``.
 
     Communicates over ``axis_names``: int8 (or INT4-packed uint8) values and fp32 scales,
     concatenated in row-major device order. ``distinct=True`` moves the same bytes under
     other integer types (int8 <-> uint8, f32 -> int32) so XLA cannot merge a backward
-    regather with the forward gather.
+    regather with the forward gather. ``hierarchical``: two hops, node first
+    (``collectives.gather_tiled``).
     """
+    from zeropp_jax.collectives import gather_tiled
+
     axes = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    gather = lambda x: gather_tiled(x, axes, hierarchical=hierarchical)  # noqa: E731
     if not distinct:
-        return (jax.lax.all_gather(values, axes, axis=0, tiled=True),
-                jax.lax.all_gather(scales, axes, axis=0, tiled=True))
+        return gather(values), gather(scales)
     wire = jnp.uint8 if values.dtype == jnp.int8 else jnp.int8
-    v = jax.lax.all_gather(jax.lax.bitcast_convert_type(values, wire), axes, axis=0, tiled=True)
-    s = jax.lax.all_gather(jax.lax.bitcast_convert_type(scales, jnp.int32), axes, axis=0,
-                           tiled=True)
+    v = gather(jax.lax.bitcast_convert_type(values, wire))
+    s = gather(jax.lax.bitcast_convert_type(scales, jnp.int32))
     return (jax.lax.bitcast_convert_type(v, values.dtype),
             jax.lax.bitcast_convert_type(s, jnp.float32))
 

@@ -34,7 +34,8 @@ def gather_weights(
 ) -> jax.Array:
     """Primary shard ``[n_pad / P]`` (param dtype) -> full flat ``[n_pad]`` (compute dtype).
 
-    Inside ``shard_map``; an all-gather over ``("node", "local")``. ZeRO-3 carries the
+    Inside ``shard_map``; an all-gather over ``("node", "local")`` (two hops, node first,
+    with ``config.all_gather="hierarchical"``). ZeRO-3 carries the
     compute dtype (as same-width integers); with qwZ, block-quantized values plus fp32
     scales (the fp32 shard is quantized directly: one rounding, not two). ``backward=True``
     marks the regather so XLA keeps it apart from the forward gather. Quantization is
@@ -49,8 +50,10 @@ def gather_weights(
             out_dtype=config.compute_jnp_dtype,
             implementation=config.quantization_impl,
             distinct=backward,
+            hierarchical=config.all_gather == "hierarchical",
         )
-    return all_gather_flat(shard.astype(config.compute_jnp_dtype), AXES, distinct=backward)
+    return all_gather_flat(shard.astype(config.compute_jnp_dtype), AXES, distinct=backward,
+                           hierarchical=config.all_gather == "hierarchical")
 
 
 def gather_frozen(stored: tuple[jax.Array, ...], layout: UnitLayout, config: ZeroPPConfig, *,
@@ -63,7 +66,8 @@ def gather_frozen(stored: tuple[jax.Array, ...], layout: UnitLayout, config: Zer
     storage moves like a trainable unit's shard (qwZ if on).
     """
     if config.quantize_frozen:
-        gathered = all_gather_quantized(*stored, AXES, distinct=backward)
+        gathered = all_gather_quantized(*stored, AXES, distinct=backward,
+                                        hierarchical=config.all_gather == "hierarchical")
         return dequantize_gathered(*gathered, config, frozen_block_size(config, layout)), gathered
     full = gather_weights(stored[0], config, backward=backward)
     return full, (full,)

@@ -101,15 +101,25 @@ def _one_stage(x, *, nodes, local, bits, block_size, stages, stage, impl, node_a
                                        stage=stage, **kw)
     if local > 1:
         # Hop 1, inside the node: chunk j (the N slots bound for local peer j) goes to j.
-        values = _all_to_all(values.reshape(local, -1), local_axis)
-        scales = _all_to_all(scales.reshape(local, -1), local_axis)
+        values, scales = _exchange(values, scales, local, local_axis)
         if nodes == 1:
             return _dequantize_reduce(values, scales, impl, **kw)
         values, scales = _dequantize_reduce_requantize(values, scales, impl, **kw)
     # Hop 2, across nodes: the partial sum of slice i'*L + j goes to node i'.
-    values = _all_to_all(values.reshape(nodes, -1), node_axis)
-    scales = _all_to_all(scales.reshape(nodes, -1), node_axis)
+    values, scales = _exchange(values, scales, nodes, node_axis)
     return _dequantize_reduce(values, scales, impl, **kw)
+
+
+def _exchange(values: jax.Array, scales: jax.Array, rows: int, axis: str
+              ) -> tuple[jax.Array, jax.Array]:
+    """One all-to-all over ``axis`` of row ``g`` of ``values`` with row ``g`` of ``scales``
+    (packed into one byte buffer: a collective has a fixed cost, so the scales do not get
+    their own). Returns ``[rows, .]`` values and scales as received."""
+    from zeropp_jax.collectives import pack_rows, unpack_rows
+
+    value_bytes = values.size // rows * values.dtype.itemsize
+    buf = _all_to_all(pack_rows(values, scales, rows), axis)
+    return unpack_rows(buf, value_bytes, values.dtype)
 
 
 def qgz_reduce_scatter(

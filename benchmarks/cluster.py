@@ -31,6 +31,40 @@ predicts from the compiled program (cross-node bytes per node). Writes
 replaces the tracked results).
 Everything is torn down on exit, on failure and on Ctrl-C.
 
+Peer rows (``--modes`` accepts them beside the zeropp_jax modes; every row trains the same
+GPT, ``--layers/--d-model/--heads/--seq-len/--batch``, on the same cluster, in the same
+rounds), run by ``benchmarks/cluster_peers.py`` with the same protocol:
+
+* ``jax_fsdp``: JAX-native FSDP, the MaxText/GSPMD way (parameters and AdamW moments sharded
+  with ``NamedSharding`` over all devices along their largest divisible dimension, plain
+  ``jax.jit``);
+* ``jax_dp``: plain data parallelism (replicated state, batch sharded, ``jax.jit``);
+* ``torch_fsdp2``: PyTorch FSDP2 (``fully_shard`` per block and on the root, bf16 params and
+  reduce, AdamW, gloo, ``--local`` ranks per node, one process per rank); skipped with a
+  note when torch is not importable (``.venv/bin/pip install torch==2.13.0``).
+
+``probe_psum`` is no training row: its "step" is ``--probe-k`` (32) chained psums of
+``f32[256]`` over all devices, so its step time / 32 is the fixed cost of one cross-process
+collective on this cluster (the cost every collective of a train step pays on top of its bytes).
+
+With a ``torch_fsdp2`` row every cell also gets ``speedup_vs_fsdp2`` (FSDP2's step time /
+the row's) and the table a column for it.
+
+Profiling variants: a mode may carry options, ``MODE@opt+opt`` (its own row, e.g.
+``zero3@eigen1``): ``eigen1`` (``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``), ``pin``
+(each node process pinned with ``taskset`` to core ``node % cores``), ``inst`` (a zeropp_jax
+mode run by ``cluster_peers.py --impl zpp``: the same step with per-step host/dispatch
+timings), ``nosync``/``block`` (``inst`` with no per-step host sync / ``block_until_ready``
+instead of ``float(loss)``), ``trace`` (``inst`` under ``jax.profiler`` for the first round
+of every bandwidth, to ``OUT/NAME_traces/ROW/BANDWIDTH/node<i>``), ``t2`` (torch: 2 threads
+per rank instead of 1), ``agflat`` (zeropp_jax modes: one flat weight all-gather over all
+devices, ``ZeroPPConfig(all_gather="flat")``, instead of this script's two-hop gathers;
+``ag2`` names the two-hop default explicitly).
+
+zeropp_jax rows use two-hop weight all-gathers (``all_gather="hierarchical"``: over nodes,
+then inside the node, so each remote byte crosses into a node once) with the hierarchical
+reduce-scatter below; ``@agflat`` rows show the flat gather.
+
 Fair baseline: XLA's CPU backend widens bf16 reduce-scatters to f32. If ``ZeroPPConfig``
 has ``reduce_scatter="hierarchical"`` (qgZ's two-hop all-to-all without quantization,
 16-bit on the wire), the zero3/qwz/hpz rows use it and an extra row "zero3 (native f32 RS)"
@@ -62,7 +96,14 @@ BRIDGE = "zclbr"
 NETNS_ETC = pathlib.Path("/etc/netns")
 PORT = 12355
 MODES = ["zero3", "qwz", "hpz", "qgz", "zeropp"]
+PEERS = ["jax_fsdp", "jax_dp", "torch_fsdp2"]
+# Not a training row: per-collective latency (cluster_peers.py --impl probe_psum); its
+# "step" is --probe-k chained psums, so step time / k is one collective's fixed cost.
+PROBES = ["probe_psum"]
+FSDP2_ROW = "torch_fsdp2"
 NATIVE_ROW = "zero3 (native f32 RS)"
+# MODE@opt+opt: per-row variants for profiling (see the module docstring).
+ROW_OPTIONS = ("eigen1", "pin", "inst", "nosync", "block", "trace", "t2", "ag2", "agflat")
 
 # Default model: wide and shallow with few tokens per step, so that the bytes per step
 # (proportional to parameters) weigh more than the CPU's compute (parameters x tokens):
@@ -77,7 +118,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local", type=int, default=2, help="CPU devices per node (default 2)")
     p.add_argument("--bandwidths", default=None,
                    help="comma-separated tc rates (default 100mbit,1gbit,10gbit)")
-    p.add_argument("--modes", default=None, help=f"comma-separated, default {','.join(MODES)}")
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated, default {','.join(MODES)}; also peers "
+                        f"{','.join(PEERS)}, the latency probe {','.join(PROBES)} and "
+                        f"MODE@opt+opt variants ({', '.join(ROW_OPTIONS)})")
     p.add_argument("--no-native-row", action="store_true",
                    help=f"skip the extra '{NATIVE_ROW}' row")
     p.add_argument("--delay-ms", type=float, default=0.0,
@@ -126,9 +170,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps, --steps-fast and --rounds must be >= 1, --warmup >= 0")
     a.bandwidths = [b.strip() for b in a.bandwidths.split(",") if b.strip()]
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in a.modes if m not in MODES]
+    bad = []
+    for m in a.modes:
+        base, opts = split_row(m)
+        if base not in MODES + PEERS + PROBES or any(o not in ROW_OPTIONS for o in opts):
+            bad.append(m)
     if bad:
-        p.error(f"unknown modes {bad}; valid: {MODES}")
+        p.error(f"unknown modes {bad}; valid: {MODES + PEERS}, each optionally @opt+opt "
+                f"with opt in {list(ROW_OPTIONS)}")
+    if len(set(a.modes)) != len(a.modes):
+        p.error(f"--modes lists a row twice: {a.modes}")
+    if FSDP2_ROW in a.modes or any(split_row(m)[0] == FSDP2_ROW for m in a.modes):
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            print(f"note: torch is not importable with {sys.executable}; skipping the "
+                  f"{FSDP2_ROW} rows (.venv/bin/pip install torch==2.13.0 adds them)",
+                  flush=True)
+            a.modes = [m for m in a.modes if split_row(m)[0] != FSDP2_ROW]
     if "zero3" not in a.modes:
         p.error("--modes must include zero3 (the baseline of every ratio)")
     for b in a.bandwidths:
@@ -138,6 +197,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.batch % (a.nodes * a.local):
         p.error(f"--batch {a.batch} must be divisible by nodes x local = {a.nodes * a.local}")
     return a
+
+
+def split_row(spec: str) -> tuple[str, list[str]]:
+    """'zero3@pin+eigen1' -> ('zero3', ['pin', 'eigen1'])."""
+    base, _, opts = spec.partition("@")
+    return base, [o for o in opts.split("+") if o]
 
 
 def rate_bits(rate: str) -> float:
@@ -337,12 +402,64 @@ class Cluster:
 # -- node processes ----------------------------------------------------------------------------
 
 
-class NodeGroup:
-    """One examples/multihost.py process per node namespace, driven over stdin/stdout."""
+def safe_name(spec: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in spec)
 
-    def __init__(self, cluster: Cluster, args: argparse.Namespace, mode: str,
+
+def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
+                 reduce_scatter: str | None, total_steps: int, port: int,
+                 trace_dir: pathlib.Path | None) -> tuple[list[str], dict[str, str]]:
+    """Node ``i``'s command line (inside its namespace) and extra environment for the row
+    ``spec`` (``MODE[@opt+opt]``): ``examples/multihost.py`` for a plain zeropp_jax mode,
+    ``benchmarks/cluster_peers.py`` for the peers and the instrumented variants."""
+    base, opts = split_row(spec)
+    common = ["--coordinator", f"{cluster.addr(0)}:{port}",
+              "--num-processes", str(cluster.nodes), "--process-id", str(i),
+              "--local-devices", str(args.local), "--init-timeout", "120",
+              "--steps", str(total_steps), "--batch", str(args.batch),
+              "--seq-len", str(args.seq_len), "--layers", str(args.layers),
+              "--d-model", str(args.d_model), "--heads", str(args.heads),
+              "--compute-dtype", args.compute_dtype, "--seed", str(args.seed),
+              "--net-iface", node_if(i)]
+    instrumented = base in PEERS + PROBES or any(
+        o in opts for o in ("inst", "nosync", "block", "trace"))
+    if instrumented:
+        impl = base if base in PEERS + PROBES else "zpp"
+        cmd = [sys.executable, str(ROOT / "benchmarks/cluster_peers.py"), "--impl", impl] + common
+        if impl == "zpp":
+            cmd += ["--mode", base]
+        if "nosync" in opts:
+            cmd += ["--sync", "none"]
+        elif "block" in opts:
+            cmd += ["--sync", "block"]
+        if "trace" in opts and trace_dir is not None:
+            cmd += ["--trace-dir", str(trace_dir), "--trace-label", "*each*"]
+        if "t2" in opts:
+            cmd += ["--torch-threads", "2"]
+    else:
+        cmd = [sys.executable, str(ROOT / "examples/multihost.py"), "--mode", base] + common
+        cmd += ["--no-progress", "--control", "stdin"]
+    if reduce_scatter is not None and base in MODES:
+        cmd += ["--reduce-scatter", reduce_scatter]
+    if base in MODES:  # two-hop weight gathers unless the row asks for the flat one
+        cmd += ["--all-gather", "flat" if "agflat" in opts else "hierarchical"]
+    if i == 0:
+        cmd += ["--comm-report"]
+    env = {}
+    if "eigen1" in opts:
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    if "pin" in opts:
+        cmd = ["taskset", "-c", str(i % (os.cpu_count() or 1))] + cmd
+    return ["ip", "netns", "exec", node_ns(i)] + cmd, env
+
+
+class NodeGroup:
+    """One node process per node namespace (``examples/multihost.py``, or
+    ``benchmarks/cluster_peers.py`` for peers and variants), driven over stdin/stdout."""
+
+    def __init__(self, cluster: Cluster, args: argparse.Namespace, spec: str,
                  reduce_scatter: str | None, log_dir: pathlib.Path, total_steps: int,
-                 port: int) -> None:
+                 port: int, trace_dir: pathlib.Path | None = None) -> None:
         self.cluster, self.args = cluster, args
         self.procs: list[subprocess.Popen] = []
         self.lines: list[queue.Queue] = []
@@ -351,25 +468,13 @@ class NodeGroup:
                if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
         env["JAX_PLATFORMS"] = "cpu"
         env["PYTHONUNBUFFERED"] = "1"
-        tag = mode + ("" if reduce_scatter is None else f"-{reduce_scatter}")
+        tag = safe_name(spec) + ("" if reduce_scatter is None else f"-{reduce_scatter}")
         for i in range(cluster.nodes):
-            cmd = ["ip", "netns", "exec", node_ns(i), sys.executable,
-                   str(ROOT / "examples/multihost.py"),
-                   "--coordinator", f"{cluster.addr(0)}:{port}",
-                   "--num-processes", str(cluster.nodes), "--process-id", str(i),
-                   "--local-devices", str(args.local), "--init-timeout", "120",
-                   "--mode", mode, "--steps", str(total_steps), "--batch", str(args.batch),
-                   "--seq-len", str(args.seq_len), "--layers", str(args.layers),
-                   "--d-model", str(args.d_model), "--heads", str(args.heads),
-                   "--compute-dtype", args.compute_dtype, "--seed", str(args.seed),
-                   "--no-progress", "--net-iface", node_if(i), "--control", "stdin"]
-            if reduce_scatter is not None:
-                cmd += ["--reduce-scatter", reduce_scatter]
-            if i == 0:
-                cmd += ["--comm-report"]
+            cmd, extra_env = node_command(cluster, args, i, spec, reduce_scatter, total_steps,
+                                          port, trace_dir)
             logf = open(log_dir / f"{tag}-node{i}.log", "w")
             self.logs.append(logf)
-            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE,
+            p = subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra_env}, stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=logf, text=True, bufsize=1,
                                  start_new_session=True)
             q: queue.Queue = queue.Queue()
@@ -446,7 +551,8 @@ class NodeGroup:
 
 
 def rows_for(args: argparse.Namespace) -> tuple[list[tuple[str, str, str | None]], str]:
-    """[(row name, mode, reduce_scatter)] and a note about the baseline."""
+    """[(row name, row spec ``MODE[@opt+opt]``, reduce_scatter)] and a note about the
+    baseline. Peers get no reduce_scatter."""
     from zeropp_jax.config import ZeroPPConfig
 
     has_hier = "reduce_scatter" in {f.name for f in __import__("dataclasses").fields(ZeroPPConfig)}
@@ -460,7 +566,7 @@ def rows_for(args: argparse.Namespace) -> tuple[list[tuple[str, str, str | None]
                 "native psum_scatter, which XLA's CPU backend widens to f32 (the zero3/qwz/"
                 "hpz baselines move 4-byte gradients)")
         return [(m, m, None) for m in args.modes], note
-    rows = [(m, m, "hierarchical") for m in args.modes]
+    rows = [(m, m, "hierarchical" if split_row(m)[0] in MODES else None) for m in args.modes]
     if not args.no_native_row:
         rows.append((NATIVE_ROW, "zero3", "flat"))
     note = ("zero3/qwz/hpz use reduce_scatter='hierarchical' (bf16 on the wire); "
@@ -474,8 +580,10 @@ def fmt_bytes(b: float | None) -> str:
 
 def table(cells: list[dict], bandwidths: list[str], row_names: list[str]) -> str:
     """The printed table; 'rounds ±' is half the range of the rounds' medians, relative."""
-    head = (f"{'bandwidth':<9} {'mode':<22} {'step ms':>9} {'rounds ±':>8} {'speedup':>8} "
-            f"{'meas MB/node/step':>17} {'pred MB (compiled)':>18} {'meas/pred':>9}")
+    has_fsdp2 = any(c.get("speedup_vs_fsdp2") is not None for c in cells)
+    head = (f"{'bandwidth':<9} {'mode':<22} {'step ms':>9} {'rounds ±':>8} {'vs zero3':>8} "
+            + (f"{'vs FSDP2':>8} " if has_fsdp2 else "")
+            + f"{'meas MB/node/step':>17} {'pred MB (compiled)':>18} {'meas/pred':>9}")
     lines = [head, "-" * len(head)]
     by = {(c["bandwidth"], c["row"]): c for c in cells}
     for bw in bandwidths:
@@ -489,10 +597,12 @@ def table(cells: list[dict], bandwidths: list[str], row_names: list[str]) -> str
             sp = c.get("speedup_vs_zero3")
             rm = c.get("round_medians_s") or [c["step_time_median_s"]]
             spread = (max(rm) - min(rm)) / 2 / c["step_time_median_s"] * 100
+            vs_f = c.get("speedup_vs_fsdp2")
             lines.append(f"{bw:<9} {r:<22} {c['step_time_median_s'] * 1e3:9.1f} "
                          f"{spread:7.1f}% "
-                         f"{'' if sp is None else f'{sp:7.2f}x':>8} {fmt_bytes(meas):>17} "
-                         f"{fmt_bytes(pred):>18} {ratio}")
+                         f"{'' if sp is None else f'{sp:7.2f}x':>8} "
+                         + ((f"{'' if vs_f is None else f'{vs_f:7.2f}x':>8} ") if has_fsdp2 else "")
+                         + f"{fmt_bytes(meas):>17} {fmt_bytes(pred):>18} {ratio}")
         lines.append("")
     return "\n".join(lines)
 
@@ -503,7 +613,9 @@ def verdict(cells: list[dict], bandwidths: list[str]) -> list[str]:
     by = {(c["bandwidth"], c["row"]): c["speedup_vs_zero3"] for c in cells}
     slow = min(bandwidths, key=rate_bits)
     fast = max(bandwidths, key=rate_bits)
-    checks = [(slow, "zeropp", 2.5)] + [(slow, m, 1.2) for m in ("qwz", "hpz", "qgz")]
+    # The slow-link targets hold below 1 Gbit/s (a 1 Gbit/s-only run checks only the fast one).
+    checks = ([(slow, "zeropp", 2.5)] + [(slow, m, 1.2) for m in ("qwz", "hpz", "qgz")]
+              if rate_bits(slow) < 1e9 else [])
     if fast != slow:
         checks.append((fast, "zeropp", 1.0))
     out = []
@@ -512,6 +624,32 @@ def verdict(cells: list[dict], bandwidths: list[str]) -> list[str]:
             got = by[(bw, row)]
             out.append(f"target {row} >= {target}x at {rate_label(bw)}: {got:.2f}x "
                        f"{'met' if got >= target else 'MISSED'}")
+    # Issue 17's targets against PyTorch FSDP2 (when its row ran).
+    vs_f = {(c["bandwidth"], c["row"]): c.get("speedup_vs_fsdp2") for c in cells}
+    f_checks = []
+    for bw in bandwidths:
+        if abs(rate_bits(bw) - 1e9) < 1:
+            f_checks += [(bw, "zero3", 1.0), (bw, "zeropp", 1.2)]
+        if abs(rate_bits(bw) - 1e8) < 1:
+            f_checks += [(bw, "zeropp", 3.0)]
+    for bw, row, target in f_checks:
+        got = vs_f.get((bw, row))
+        if got is not None:
+            out.append(f"target {row} >= {target}x FSDP2 at {rate_label(bw)}: {got:.2f}x "
+                       f"{'met' if got >= target else 'MISSED'}")
+    if any(v is not None for v in vs_f.values()):
+        zp = {bw: by.get((bw, "zeropp")) for bw in bandwidths if abs(rate_bits(bw) - 1e8) < 1}
+        for bw, got in zp.items():
+            if got is not None:
+                out.append(f"target zeropp >= 2.5x zero3 at {rate_label(bw)}: {got:.2f}x "
+                           f"{'met' if got >= 2.5 else 'MISSED'}")
+    for c in cells:
+        pred = c.get("predicted_bytes_per_node_compiled")
+        meas = c["measured_tx_bytes_per_node_per_step"]
+        if c["row"] in ("zero3", "zeropp") and pred:
+            r = meas / pred
+            out.append(f"target bytes measured/predicted <= 1.1 ({c['row']}, "
+                       f"{rate_label(c['bandwidth'])}): {r:.2f} {'met' if r <= 1.1 else 'MISSED'}")
     return out
 
 
@@ -585,17 +723,26 @@ def run_sweep(args: argparse.Namespace, cluster: Cluster) -> dict:
     log(f"node process logs: {log_dir}")
     try:
         cluster.shape(args.bandwidths[-1])  # fast links while starting up
-        for k, (row, mode, rs) in enumerate(rows):
+        for k, (row, spec, rs) in enumerate(rows):
             log(f"[{k + 1}/{len(rows)}] {row}: starting {args.nodes} node processes "
                 f"({args.local} devices each), compiling")
-            groups[row] = NodeGroup(cluster, args, mode, rs, log_dir, total_steps, PORT + 2 + k)
+            trace_dir = args.out / f"{args.name}_traces" / safe_name(row)
+            groups[row] = NodeGroup(cluster, args, spec, rs, log_dir, total_steps,
+                                    PORT + 2 + k, trace_dir)
             info = groups[row].ready()[0]
+            if "error" in info:
+                raise RuntimeError(f"{row}: {info['error']}")
             compile_s = (info.get("predicted") or {}).get("lower_and_compile_s", 0.0)
-            runs[row] = {"mode": mode, "reduce_scatter": info.get("reduce_scatter"),
+            runs[row] = {"mode": split_row(spec)[0], "spec": spec,
+                         "reduce_scatter": info.get("reduce_scatter"),
                          "params": info["params"], "predicted": info.get("predicted"),
-                         "compile_and_first_step_s": compile_s + info["compile_and_first_step_s"]}
+                         "compile_and_first_step_s": compile_s + info["compile_and_first_step_s"],
+                         "worker": {k2: v for k2, v in info.items()
+                                    if k2 not in ("predicted", "params", "reduce_scatter")}}
+            extra = (f", torch GPT {info['params']:,} params vs zeropp_jax GPT "
+                     f"{info['params_flax_gpt']:,}" if "params_flax_gpt" in info else "")
             log(f"    ready: {info['params'] / 1e6:.2f}M params, compile + first step "
-                f"{runs[row]['compile_and_first_step_s']:.1f} s (node 0)")
+                f"{runs[row]['compile_and_first_step_s']:.1f} s (node 0){extra}")
         raw: dict[tuple[str, str], list[list[dict]]] = {}
         for bw in args.bandwidths:
             cluster.shape(bw)
@@ -620,7 +767,8 @@ def run_sweep(args: argparse.Namespace, cluster: Cluster) -> dict:
 
     cells: list[dict] = []
     for bw in args.bandwidths:
-        for row, mode, _ in rows:
+        for row, spec, _ in rows:
+            mode = split_row(spec)[0]
             phases = raw[(bw, row)]
             times = [t for ph in phases for t in ph[0]["times"]]
             n = cluster.nodes
@@ -641,9 +789,22 @@ def run_sweep(args: argparse.Namespace, cluster: Cluster) -> dict:
                 "loadavg_before_rounds": [ph[0]["loadavg_before"] for ph in phases],
                 "losses": [x for ph in phases for x in ph[0]["losses"]],
             })
+            if "dispatch_s" in phases[0][0]:  # instrumented worker (cluster_peers.py)
+                med = statistics.median
+                cells[-1].update({
+                    "host_batch_median_s": med(t for ph in phases for t in ph[0]["host_batch_s"]),
+                    "dispatch_median_s": med(t for ph in phases for t in ph[0]["dispatch_s"]),
+                    "step_total_median_s": med(t for ph in phases for t in ph[0]["step_total_s"]),
+                    "phase_wall_per_step_s": [ph[0]["phase_wall_s"] / ph[0]["steps"]
+                                              for ph in phases],
+                    "traced_rounds": [ph[0].get("traced", False) for ph in phases],
+                })
     base = {c["bandwidth"]: c["step_time_median_s"] for c in cells if c["row"] == "zero3"}
+    fsdp2 = {c["bandwidth"]: c["step_time_median_s"] for c in cells if c["row"] == FSDP2_ROW}
     for c in cells:
         c["speedup_vs_zero3"] = base[c["bandwidth"]] / c["step_time_median_s"]
+        c["speedup_vs_fsdp2"] = (fsdp2[c["bandwidth"]] / c["step_time_median_s"]
+                                 if c["bandwidth"] in fsdp2 else None)
     return {"cells": cells, "runs": runs, "row_names": row_names,
             "baseline_note": baseline_note, "elapsed_s": time.monotonic() - t_start}
 

@@ -6,10 +6,11 @@ Builds the cluster of ``benchmarks/cluster.py`` (2 node namespaces, tc-shaped li
 and runs ``examples/multihost.py`` (fp32, so runs on different meshes agree to rounding):
 
 1. on the cluster, 6 steps straight (the reference);
-2. on the cluster, 4 steps with ``--save``: each node process writes its own shards;
-3. on the cluster again, ``--resume`` + 2 steps (2 processes read their shards back);
-4. outside the cluster, 1 process with 2 devices (mesh 1x2), ``--resume`` + 2 steps
-   from the checkpoint of 2.
+2. on the cluster, the same 6-step schedule stopped after 4 steps with ``--save``: each
+   node process writes its own shards;
+3. on the cluster again, ``--resume`` to step 6 (2 processes read their shards back);
+4. outside the cluster, 1 process with 2 devices (mesh 1x2), ``--resume`` to step 6 from
+   a copy of the checkpoint of 2.
 
 Steps 5-6 of 3 and 4 must equal steps 5-6 of 1 (rtol 1e-5: only the order of the
 cross-device sums differs). Prints a table and writes ``OUT/cluster_checkpoint.json``.
@@ -78,15 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         cluster.build()
         cluster.shape(args.bandwidth)
         ref = run_on_cluster(cluster, cl.PORT + 20, 6, [], work / "ref.json")
-        run_on_cluster(cluster, cl.PORT + 21, 4, ["--save", str(work / "ck")],
-                       work / "save.json")
+        run_on_cluster(cluster, cl.PORT + 21, 6, ["--save", str(work / "ck"),
+                                                  "--stop-after", "4"], work / "save.json")
         meta = json.loads(next((work / "ck").glob("step_*/meta.json")).read_text())
         stores = sorted(p.name for p in (work / "ck").glob("step_*/arrays/ocdbt.process_*"))
-        back = run_on_cluster(cluster, cl.PORT + 22, 2,
+        shutil.copytree(work / "ck", work / "ck_alone")
+        back = run_on_cluster(cluster, cl.PORT + 22, 6,
                               ["--save", str(work / "ck"), "--resume"], work / "back.json")
     finally:
         cluster.teardown()
-    alone = run_alone(cl.PORT + 23, 2, ["--save", str(work / "ck"), "--resume"],
+    alone = run_alone(cl.PORT + 23, 6, ["--save", str(work / "ck_alone"), "--resume"],
                       work / "alone.json")
     want = ref["losses"][4:6]
     rows = [("2 processes, uninterrupted (reference)", want),

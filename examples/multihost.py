@@ -83,7 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "writes its own shards (a directory all processes see)")
     t.add_argument("--resume", action="store_true",
                    help="start from the latest checkpoint in --save (any process count or "
-                        "mesh may have written it); --steps more steps follow")
+                        "mesh may have written it) and train up to --steps in all")
+    t.add_argument("--stop-after", type=int, default=None,
+                   help="stop (and --save) after this many steps of the --steps schedule, "
+                        "as if interrupted; --resume continues it")
     b = p.add_argument_group("benchmark hooks (benchmarks/cluster.py)")
     b.add_argument("--net-iface", default=None,
                    help="count this node's tx/rx bytes on this interface over the timed steps")
@@ -211,6 +214,11 @@ def main(argv: list[str] | None = None) -> dict | None:
             raise SystemExit("--resume needs --save DIR (the checkpoint directory)")
         state = zpp.checkpoint.restore(args.save, state)  # collective: every process
     first_step = int(np.asarray(state.step.addressable_shards[0].data))
+    # --steps is the schedule's length; this invocation runs up to --stop-after of it.
+    last = args.steps if args.stop_after is None else min(args.stop_after, args.steps)
+    if last - first_step < 1:
+        raise SystemExit(f"nothing to train: the state is at step {first_step} and this run "
+                         f"stops at {last} (--steps/--stop-after)")
 
     predicted = None
     if args.comm_report:
@@ -290,8 +298,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         jax.distributed.shutdown()
         return None
 
-    timed = phase(args.steps - 1, progress=lead and not args.no_progress)
-    summary = {**info, "steps": args.steps, "losses": losses,
+    timed = phase(last - first_step - 1, progress=lead and not args.no_progress)
+    summary = {**info, "steps": args.steps, "first_step": first_step, "losses": losses,
                "step_time_median_s": timed["step_time_median_s"] or compile_s,
                "processes": jax.process_count(), "coordinator": args.coordinator}
     if args.save is not None:
@@ -304,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             args.save_params.parent.mkdir(parents=True, exist_ok=True)
             np.savez(args.save_params, **flat)
     if "tx_bytes" in timed:
-        summary["net"] = {"iface": args.net_iface, "timed_steps": args.steps - 1,
+        summary["net"] = {"iface": args.net_iface, "timed_steps": last - first_step - 1,
                           "tx_bytes": timed["tx_bytes"], "rx_bytes": timed["rx_bytes"]}
     if lead:
         k = max(1, min(10, len(losses) // 5))

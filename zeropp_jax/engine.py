@@ -365,7 +365,9 @@ class Engine:
         cfg = self.config
         finite = jnp.array(True)
         if cfg.skip_nonfinite:
-            bad = sum(jnp.sum(~jnp.isfinite(v)).astype(jnp.int32) for v in g.values())
+            # Counted in f32 (exact up to 2^24 bad elements; any count > 0 means skip), so
+            # XLA can combine this psum with the metrics' f32 pmean: one collective, not two.
+            bad = sum(jnp.sum(~jnp.isfinite(v), dtype=jnp.float32) for v in g.values())
             finite = jax.lax.psum(bad, AXES) == 0
         if cfg.gradient_clipping is not None:
             norm = global_norm(g)

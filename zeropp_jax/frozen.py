@@ -181,22 +181,21 @@ def all_gather_quantized(
     """All-gathers stored quantized shards as they are (no quantization). Inside ``shard_map``.
 
     Communicates over ``axis_names``: int8 (or INT4-packed uint8) values and fp32 scales,
-    concatenated in row-major device order. ``distinct=True`` moves the same bytes under
-    other integer types (int8 <-> uint8, f32 -> int32) so XLA cannot merge a backward
-    regather with the forward gather. ``hierarchical``: two hops, node first
+    packed into one uint8 buffer per device (``collectives.pack_rows``) and returned
+    concatenated in row-major device order. ``distinct=True`` moves the same bytes as int8
+    so XLA cannot merge a backward regather with the forward gather. ``hierarchical``: two hops, node first
     (``collectives.gather_tiled``).
     """
-    from zeropp_jax.collectives import gather_tiled
+    from zeropp_jax.collectives import axis_size, gather_tiled, pack_rows, unpack_rows
 
     axes = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
-    gather = lambda x: gather_tiled(x, axes, hierarchical=hierarchical)  # noqa: E731
-    if not distinct:
-        return gather(values), gather(scales)
-    wire = jnp.uint8 if values.dtype == jnp.int8 else jnp.int8
-    v = gather(jax.lax.bitcast_convert_type(values, wire))
-    s = gather(jax.lax.bitcast_convert_type(scales, jnp.int32))
-    return (jax.lax.bitcast_convert_type(v, values.dtype),
-            jax.lax.bitcast_convert_type(s, jnp.float32))
+    # Values and scales in one byte buffer, one gather (each collective has a fixed cost).
+    buf = pack_rows(values, scales, 1).reshape(-1)
+    if distinct:
+        buf = jax.lax.bitcast_convert_type(buf, jnp.int8)
+    gathered = gather_tiled(buf, axes, hierarchical=hierarchical)
+    v, s = unpack_rows(gathered.reshape(axis_size(axes), -1), values.shape[0], values.dtype)
+    return v.reshape(-1), s.reshape(-1)
 
 
 def dequantize_gathered(values: jax.Array, scales: jax.Array, config: ZeroPPConfig,

@@ -1,0 +1,107 @@
+"""Where a node's step goes: summarizes the ``jax.profiler`` traces that
+``benchmarks/cluster.py``'s ``MODE@trace`` rows write (``perfetto_trace.json.gz`` under
+``OUT/NAME_traces/ROW/BANDWIDTH/node<i>/``).
+
+    .venv/bin/python benchmarks/cluster_trace.py benchmarks/out/NAME_traces [--json OUT.json]
+
+Per trace (one node, one timed phase of ``steps`` steps), per step:
+
+* ``wall``: the phase's wall time (first to last event of the Python thread's steps);
+* ``host``: Python's own time in the step (building and placing the batch, dispatch), i.e.
+  the step minus its wait for the result (``__float__``/``block_until_ready``);
+* per XLA executor thread (``tf_XLAEigen``: the thunk executor's threads, one per device
+  in practice): time in collective thunks (all-gather, all-to-all, reduce-scatter,
+  all-reduce, psum, collective-permute: gloo, including the wait for the peers),
+  in compute thunks (every other op: fusions, YNNPACK matmuls, copies) and idle;
+* the top ops by time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import sys
+from typing import Any
+
+COLLECTIVE = re.compile(r"all[-_]gather|all[-_]to[-_]all|reduce[-_]scatter|all[-_]reduce|psum"
+                        r"|collective[-_]permute|ppermute", re.I)
+ENVELOPE = re.compile(r"^ThunkExecutor::Execute")
+
+
+def summarize(path: pathlib.Path, steps: int | None = None, top: int = 12) -> dict[str, Any]:
+    ev = json.load(gzip.open(path))["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in ev
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    xs = [e for e in ev if e.get("ph") == "X"]
+    py = [e for e in xs if names.get(e["tid"]) == "python"]
+    steps_ev = [e for e in py if e["name"].endswith(" one_step")]
+    n = steps or len(steps_ev) or 1
+    if steps_ev:
+        t0 = min(e["ts"] for e in steps_ev)
+        t1 = max(e["ts"] + e["dur"] for e in steps_ev)
+    else:
+        t0 = min(e["ts"] for e in xs)
+        t1 = max(e["ts"] + e.get("dur", 0) for e in xs)
+    wall = (t1 - t0) / 1e6
+    waits = sum(e["dur"] for e in py if e["name"] in ("np.asarray(jax.Array)",)
+                or e["name"].endswith("block_until_ready")) / 1e6
+    step_total = sum(e["dur"] for e in steps_ev) / 1e6
+    out: dict[str, Any] = {"trace": str(path), "steps": n, "wall_per_step_s": wall / n,
+                           "host_per_step_s": (step_total - waits) / n if steps_ev else None,
+                           "wait_per_step_s": waits / n, "threads": {}}
+    ops = collections.Counter()
+    for tid, tname in names.items():
+        if not tname.startswith(("tf_XLAEigen", "tf_XLAPjRtCpuClient")):
+            continue
+        mine = [e for e in xs if e["tid"] == tid and t0 <= e["ts"] <= t1]
+        coll = sum(e["dur"] for e in mine if not ENVELOPE.match(e["name"])
+                   and COLLECTIVE.search(e["name"])) / 1e6
+        comp = sum(e["dur"] for e in mine if not ENVELOPE.match(e["name"])
+                   and not COLLECTIVE.search(e["name"])) / 1e6
+        env = sum(e["dur"] for e in mine if e["name"] == "ThunkExecutor::Execute") / 1e6
+        for e in mine:
+            if not ENVELOPE.match(e["name"]):
+                ops[re.sub(r"\.\d+$", "", e["name"])] += e["dur"]
+        out["threads"][tname] = {"collective_per_step_s": coll / n, "compute_per_step_s": comp / n,
+                                 "executing_per_step_s": env / n,
+                                 "idle_per_step_s": max(0.0, wall - coll - comp) / n}
+    out["top_ops_per_step_ms"] = {k: round(v / 1e3 / n, 2) for k, v in ops.most_common(top)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("root", type=pathlib.Path, help="a traces directory (searched recursively)")
+    p.add_argument("--json", type=pathlib.Path, default=None)
+    p.add_argument("--top", type=int, default=12)
+    a = p.parse_args(argv)
+    files = sorted(a.root.rglob("perfetto_trace.json.gz"))
+    if not files:
+        print(f"no perfetto_trace.json.gz under {a.root}", file=sys.stderr)
+        return 1
+    results = []
+    for f in files:
+        s = summarize(f, top=a.top)
+        results.append(s)
+        rel = f.relative_to(a.root).parts
+        rel = rel[:rel.index("plugins")] if "plugins" in rel else rel
+        print(f"== {'/'.join(rel)}: {s['steps']} steps, wall {s['wall_per_step_s'] * 1e3:.1f} "
+              f"ms/step, python host {1e3 * (s['host_per_step_s'] or 0):.1f} ms/step, "
+              f"python waiting {s['wait_per_step_s'] * 1e3:.1f} ms/step")
+        for t, v in s["threads"].items():
+            print(f"   {t[:26]:<26} collective {v['collective_per_step_s'] * 1e3:7.1f}  "
+                  f"compute {v['compute_per_step_s'] * 1e3:7.1f}  "
+                  f"idle {v['idle_per_step_s'] * 1e3:7.1f} ms/step")
+        print("   top ops (ms/step, summed over threads): " + ", ".join(
+            f"{k} {v}" for k, v in s["top_ops_per_step_ms"].items()))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

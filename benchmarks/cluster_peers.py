@@ -64,7 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-timeout", type=int, default=120)
     p.add_argument("--mode", default="zero3", help="zeropp_jax mode (--impl zpp)")
     p.add_argument("--reduce-scatter", default=None, choices=["flat", "hierarchical"])
-    p.add_argument("--all-gather", default=None, choices=["flat", "hierarchical"])
     p.add_argument("--all-gather", default=None, choices=["flat", "hierarchical"],
                    help="zpp: ZeroPPConfig.all_gather (as examples/multihost.py --all-gather)")
     p.add_argument("--steps", type=int, default=200, help="total steps (the lr schedule's length)")
@@ -157,8 +156,6 @@ def build_args(args: argparse.Namespace) -> argparse.Namespace:
             "--compute-dtype", args.compute_dtype, "--seed", str(args.seed)]
     if args.reduce_scatter is not None:
         argv += ["--reduce-scatter", args.reduce_scatter]
-    if args.all_gather is not None:
-        argv += ["--all-gather", args.all_gather]
     if args.all_gather is not None:
         argv += ["--all-gather", args.all_gather]
     return multihost_module().parse_args(argv)

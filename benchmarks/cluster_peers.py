@@ -54,6 +54,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 IMPLS = ["jax_fsdp", "jax_dp", "torch_fsdp2", "zpp", "probe_psum"]
 
 
+def _commands() -> Any:
+    """The protocol's stdin commands (``{"steps": k, ...}`` dicts) until ``quit``."""
+    for line in sys.stdin:
+        line = line.strip()
+        if line == "quit":
+            return
+        if line:
+            yield json.loads(line)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--impl", required=True, choices=IMPLS)
@@ -425,13 +435,7 @@ def jax_main(args: argparse.Namespace) -> None:
             out["tx_bytes"], out["rx_bytes"] = c1[0] - c0[0], c1[1] - c0[1]
         return out
 
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        if line == "quit":
-            break
-        cmd = json.loads(line)
+    for cmd in _commands():
         res = phase(int(cmd["steps"]), int(cmd.get("warmup", 0)), cmd.get("label"))
         res["label"] = cmd.get("label")
         print("ZPP-PHASE " + json.dumps(res), flush=True)
@@ -605,13 +609,7 @@ def torch_main(args: argparse.Namespace) -> None:
     print(f"torch GPT params {info['params']:,} vs zeropp_jax GPT params {jax_count:,}",
           file=sys.stderr, flush=True)
     print("ZPP-READY " + json.dumps(info), flush=True)
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        if line == "quit":
-            break
-        cmd = json.loads(line)
+    for cmd in _commands():
         for c in conns:
             c.send(cmd)
         res = [c.recv() for c in conns]

@@ -119,30 +119,6 @@ def safe_label(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
 
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def tuple_all_reduce_bytes(hlo: str, nodes: int) -> tuple[float, int]:
-    """Cross-node bytes per node of the *tuple-shaped* (combined) all-reduces in compiled HLO,
-    which ``comm_report`` (as of this writing) does not parse: XLA's all-reduce combiner
-    merges a data-parallel step's gradient all-reduces into one
-    ``(f32[..], f32[..], ...) all-reduce(...)``. Counted as comm_report counts an
-    all-reduce over all devices (a reduce-scatter plus an all-gather of its size:
-    ``2 (nodes-1)/nodes * T`` per node). Returns (bytes, number of such ops)."""
-    import re
-
-    total, count = 0.0, 0
-    for m in re.finditer(r"= \(([^)]*)\) all-reduce(?:-start)?\(", hlo):
-        count += 1
-        for dt, dims in re.findall(r"([a-z]+[0-9]+)\[([0-9,]*)\]", m.group(1)):
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            total += n * _ITEMSIZE.get(dt, 4)
-    return 2 * (nodes - 1) / nodes * total, count
-
-
 def multihost_module() -> Any:
     """``examples/multihost.py`` as a module (its ``build``, ``init_distributed``,
     ``lm_train_step``), so the peers use exactly its model, data and optimizer."""
@@ -271,13 +247,9 @@ def jax_peer(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
         nodes, local = args.num_processes, args.local_devices
         compiled = lowered.compile()
         moved = comm_report(compiled, (nodes, local))
-        extra, n_tuple = tuple_all_reduce_bytes(compiled.as_text(), nodes)
         predicted = {"lowered_cross_node_bytes_per_node": None,  # GSPMD: none before compile
-                     "compiled_cross_node_bytes_per_node": moved.cross_node_bytes_per_node + extra,
-                     "compiled_by_kind": {
-                         **moved.by_kind(),
-                         "tuple all-reduce (added here)": {
-                             "count": n_tuple, "cross_node_bytes_per_node": extra}},
+                     "compiled_cross_node_bytes_per_node": moved.cross_node_bytes_per_node,
+                     "compiled_by_kind": moved.by_kind(),
                      "lower_and_compile_s": time.perf_counter() - t0}
 
     def step(batch_np: np.ndarray) -> Any:

@@ -207,3 +207,18 @@ def test_groups_on_an_undeclared_mesh_raise():
     text = _MLIR_JAX_0_11.replace("sdy.mesh @mesh_0", "sdy.mesh @other")
     with pytest.raises(ValueError, match="@mesh_0"):
         collectives(text)
+
+
+def test_combined_all_reduce_with_many_operands_is_counted():
+    """XLA's all-reduce combiner merges a step's all-reduces into one tuple-shaped op, and
+    HLO prints ``/*index=5*/`` inside a tuple type of more than five elements: all seven
+    operands' bytes are counted (a parser that stopped at the comment saw no all-reduce)."""
+    mesh = zpp.make_mesh(2, 4)
+    widths = [16 * (i + 1) for i in range(7)]
+    xs = [np.ones((8, w), np.float32) for w in widths]
+    f = jax.jit(jax.shard_map(lambda *a: tuple(jax.lax.psum(x, AXES) for x in a), mesh=mesh,
+                              in_specs=P(AXES), out_specs=P(AXES)))
+    text = f.lower(*xs).compile().as_text()
+    assert "/*index=5*/" in text  # the case this test is about is really printed
+    reduces = [c for c in collectives(text) if c.kind == "all-reduce"]
+    assert sum(c.bytes for c in reduces) == 4 * sum(widths)

@@ -494,8 +494,10 @@ def _hlo_types(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
             for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_text)]
 
 
+# A tuple result type: XLA prints a comment before every fifth element
+# (``(f32[16]{0}, ..., /*index=5*/f32[96]{0}, ...)``), so "=" may occur inside it.
 _HLO_OP = re.compile(
-    r"=\s*(?P<type>\([^=]*?\)|[a-z]+\d*\[[\d,]*\](?:\{[\d,]*\})?)\s+"
+    r"=\s*(?P<type>\((?:[^=()]|/\*index=\d+\*/)*?\)|[a-z]+\d*\[[\d,]*\](?:\{[\d,]*\})?)\s+"
     r"(?P<kind>all-gather|all-to-all|reduce-scatter|all-reduce|collective-permute)"
     r"(?P<start>-start)?\((?P<rest>.*)$"
 )

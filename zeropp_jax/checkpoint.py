@@ -50,10 +50,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from zeropp_jax import compat, processes
-from zeropp_jax.frozen import FrozenShards, merge_trees
+from zeropp_jax.frozen import merge_trees
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.partition import REST, UnitLayout, merge_units
-from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams, is_prng_key
+from zeropp_jax.placement import REPLICATED, SHARDED, ShardedParams, is_prng_key, place
 from zeropp_jax.state import TrainState
 
 PyTree = Any
@@ -328,10 +328,10 @@ def _real_lengths(arrays: dict, meta: dict) -> dict[str, int]:
     units = meta["units"]
     for k in arrays.get("params", {}):
         real[f"params/{k}"] = units[int(k[1:])]["n"]
-    for k, x in arrays.get("opt", {}).items():
+    for k in arrays.get("opt", {}):
         rec = meta["opt_state"][int(k[1:])]
         real[f"opt/{k}"] = int(np.prod(rec["shape"], dtype=np.int64))
-    for k, x in arrays.get("collections", {}).items():
+    for k in arrays.get("collections", {}):
         real[f"collections/{k}"] = int(np.prod(meta["collections"][int(k[1:])]["shape"],
                                               dtype=np.int64))
     info = meta.get("frozen")
@@ -693,8 +693,6 @@ def restore(
 
 
 def _replicated_scalar(value: int, replicated: NamedSharding) -> jax.Array:
-    from zeropp_jax.placement import place
-
     return place(np.asarray(value, np.int32), replicated)
 
 

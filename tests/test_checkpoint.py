@@ -274,7 +274,9 @@ def _frozen_kernels(path):
     return path[-1] == "kernel" or path[0] == "wte"
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+# INT4 packs two values per byte the same way on every mesh; it runs in `make test-all`
+# (the suite's wall time is near its 10-minute budget).
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
 def test_frozen_quantized_weights_restore_onto_other_meshes(bits, tmp_path):
     """Frozen weights stored INT8 / INT4 in blocks: the stored bytes restore exactly onto
     a mesh with other shards and other padding (blocks never straddle devices), and

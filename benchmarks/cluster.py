@@ -59,7 +59,9 @@ instead of ``float(loss)``), ``trace`` (``inst`` under ``jax.profiler`` for the 
 of every bandwidth, to ``OUT/NAME_traces/ROW/BANDWIDTH/node<i>``), ``t2`` (torch: 2 threads
 per rank instead of 1), ``agflat`` (zeropp_jax modes: one flat weight all-gather over all
 devices, ``ZeroPPConfig(all_gather="flat")``, instead of this script's two-hop gathers;
-``ag2`` names the two-hop default explicitly).
+``ag2`` names the two-hop default explicitly), ``regather`` (zeropp_jax modes, not with
+the instrumented options: ``ZeroPPConfig(keep_last_unit=False)``, the last unit regathers
+its weights in backward as every other unit does).
 
 zeropp_jax rows use two-hop weight all-gathers (``all_gather="hierarchical"``: over nodes,
 then inside the node, so each remote byte crosses into a node once) with the hierarchical
@@ -103,7 +105,8 @@ PROBES = ["probe_psum"]
 FSDP2_ROW = "torch_fsdp2"
 NATIVE_ROW = "zero3 (native f32 RS)"
 # MODE@opt+opt: per-row variants for profiling (see the module docstring).
-ROW_OPTIONS = ("eigen1", "pin", "inst", "nosync", "block", "trace", "t2", "ag2", "agflat")
+ROW_OPTIONS = ("eigen1", "pin", "inst", "nosync", "block", "trace", "t2", "ag2", "agflat",
+               "regather")
 
 # Default model: wide and shallow with few tokens per step, so that the bytes per step
 # (proportional to parameters) weigh more than the CPU's compute (parameters x tokens):
@@ -443,6 +446,10 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
         cmd += ["--reduce-scatter", reduce_scatter]
     if base in MODES:  # two-hop weight gathers unless the row asks for the flat one
         cmd += ["--all-gather", "flat" if "agflat" in opts else "hierarchical"]
+    if "regather" in opts:
+        if instrumented or base not in MODES:
+            raise SystemExit(f"row {spec!r}: @regather applies to plain zeropp_jax rows only")
+        cmd += ["--regather-all"]
     if i == 0:
         cmd += ["--comm-report"]
     env = {}

@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--all-gather", default=None, choices=["flat", "hierarchical"],
                    help="weight all-gathers (ZeroPPConfig.all_gather): hierarchical = over "
                         "nodes first, then inside the node (each remote byte crosses once)")
+    t.add_argument("--regather-all", action="store_true",
+                   help="ZeroPPConfig(keep_last_unit=False): the last unit regathers its "
+                        "weights in backward too (the default keeps them)")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--batch", type=int, default=32, help="global batch (split over all devices)")
     t.add_argument("--seq-len", type=int, default=128)
@@ -150,6 +153,8 @@ def build(args: argparse.Namespace) -> dict:
     overrides = {} if args.reduce_scatter is None else {"reduce_scatter": args.reduce_scatter}
     if args.all_gather is not None:
         overrides["all_gather"] = args.all_gather
+    if args.regather_all:
+        overrides["keep_last_unit"] = False
     if args.stage == 3:
         config = zpp.ZeroPPConfig.from_mode(args.mode, compute_dtype=args.compute_dtype,
                                             **overrides)

@@ -114,13 +114,17 @@ def test_residuals_hold_secondary_slices_not_full_weights():
     nodes, local = 2, 4
     num = nodes * local
     batch = tokens(16, seed=0)
-    for cfg in (zpp.ZeroPPConfig(hpz=True, **FP32), zpp.ZeroPPConfig(**FP32)):
+    # keep_last_unit (the ZeRO-3 default): the unit called last in forward, the head, keeps
+    # its full weights, and only it; without it no unit does.
+    for cfg in (zpp.ZeroPPConfig(hpz=True, keep_last_unit=False, **FP32),
+                zpp.ZeroPPConfig(**FP32)):
         state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(),
                                       tx=optax.sgd(0.1), mesh=zpp.make_mesh(nodes, local),
                                       config=cfg)
         sizes = [int(np.prod(a.shape)) for a in _residuals(state, batch) if a.ndim == 1]
+        full = {name for name, lay in state.engine.layouts.items() if num * lay.n_pad in sizes}
+        assert full == ({"head"} if cfg.keep_last_unit else set()), full
         for name, lay in state.engine.layouts.items():
-            assert num * lay.n_pad not in sizes, f"full weights of {name} saved for backward"
             if cfg.hpz:
                 assert num * lay.n_pad // local in sizes, f"no secondary slice for {name}"
                 assert lay.n_pad not in sizes or name == "<rest>"  # primary shards not needed

@@ -29,12 +29,12 @@ FP32 = dict(compute_dtype="float32")
 _DOT = re.compile(r"= \S+ dot\(")
 
 
-def _compiled(remat, shape=(1, 1), compute_dtype="float32"):
+def _compiled(remat, shape=(1, 1), compute_dtype="float32", **config):
     n = shape[0] * shape[1]
     state = zpp.TrainState.create(
         model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
         mesh=zpp.make_mesh(*shape, devices=jax.devices()[:n]),
-        config=zpp.ZeroPPConfig(compute_dtype=compute_dtype, remat=remat),
+        config=zpp.ZeroPPConfig(compute_dtype=compute_dtype, remat=remat, **config),
     )
     return state, make_step().lower(state, tokens(8, seed=0)).compile()
 
@@ -62,11 +62,15 @@ def test_minimal_remat_runs_no_forward_matmul_twice(plain_dots):
     assert len(_DOT.findall(full.as_text())) > plain_dots
 
 
-def test_backward_regathers_apart_from_forward_gathers():
+@pytest.mark.parametrize("keep_last_unit", [True, False])
+def test_backward_regathers_apart_from_forward_gathers(keep_last_unit):
     """Forward and backward gathers stay separate collectives in the compiled program (XLA
     must not merge them: that would keep every unit's full weights alive from forward to
-    backward). Forward gathers move bf16 bits as u16, backward regathers as s16."""
-    state, compiled = _compiled("minimal", shape=(2, 4), compute_dtype="bfloat16")
+    backward). Forward gathers move bf16 bits as u16, backward regathers as s16. With
+    ``keep_last_unit`` the unit called last in forward (the head) keeps its weights
+    instead: one regather less."""
+    state, compiled = _compiled("minimal", shape=(2, 4), compute_dtype="bfloat16",
+                                keep_last_unit=keep_last_unit)
     gathers = [c.dtype for c in collectives(compiled.as_text()) if c.kind == "all-gather"]
     units = len(state.engine.layouts)
     forward = [t for t in gathers if t in ("u16", "ui16")]
@@ -76,7 +80,27 @@ def test_backward_regathers_apart_from_forward_gathers():
     # not the token embedding (its weight gradient is a scatter of the cotangent) and not
     # the rest unit (wpe, ln_f, logit scale: gathered once per step, kept for backward).
     assert set(state.engine.layouts) == {"block_0", "block_1", "wte", "head", "<rest>"}
-    assert len(backward) == units - 2
+    assert len(backward) == units - 2 - keep_last_unit
+
+
+@pytest.mark.parametrize("mode", ["zero3", "zeropp"])
+def test_keeping_the_last_unit_changes_no_bit(mode):
+    """The last unit's kept forward weights equal what backward would regather (qwZ's
+    quantization is deterministic, hpZ's secondary is a slice of the forward's gather):
+    loss and gradients are bit for bit those of a step that regathers every unit."""
+    model, params = GPT(SMALL), init_params(seed=7)
+    batch = tokens(8, seed=70)
+    outs = []
+    for keep in (True, False):
+        config = getattr(zpp.ZeroPPConfig, mode)(keep_last_unit=keep, block_size=16)
+        state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                      mesh=zpp.make_mesh(2, 2, devices=jax.devices()[:4]),
+                                      config=config)
+        outs.append(make_step(with_grads=True)(state, batch)[1])
+    assert float(outs[0]["loss"]) == float(outs[1]["loss"])
+    for a, b in zip(jax.tree_util.tree_leaves(outs[0]["grads"]),
+                    jax.tree_util.tree_leaves(outs[1]["grads"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_remat_choices_equal_single_device():

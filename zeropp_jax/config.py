@@ -98,6 +98,12 @@ class ZeroPPConfig:
         Each unit's gather waits for the output of the unit ``prefetch + 1`` calls before
         it, so about ``prefetch + 1`` units' full weights are live at once (DeepSpeed's
         ``stage3_prefetch_bucket_size``, FSDP's ``limit_all_gathers`` / forward prefetch).
+      keep_last_unit: True (default): the unit called last in forward (once) keeps its
+        gathered weights for its backward, which runs next, instead of regathering them:
+        one all-gather less per step, the same weights bit for bit. Its full weights then
+        stay live through the loss instead of being gathered again right after it (FSDP2
+        keeps the root module's weights this way; DeepSpeed keeps parameters reused within
+        ``stage3_max_reuse_distance``). False: every unit regathers.
       output_dtype: floating outputs of ``state.apply_fn`` (logits, a model-computed loss)
         are cast to this dtype when the compute dtype is narrower, so the loss and the
         metrics are computed in fp32 (jmp's ``output=float32``; PyTorch autocast runs
@@ -126,6 +132,7 @@ class ZeroPPConfig:
     quantize_frozen: bool = False
     remat: Any = "minimal"
     prefetch: int = 1
+    keep_last_unit: bool = True
     output_dtype: str | None = "float32"
 
     def __post_init__(self) -> None:
@@ -178,6 +185,8 @@ class ZeroPPConfig:
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got "
                              f"{self.prefetch!r}")
+        if not isinstance(self.keep_last_unit, bool):
+            raise ValueError(f"keep_last_unit must be True or False, got {self.keep_last_unit!r}")
         if not (self.remat in _REMATS or callable(self.remat)):
             raise ValueError(
                 f"remat={self.remat!r} is invalid; use one of {_REMATS} or a jax.checkpoint "

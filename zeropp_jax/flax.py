@@ -263,12 +263,12 @@ def apply_units(
             "{'params': state.params, 'frozen': state.frozen}"
         )
 
-    def unit_call(name: str) -> Callable[[Callable], Callable]:
+    def unit_call(name: str, keep: bool = False) -> Callable[[Callable], Callable]:
         layout, flayout = layouts.get(name), frozen_layouts.get(name)
         stored = () if flayout is None else frozen_local_shards(frozen, name)
         shard = shards[name] if layout is not None else None
         def make(fn: Callable) -> Callable:
-            unit = zero_unit(fn, layout, config, flayout)
+            unit = zero_unit(fn, layout, config, flayout, keep=keep)
             return lambda *arrays: unit(order.tie(shard) if shard is not None else None,
                                         stored, *arrays, qgz_on=qgz_on)
 
@@ -306,8 +306,9 @@ def apply_units(
         stacked_units[path] = Stacked(make)
     shapes = {path_of[name]: _unit_shapes(layouts.get(name), frozen_layouts.get(name))
               for name in names if name != REST}
-    resident = find_resident(model, shapes, stacked_units, rest, config.compute_jnp_dtype,
-                             args, {**kwargs, "collections": collections}, method)
+    resident, calls = find_resident(model, shapes, stacked_units, rest,
+                                    config.compute_jnp_dtype, args,
+                                    {**kwargs, "collections": collections}, method)
     # Units whose weights are read outside their own calls (a tied head reading
     # ``.variables``, a module passed to another unit as an attribute) are gathered once
     # for the whole step, like the rest unit: the gradient is the exact sum over every use.
@@ -318,12 +319,16 @@ def apply_units(
             "wrapper that reads its weights itself), so they stay gathered for the whole "
             "step; results are exact, only their memory saving is lost. Choose units "
             "around them (TrainState.create(..., units=...)) to avoid it.", stacklevel=2)
+    # The unit called last in forward, once, runs its backward first: it keeps its gathered
+    # weights rather than regathering them (config.keep_last_unit).
+    last = calls[-1] if calls and calls.count(calls[-1]) == 1 else None
     units: dict[tuple[str, ...], Any] = dict(stacked_units)
     for name in sorted(names - {REST}):
         if path_of[name] in resident:
             rest = merge_units(rest, {path_of[name]: unit_call(name)(lambda p: p)()})
         else:
-            units[path_of[name]] = unit_call(name)
+            keep = config.keep_last_unit and path_of[name] == last
+            units[path_of[name]] = unit_call(name, keep)
     return run_units(model, units, rest, *args, method=method, order=order,
                      collections=collections, **kwargs)
 
@@ -367,8 +372,9 @@ def find_resident(
     args: tuple,
     kwargs: dict,
     method: str | Callable | None,
-) -> set[tuple[str, ...]]:
-    """The units that must stay gathered for the whole step. Inside ``shard_map``.
+) -> tuple[set[tuple[str, ...]], tuple[tuple[str, ...], ...]]:
+    """The units that must stay gathered for the whole step, and the order of unit calls
+    (unit and stack paths, one entry per call, forward order). Inside ``shard_map``.
 
     Traces the model once more (``jax.make_jaxpr``; nothing runs), with every unit call
     replaced by a call on fresh placeholder weights, and each unit's own weights present
@@ -389,7 +395,7 @@ def find_resident(
     """
     key = _resident_key(model, shapes, stacked, rest, dtype, args, kwargs, method)
     if key is not None and key in _RESIDENT and _RESIDENT[key][0] is model:
-        return set(_RESIDENT[key][1])
+        return set(_RESIDENT[key][1]), _RESIDENT[key][2]
     if len(_RESIDENT) > 256:
         _RESIDENT.clear()
     placeholders = {path: jax.tree_util.tree_map(
@@ -401,6 +407,7 @@ def find_resident(
     resident: set[tuple[str, ...]] = set()
     reached = [bool(stacked)]
     externals: set[tuple[str, ...]] = set()
+    calls: list[tuple[str, ...]] = []
 
     def owner_of(path: tuple[str, ...]) -> tuple[str, ...] | None:
         return next((u for u in shapes if path[: len(u)] == u), None)
@@ -409,6 +416,7 @@ def find_resident(
         def make(fn: Callable) -> Callable:
             def call(*arrays: Any) -> Any:
                 reached[0] = True
+                calls.append(path)
                 # Fresh weights made inside: only what fn reads from outside is a const.
                 inner = lambda *a: fn(jax.tree_util.tree_map(  # noqa: E731
                     lambda s: jnp.zeros(s, dtype), shapes[path],
@@ -428,14 +436,18 @@ def find_resident(
 
         return make
 
-    def probe_stacked(entry: Any) -> Stacked:
+    def probe_stacked(entry: Any, path: tuple[str, ...]) -> Stacked:
         def make(fn: Callable, shard: jax.Array) -> Callable:
-            return lambda *arrays: entry.make(fn, shard)(*arrays)
+            def call(*arrays: Any) -> Any:
+                calls.append(path)
+                return entry.make(fn, shard)(*arrays)
+
+            return call
 
         return Stacked(make)
 
     probe = {path: probe_unit(path) for path in shapes}
-    probe.update({path: probe_stacked(entry) for path, entry in stacked.items()})
+    probe.update({path: probe_stacked(entry, path) for path, entry in stacked.items()})
     tree = merge_units(rest, placeholders)
 
     def run() -> list[jax.Array]:
@@ -460,7 +472,7 @@ def find_resident(
             "or keeps its own copy of them, e.g. an NNX module, can be passed to "
             "TrainState.create itself)."
         )
-    if key is not None:
-        _RESIDENT[key] = (model, frozenset(resident))  # the model: ids get reused
-    return resident
+    if key is not None:  # the model too: ids get reused
+        _RESIDENT[key] = (model, frozenset(resident), tuple(calls))
+    return resident, tuple(calls)
 

@@ -7,8 +7,9 @@ Runs inside ``shard_map``. The unit transform composes three separate choices:
 * what backward keeps: ``config.remat``. "minimal" (default): every activation backward
   needs, as in a plain step; "full": only the unit's inputs (a ``jax.checkpoint`` with
   nothing saved; backward recomputes the unit); or a ``jax.checkpoint`` policy. The
-  gathered weights are never kept, whatever the choice: they leave the residuals here and
-  backward regathers them;
+  gathered weights are not kept, whatever the choice: they leave the residuals here and
+  backward regathers them (except with ``keep``, for the unit whose backward runs right
+  after its forward);
 * where the gradient goes: ``weights.reduce_gradient`` (reduce-scatter or qgZ).
 
 Forward runs the unit once under ``jax.vjp`` (of its checkpointed computation, for "full"
@@ -134,6 +135,7 @@ def zero_unit(
     layout: UnitLayout | None,
     config: ZeroPPConfig,
     frozen_layout: UnitLayout | None = None,
+    keep: bool = False,
 ) -> Callable[..., Any]:
     """Wraps ``fn(params_tree, *arrays)`` into ``unit(shard, frozen, *arrays)``.
 
@@ -143,6 +145,9 @@ def zero_unit(
       layout: flat layout of the unit's trainable part, or None if it has none.
       config: the run's settings (techniques, dtypes, ``remat``).
       frozen_layout: flat layout of the unit's frozen part, or None.
+      keep: keep the forward's gathered weights for backward instead of regathering them
+        (``config.keep_last_unit``: the unit called last in forward, whose backward runs
+        next). Same weights bit for bit (gathers are deterministic); one all-gather less.
 
     Returns:
       ``unit(shard, frozen, *arrays)`` with the outputs of ``fn``, to be called inside
@@ -188,13 +193,14 @@ def zero_unit(
         return out, _Pullback.cut(pullback, weights + frozen)
 
     def gather(shard: tuple, frozen: tuple) -> tuple[tuple, tuple, tuple]:
-        """-> (trainable full weights, frozen full weights, what backward keeps)."""
+        """-> (trainable full weights, frozen full weights, what backward keeps): the full
+        flat buffers themselves with ``keep``, else what rebuilds them."""
         full = tuple(gather_weights(s, config) for s in shard)
-        kept = backward_weights(shard, full, config)
+        kept = full if keep else backward_weights(shard, full, config)
         if not frozen:
             return full, (), (kept, ())
         ffull, moved = gather_frozen(frozen, frozen_layout, config)
-        return full, (ffull,), (kept, backward_weights(frozen, moved, config))
+        return full, (ffull,), (kept, (ffull,) if keep else backward_weights(frozen, moved, config))
 
     @jax.custom_vjp
     def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> Any:
@@ -218,11 +224,14 @@ def zero_unit(
 
     def unit_bwd(res: tuple, g: Any) -> tuple:
         pullback, kept, flags = res
-        # The regather depends on the incoming cotangent, so it runs when backward reaches
-        # this unit, not at the start of the step (see ordering.py).
-        trainable, frozen = jax.tree_util.tree_map(lambda w: after(w, g), kept)
-        full = tuple(regather((w,), config) for w in trainable)
-        ffull = (regather(frozen, config, frozen=frozen_layout),) if frozen else ()
+        if keep:  # the forward's full weights, held since: nothing to gather
+            full, ffull = kept
+        else:
+            # The regather depends on the incoming cotangent, so it runs when backward
+            # reaches this unit, not at the start of the step (see ordering.py).
+            trainable, frozen = jax.tree_util.tree_map(lambda w: after(w, g), kept)
+            full = tuple(regather((w,), config) for w in trainable)
+            ffull = (regather(frozen, config, frozen=frozen_layout),) if frozen else ()
         w, f = split(full, ffull)
         g_w, _, g_arrays = pullback.restore(w + f)(g)
         g_full = flat(g_w)

@@ -41,7 +41,9 @@ rounds), run by ``benchmarks/cluster_peers.py`` with the same protocol:
 * ``jax_dp``: plain data parallelism (replicated state, batch sharded, ``jax.jit``);
 * ``torch_fsdp2``: PyTorch FSDP2 (``fully_shard`` per block and on the root, bf16 params and
   reduce, AdamW, gloo, ``--local`` ranks per node, one process per rank); skipped with a
-  note when torch is not importable (``.venv/bin/pip install torch==2.13.0``).
+  note when torch is not importable (``.venv/bin/pip install torch==2.13.0``). Every run
+  but ``--quick`` adds this row when torch is importable (``--no-fsdp2`` leaves it out), so
+  the ratios against FSDP2 always come from the same run.
 
 ``probe_psum`` is no training row: its "step" is ``--probe-k`` (32) chained psums of
 ``f32[256]`` over all devices, so its step time / 32 is the fixed cost of one cross-process
@@ -125,6 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, default {','.join(MODES)}; also peers "
                         f"{','.join(PEERS)}, the latency probe {','.join(PROBES)} and "
                         f"MODE@opt+opt variants ({', '.join(ROW_OPTIONS)})")
+    p.add_argument("--no-fsdp2", action="store_true",
+                   help=f"do not add the '{FSDP2_ROW}' reference row (added to every run but "
+                        "--quick when torch is importable: issue 17's targets are ratios "
+                        "against it, measured in the same run)")
     p.add_argument("--no-native-row", action="store_true",
                    help=f"skip the extra '{NATIVE_ROW}' row")
     p.add_argument("--delay-ms", type=float, default=0.0,
@@ -183,6 +189,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"with opt in {list(ROW_OPTIONS)}")
     if len(set(a.modes)) != len(a.modes):
         p.error(f"--modes lists a row twice: {a.modes}")
+    has_fsdp2 = any(split_row(m)[0] == FSDP2_ROW for m in a.modes)
+    if not (has_fsdp2 or a.no_fsdp2 or a.quick):
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is not None:
+            print(f"note: adding the {FSDP2_ROW} reference row (--no-fsdp2 leaves it out)",
+                  flush=True)
+            a.modes.append(FSDP2_ROW)
     if FSDP2_ROW in a.modes or any(split_row(m)[0] == FSDP2_ROW for m in a.modes):
         import importlib.util
 

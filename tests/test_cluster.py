@@ -42,7 +42,7 @@ def test_short_cluster_run_writes_cells_and_cleans_up(tmp_path):
         pytest.skip(f"leftover {PREFIX}* namespaces; run benchmarks/cluster.py --cleanup")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     cmd = [sys.executable, str(ROOT / "benchmarks/cluster.py"), "--nodes", "2", "--local", "2",
-           "--bandwidths", "100mbit", "--modes", "zero3,zeropp", "--no-native-row",
+           "--bandwidths", "100mbit", "--modes", "zero3,zeropp", "--no-native-row", "--no-fsdp2",
            "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
            "--batch", "4", "--steps", "2", "--rounds", "1", "--warmup", "0",
            "--timeout", "240",

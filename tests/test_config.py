@@ -70,6 +70,7 @@ def test_zeropp_switches_need_stage_3():
         ({"qwz": 1}, "True or False"),
         ({"weight_bits": 4, "block_size": 33}, "must be even"),
         ({"quantization_impl": "cuda"}, "valid values"),
+        ({"keep_last_unit": 0}, "True or False"),
     ],
 )
 def test_invalid_values_name_the_valid_ones(kwargs, match):
@@ -159,6 +160,13 @@ def test_from_deepspeed():
     # DeepSpeed's default hpz partition size 1 means off.
     c = ZeroPPConfig.from_deepspeed({"zero_optimization": {"zero_hpz_partition_size": 1}})
     assert not c.hpz and c.hpz_group_size is None
+    # Reuse distance 0 releases every parameter after use: the last unit regathers too.
+    reuse = lambda d: ZeroPPConfig.from_deepspeed(  # noqa: E731
+        {"zero_optimization": {"stage3_max_reuse_distance": d}}).keep_last_unit
+    assert (reuse(0), reuse(1e9), reuse(1), ZeroPPConfig.from_deepspeed({}).keep_last_unit) \
+        == (False, True, True, True)
+    with pytest.raises(ValueError, match="stage3_max_reuse_distance"):
+        reuse(-1)
     with pytest.raises(ValueError, match="valid stages"):
         ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 5}})
     with pytest.raises(TypeError):

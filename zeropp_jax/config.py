@@ -291,7 +291,8 @@ class ZeroPPConfig:
 
         Understood keys: ``stage``, ``zero_quantized_weights``, ``zero_hpz_partition_size``
         (> 1 turns hpZ on with that group size; DeepSpeed's default 1 means off),
-        ``zero_quantized_gradients``. The top-level ``bf16.enabled`` / ``fp16.enabled`` pick the
+        ``zero_quantized_gradients``, ``stage3_max_reuse_distance`` (0 sets
+        ``keep_last_unit=False``; any larger distance keeps the last unit). The top-level ``bf16.enabled`` / ``fp16.enabled`` pick the
         compute dtype; a top-level ``gradient_clipping`` > 0 sets ``gradient_clipping``.
         ``zero_optimization`` keys that only tune DeepSpeed's own bucketing and prefetching
         are accepted and ignored (XLA schedules those here); DeepSpeed features not
@@ -306,7 +307,7 @@ class ZeroPPConfig:
         if not isinstance(zo, Mapping):
             raise TypeError("ds_config['zero_optimization'] must be a dict")
         understood = ("stage", "zero_quantized_weights", "zero_quantized_gradients",
-                      "zero_hpz_partition_size")
+                      "zero_hpz_partition_size", "stage3_max_reuse_distance")
         for key, value in zo.items():
             if key in understood or key in _DS_TUNING:
                 continue
@@ -331,6 +332,15 @@ class ZeroPPConfig:
             raise ValueError(f"zero_hpz_partition_size must be >= 1, got {hpz}")
         kwargs["hpz"] = hpz > 1
         kwargs["hpz_group_size"] = hpz if hpz > 1 else None
+        if "stage3_max_reuse_distance" in zo:
+            # DeepSpeed keeps a parameter gathered when it is used again within this many
+            # parameters (default 1e9); the last unit is used again next, so only 0 (release
+            # every parameter after use) makes it regather.
+            reuse = zo["stage3_max_reuse_distance"]
+            if isinstance(reuse, bool) or not isinstance(reuse, (int, float)) or reuse < 0:
+                raise ValueError(f"zero_optimization.stage3_max_reuse_distance={reuse!r} must "
+                                 "be a number >= 0")
+            kwargs["keep_last_unit"] = reuse > 0
 
         def enabled(name: str) -> bool:
             section = ds_config.get(name, {})
@@ -389,7 +399,7 @@ class ZeroPPConfig:
 _DS_TUNING = frozenset({
     "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
     "allgather_bucket_size", "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint",
-    "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "sub_group_size", "stage3_max_live_parameters",
     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
     "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
     "gather_16bit_weights_on_model_save", "round_robin_gradients", "ignore_unused_parameters",

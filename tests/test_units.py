@@ -247,3 +247,18 @@ def test_minimal_never_keeps_a_copy_of_weights():
                                       for i in range(8)])))(params)
     np.testing.assert_allclose(float(out["loss"]), float(ref_loss), rtol=1e-5)
     assert_leaves_rel_close(state.engine.consolidate(out["grads"]), ref_grads, rel=1e-5)
+
+
+def test_which_unit_keeps_its_weights():
+    """The last unit called once keeps its weights, unless what is called after it (a tied
+    head calling the embedding again; a scanned stack) holds more than it does."""
+    from zeropp_jax.flax import _last_unit
+
+    emb, b0, b1, head, stack = ("emb",), ("b", "0"), ("b", "1"), ("head",), ("stack",)
+    sizes = {emb: 100, b0: 300, b1: 300, head: 50}
+    assert _last_unit((emb, b0, b1, head), sizes) == head
+    assert _last_unit((emb, b0, b1, emb), sizes) == b1  # tied head: the embedding again
+    assert _last_unit((emb, b0, b1, emb), {**sizes, emb: 301}) is None
+    assert _last_unit((emb, b0, stack), sizes) is None  # a stack after it: many layers
+    assert _last_unit((b0, b0), sizes) is None  # called twice: no single backward
+    assert _last_unit((), sizes) is None

@@ -319,9 +319,8 @@ def apply_units(
             "wrapper that reads its weights itself), so they stay gathered for the whole "
             "step; results are exact, only their memory saving is lost. Choose units "
             "around them (TrainState.create(..., units=...)) to avoid it.", stacklevel=2)
-    # The unit called last in forward, once, runs its backward first: it keeps its gathered
-    # weights rather than regathering them (config.keep_last_unit).
-    last = calls[-1] if calls and calls.count(calls[-1]) == 1 else None
+    last = _last_unit(calls, {path_of[n]: _unit_size(layouts.get(n), frozen_layouts.get(n))
+                              for n in names if n != REST})
     units: dict[tuple[str, ...], Any] = dict(stacked_units)
     for name in sorted(names - {REST}):
         if path_of[name] in resident:
@@ -331,6 +330,32 @@ def apply_units(
             units[path_of[name]] = unit_call(name, keep)
     return run_units(model, units, rest, *args, method=method, order=order,
                      collections=collections, **kwargs)
+
+
+def _unit_size(layout: UnitLayout | None, frozen: UnitLayout | None) -> int:
+    """A unit's parameter count, trainable and frozen parts together."""
+    return sum(lay.n for lay in (layout, frozen) if lay is not None)
+
+
+def _last_unit(calls: tuple[tuple[str, ...], ...],
+               sizes: Mapping[tuple[str, ...], int]) -> tuple[str, ...] | None:
+    """The unit that keeps its gathered weights for backward (``config.keep_last_unit``).
+
+    The unit called once whose call comes last among such units: its backward runs first,
+    after only the backwards of what was called after it. It keeps its weights only if
+    those later calls (a tied head calling the embedding again) hold no more parameters
+    than it does, so holding it costs at most what ``prefetch=1`` already holds (about
+    two units' weights). None if no unit qualifies. ``calls``: unit and stack paths in
+    forward order (``find_resident``); ``sizes``: parameters per unit path (stacks absent).
+    """
+    once = [i for i, path in enumerate(calls) if calls.count(path) == 1 and path in sizes]
+    if not once:
+        return None
+    path = calls[once[-1]]
+    later = set(calls[once[-1] + 1:])
+    if any(p not in sizes for p in later):  # a scanned stack after it: its layers are many
+        return None
+    return path if sum(sizes[p] for p in later) <= sizes[path] else None
 
 
 def _unit_shapes(layout: UnitLayout | None, frozen: UnitLayout | None) -> PyTree:

@@ -98,9 +98,11 @@ class ZeroPPConfig:
         Each unit's gather waits for the output of the unit ``prefetch + 1`` calls before
         it, so about ``prefetch + 1`` units' full weights are live at once (DeepSpeed's
         ``stage3_prefetch_bucket_size``, FSDP's ``limit_all_gathers`` / forward prefetch).
-      keep_last_unit: True (default): the unit called last in forward (once) keeps its
-        gathered weights for its backward, which runs next, instead of regathering them:
-        one all-gather less per step, the same weights bit for bit. Its full weights then
+      keep_last_unit: True (default): the unit called last in forward (among units called
+        once; only smaller units, such as a tied head's embedding, may be called after it)
+        keeps its gathered weights for its backward, which runs next, instead of
+        regathering them: one all-gather less per step, the same weights bit for bit (rule:
+        ``flax._last_unit``). Its full weights then
         stay live through the loss instead of being gathered again right after it (FSDP2
         keeps the root module's weights this way; DeepSpeed keeps parameters reused within
         ``stage3_max_reuse_distance``). False: every unit regathers.

@@ -114,3 +114,80 @@ def assert_updates_close(actual, expected, start, rel: float, steps: int = 3) ->
         err = np.max(np.abs(a - e))
         limit = rel * np.max(np.abs(e - s)) + steps * 2.0**-23 * np.max(np.abs(e))
         assert err <= limit, f"{jax.tree_util.keystr(path)}: {err:.3g} > {limit:.3g}"
+
+
+# fp32's unit roundoff: half an ulp of 1.0.
+U32 = 2.0**-24
+
+
+def fp32_gradient_rounding(model, params, batch) -> float:
+    """How far an fp32 gradient of this model lies from the exact one, on this CPU.
+
+    Returns ``(rho, g64)``: ``rho = max over leaves of max|g32 - g64| / max|g64|``, the
+    single-device fp32 gradient against the same gradient in float64 (exact to fp32's
+    resolution), and the float64 gradients. It is measured rather than assumed because it
+    depends on the CPU's kernels (FMA, vector width, the blocking of XLA's dot and reduce
+    emitters): a fixed ``1e-6`` that held on one x86 CPU failed on an AMD EPYC without
+    AVX-512 (rho ~7.5e-7 there on the small test GPT). A sharded gradient is another fp32
+    evaluation of the same sums in another order (plus one more level: the mean of the
+    device partials), so its error has the same size; tolerances use ``rho`` for each run.
+    """
+    _, g32 = reference_loss_and_grads(model, params, batch)
+    with jax.enable_x64(True):
+        p64 = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
+        _, g64 = reference_loss_and_grads(model, p64, batch)
+        g64 = jax.tree_util.tree_map(np.asarray, g64)
+    rho = max(
+        float(np.max(np.abs(np.asarray(a, np.float64) - e)) / np.max(np.abs(e)))
+        for a, e in zip(jax.tree_util.tree_leaves(g32), jax.tree_util.tree_leaves(g64))
+    )
+    # Floor at a few roundoffs: a CPU that happens to round this batch exactly must not
+    # make the bound tighter than fp32 can promise for another summation order.
+    return max(rho, 4 * U32), g64
+
+
+def adam_trajectory_tolerance(params, grads, *, lr: float, eps: float, steps: int,
+                              rho: float) -> list:
+    """Per leaf: how far two fp32 Adam trajectories of ``steps`` steps may drift apart when
+    their gradients differ only by fp32 rounding (each within ``rho * max|g|`` of the exact
+    gradient, see ``fp32_gradient_rounding``). ``grads`` are the first step's exact
+    gradients, ``params`` the parameters (for their storage rounding).
+
+    Derivation, per element and step ``t``:
+    - Adam's update ``u = m_hat / (sqrt(v_hat) + eps)`` moves by at most
+      ``1.25 d / (sqrt(v_hat) + eps)`` when every gradient moves by ``d``: ``m_hat`` is a
+      weighted mean of the gradients (weights summing to 1), ``sqrt(v_hat)`` a weighted L2
+      norm (1-Lipschitz), and ``|m_hat| <= sqrt(v_hat)`` (Cauchy-Schwarz; beta1^2 <= beta2)
+      bounds the second term by a quarter of the first.
+    - ``sqrt(v_hat_t) >= |g_1| / sqrt(t)``: the first gradient's weight in ``v_hat_t`` is
+      ``beta2^(t-1) (1-beta2) / (1-beta2^t) >= 1/t`` to within 1e-3 for beta2 = 0.999.
+    - The two runs' gradients differ by at most ``d = 2 rho max|g|`` (each is that close
+      to the exact one); the parameter moves by ``lr * du``.
+    - Each run rounds the stored parameter once per step: half an ulp of ``max|p|`` each.
+    - A difference carried from earlier steps changes later gradients through the loss's
+      curvature; weighting step ``t``'s term by ``t`` bounds that growth (the terms are ~1e-6
+      of the parameters, far inside the quadratic region).
+    Per leaf: ``tol = sum_t t * (max_i 1.25 lr d / (|g_1,i|/sqrt(t) + eps) + 2 U32 max|p|)``.
+    """
+    tols = []
+    for p, g in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(grads)):
+        g = np.abs(np.asarray(g, np.float64))
+        d = 2 * rho * float(np.max(g))
+        tol = 0.0
+        for t in range(1, steps + 1):
+            du = float(np.max(1.25 * d / (g / np.sqrt(t) + eps)))
+            tol += t * (lr * du + 2 * U32 * float(np.max(np.abs(p))))
+        tols.append(tol)
+    return tols
+
+
+def assert_leaves_within(actual, expected, tols) -> None:
+    """Per leaf: max |a - e| <= tol (one absolute tolerance per leaf, in leaf order)."""
+    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+    flat_e = jax.tree_util.tree_leaves(expected)
+    assert len(flat_a) == len(flat_e) == len(tols)
+    for (path, a), e, tol in zip(flat_a, flat_e, tols):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, jax.tree_util.keystr(path)
+        err = np.max(np.abs(a - e))
+        assert err <= tol, f"{jax.tree_util.keystr(path)}: {err:.3g} > {tol:.3g}"

@@ -1,0 +1,618 @@
+"""Result tables for the docs, rendered from ``benchmarks/results/*.json`` at build time.
+
+A page asks for a table with a marker on a line of its own::
+
+    <!-- table: keep_3m -->
+    <!-- table: gpu_check_h100/bandwidth -->
+
+``NAME`` is a file in ``benchmarks/results/`` (without ``.json``); ``/VIEW`` picks one of
+several tables a file holds. The file's shape (which benchmark wrote it) is recognised from
+its keys and picks the renderer; a file of unknown shape, an unknown view, a missing file or a
+malformed marker raises, so ``mkdocs build --strict`` fails instead of printing nothing.
+
+MkDocs runs :func:`on_page_markdown` for every page (``hooks:`` in ``mkdocs.yml``). Nothing
+is written to disk. To see a table without building the site::
+
+    .venv/bin/python docs/hooks.py keep_3m
+    .venv/bin/python docs/hooks.py            # lists every NAME and NAME/VIEW
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import re
+import statistics
+import sys
+from typing import Any, Callable
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+MARKER = re.compile(r"<!--\s*table:\s*([A-Za-z0-9_.\-]+)(?:/([A-Za-z0-9_\-]+))?\s*-->")
+ANY_MARKER = re.compile(r"<!--\s*table\b[^>]*-->")
+
+
+class TableError(ValueError):
+    """A marker that cannot be rendered (unknown file shape, view, or missing file)."""
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _int(x: float) -> str:
+    return f"{int(round(x)):,}"
+
+
+def _x(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}x"
+
+
+def _pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _bandwidth(name: str) -> str:
+    m = re.fullmatch(r"(\d+)(mbit|gbit)", name)
+    if not m:
+        return name
+    return f"{m.group(1)} {'Mbit/s' if m.group(2) == 'mbit' else 'Gbit/s'}"
+
+
+def _need(data: dict, keys: list[str], what: str) -> None:
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise TableError(f"{what}: missing keys {missing}")
+
+
+# --------------------------------------------------------------------------- emulated cluster
+
+PEERS = {"torch_fsdp2": "FSDP2", "jax_fsdp": "JAX FSDP", "jax_dp": "JAX DP"}
+ROW_NAMES = {
+    "zero3@regather": "zero3, every unit regathers",
+    "zeropp@regather": "zeropp, every unit regathers",
+    "zero3@agflat": "zero3, flat gather",
+    "zeropp@agflat": "zeropp, flat gather",
+}
+
+
+def cluster(data: dict, view: str | None) -> str:
+    """Step times of ``benchmarks/cluster.py``: one row per link speed, one column per row
+    of the run. The first column is the reference (FSDP2 when the run has it, else zero3) in
+    ms; the others are its step time divided by theirs (> 1: faster than the reference)."""
+    _no_view(view, "cluster")
+    cells = data["cells"]
+    bandwidths = data["bandwidths"]
+    order: list[str] = []
+    for c in cells:
+        if c["row"] not in order:
+            order.append(c["row"])
+    ref = "torch_fsdp2" if "torch_fsdp2" in order else "zero3"
+    if ref not in order:
+        raise TableError("cluster: the run has neither a torch_fsdp2 nor a zero3 row")
+    # The reference first, then the other peers, then zeropp_jax's rows in run order.
+    cols = ([ref] + [r for r in order if r != ref and r in PEERS]
+            + [r for r in order if r != ref and r not in PEERS])
+    t = {(c["row"], c["bandwidth"]): c for c in cells}
+    ours = [r for r in cols if r not in PEERS and not r.startswith("probe")]
+    header = ["link"] + [PEERS.get(r, ROW_NAMES.get(r, r)) for r in cols]
+    rows = []
+    for bw in bandwidths:
+        ref_s = t[(ref, bw)]["step_time_median_s"]
+        row = [_bandwidth(bw), f"{1000 * ref_s:.0f} ms"]
+        for r in cols[1:]:
+            c = t.get((r, bw))
+            if c is None:
+                row.append("")
+                continue
+            cell = _x(ref_s / c["step_time_median_s"])
+            if ref != "zero3" and r in ours and r != "zero3" and ("zero3", bw) in t:
+                cell += f" ({_x(t[('zero3', bw)]['step_time_median_s'] / c['step_time_median_s'])} zero3)"
+            row.append(cell)
+        rows.append(row)
+    ratio_row = ["link bytes measured / predicted"]
+    for r in cols:
+        ratios = [t[(r, bw)]["measured_tx_bytes_per_node_per_step"]
+                  / t[(r, bw)]["predicted_bytes_per_node_compiled"]
+                  for bw in bandwidths
+                  if (r, bw) in t and t[(r, bw)].get("predicted_bytes_per_node_compiled")]
+        ratio_row.append(f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "")
+    rows.append(ratio_row)
+    m = data["model"]
+    caption = (
+        f"GPT of {m['params']:,} parameters ({m['layers']} layers, d_model {m['d_model']}, "
+        f"{m['heads']} heads, sequence {m['seq_len']}, batch {m['batch']}, "
+        f"{m['compute_dtype']}); {data['nodes']} node processes x {data['local']} devices; "
+        f"median step time over {data['rounds']} interleaved rounds; "
+        f"reference column: {PEERS.get(ref, ref)} in ms, other columns: its time / theirs."
+    )
+    return _table(header, rows) + "\n\n" + caption
+
+
+def cluster_checkpoint(data: dict, view: str | None) -> str:
+    """``benchmarks/cluster_checkpoint.py``: losses after the stop, per way of resuming."""
+    _no_view(view, "cluster_checkpoint")
+    n = max(len(r["losses"]) for r in data["rows"])
+    header = ["run"] + [f"loss, step {i + 1} after the stop" for i in range(n)]
+    rows = [[r["run"]] + [f"{x:.6f}" for x in r["losses"]] for r in data["rows"]]
+    verdict = "yes" if data["equal"] else "**no**"
+    return (_table(header, rows) + f"\n\nCheckpoint written by {data['written_on']} processes "
+            f"(stores: {', '.join(data['stores'])}); resumed losses equal the uninterrupted "
+            f"run: {verdict}.")
+
+
+# --------------------------------------------------------------------------- communication
+
+COMM_MODES = {
+    "zero3 (hierarchical RS)": "zero3, hierarchical bf16 reduce-scatter",
+    "zero3 (every unit regathers)": "zero3, every unit regathers (`keep_last_unit=False`)",
+    "zeropp (INT4 weights)": "zeropp, INT4 weights",
+}
+
+
+def comm_volume(data: dict, view: str | None) -> str:
+    """``benchmarks/comm_volume.py``: cross-node bytes per node per step, lowered and compiled."""
+    _no_view(view, "comm_volume")
+    rows = []
+    for name, v in data["modes"].items():
+        rows.append([
+            COMM_MODES.get(name, name),
+            _int(v["lowered_bytes_per_node"]), f"{v['lowered_per_M']:.3f}",
+            f"{v['ratio_lowered']:.3f}",
+            _int(v["compiled_bytes_per_node"]), f"{v['compiled_per_M']:.3f}",
+            f"{v['ratio_compiled']:.3f}",
+        ])
+    header = ["mode", "lowered B", "/ M", "vs zero3", "compiled B", "/ M", "vs zero3"]
+    va = data["vs_regather_all"]
+    caption = (
+        f"M = {data['params']:,} parameters, {data['nodes']} nodes x {data['local']} devices; "
+        f"bytes per node per step. Against a ZeRO-3 whose every unit regathers (lowered): "
+        f"zeropp {va['zeropp']:.3f}, zeropp with INT4 weights {va['zeropp_int4']:.3f}."
+    )
+    return _table(header, rows) + "\n\n" + caption
+
+
+# --------------------------------------------------------------------------- convergence
+
+
+def _paper_column(table: str) -> dict[str, str]:
+    out = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5:
+            out[cells[0]] = cells[-1]
+    return out
+
+
+def convergence(data: dict, view: str | None) -> str:
+    """``benchmarks/convergence.py``: final validation loss and last-100-steps train loss
+    of every config against zero3 (same seed, data and hyperparameters)."""
+    _no_view(view, "convergence")
+    runs = data["runs"]
+    if "zero3" not in runs:
+        raise TableError("convergence: no zero3 run to compare against")
+    base = runs["zero3"]
+    tail = min(100, len(base["losses"]))
+    base_tail = statistics.fmean(base["losses"][-tail:])
+    paper = _paper_column(data.get("table", ""))
+    rows = []
+    for name, r in runs.items():
+        rows.append([
+            name, f"{r['final_val_loss']:.4f}",
+            f"{100 * (r['final_val_loss'] / base['final_val_loss'] - 1):+.2f}%",
+            f"{statistics.fmean(r['losses'][-tail:]) / base_tail:.4f}",
+            paper.get(name, ""),
+        ])
+    header = ["config", "final val loss", "vs zero3", f"last-{tail} train loss / zero3",
+              "paper, GPT-350M (Table 5)"]
+    s = data["settings"]
+    caption = (
+        f"{s['steps']} steps, global batch {s['batch']} x {s['seq_len']} bytes, {s['layers']} "
+        f"layers, d_model {s['d_model']}, {s['heads']} heads, peak lr {s['lr']}, "
+        f"{s['nodes']} nodes x {s['local']} devices, seed {s['seed']}; validation on "
+        f"{s['eval_batches']} held-out batches."
+    )
+    targets = "; ".join(
+        f"{t['config']} within {t['target_pct']}% of zero3: {t['measured_pct']:+.2f}% "
+        f"({'met' if t['met'] else 'not met'})" for t in data.get("targets", []))
+    return _table(header, rows) + "\n\n" + caption + (f" Targets: {targets}." if targets else "")
+
+
+# --------------------------------------------------------------------------- GPU check
+
+
+def _bits(c: dict) -> str:
+    return f"INT{c['bits']}" + (f"->INT{c['out_bits']}" if "out_bits" in c else "")
+
+
+def gpu_check(data: dict, view: str | None) -> str:
+    """``benchmarks/gpu_check.py`` (``make gpu-check``). Views: ``device``, ``kernels``,
+    ``bandwidth``, ``step``."""
+    views: dict[str, Callable[[dict], str]] = {
+        "device": _gpu_device, "kernels": _gpu_kernels,
+        "bandwidth": _gpu_bandwidth, "step": _gpu_step,
+    }
+    if view not in views:
+        raise TableError(f"gpu_check results need a view, one of {sorted(views)}; got {view!r}")
+    return views[view](data)
+
+
+def _gpu_device(data: dict) -> str:
+    v = data["versions"]
+    p = v["packages"]
+    rows = [["device", f"{v['device_kind']} ({v['device_count']} visible)"],
+            ["driver (nvidia-smi)", "; ".join(v.get("nvidia_smi") or [])],
+            ["CUDA driver API", str(v.get("cuda_driver_api", ""))],
+            ["Python", v["python"]]]
+    rows += [[k, ver] for k, ver in p.items()]
+    return _table(["", "version"], rows)
+
+
+def _gpu_kernels(data: dict) -> str:
+    k = data["kernels"]
+    groups: dict[tuple, list[int]] = collections.OrderedDict()
+    for c in k["cases"]:
+        g = groups.setdefault((c["kernel"], _bits(c), c["dtype"]), [0, 0, 0])
+        g[0] += 1
+        g[1] += bool(c["ok"])
+        g[2] += max(c["mismatches"].values()) if c["mismatches"] else 0
+    rows = [[kern, bits, dt, str(n), f"{ok}/{n}", _int(diff)]
+            for (kern, bits, dt), (n, ok, diff) in groups.items()]
+    header = ["kernel", "bits", "input dtype", "cases", "bit-exact",
+              "elements where XLA's GPU-compiled reference rounds differently"]
+    return _table(header, rows) + f"\n\n{k['passed']}/{k['total']} cases bit-exact."
+
+
+def _gpu_bandwidth(data: dict) -> str:
+    b = data["bandwidth"]
+    if "rows" not in b:
+        raise TableError(f"gpu_check: this run has no bandwidth section ({b})")
+    rows = []
+    for r in b["rows"]:
+        rows.append([
+            r["kernel"], f"INT{r['bits']}", r["dtype"], _int(r["elements"]),
+            f"{r['gbps']['pallas']:.0f}",
+            _pct(r["pallas_fraction_of_copy"], 0) + ("" if r["meets_target"] else " (below)"),
+            f"{r['gbps']['xla']:.0f}", _pct(r["xla_fraction_of_copy"], 0),
+            f"{r['pallas_over_xla_time']:.2f}",
+        ])
+    header = ["kernel", "bits", "dtype", "elements", "Pallas GB/s", "Pallas % of copy",
+              "XLA GB/s", "XLA % of copy", "Pallas / XLA time"]
+    s = b["summary"]
+    caption = (f"Pallas reaches {_pct(s['target'], 0)} of a device copy in {s['met']} of "
+               f"{s['measured']} cases; XLA's fused reference is as fast in {s['xla_as_fast']}; "
+               f"geometric mean of Pallas / XLA time {s['geomean_pallas_over_xla_time']:.2f}.")
+    return _table(header, rows) + "\n\n" + caption
+
+
+STEP_NAMES = {
+    "plain": "plain `jax.jit`",
+    "plain_remat": "plain, every block under `nn.remat`",
+    "zero3_minimal": 'ZeRO-3, `remat="minimal"`',
+    "zero3_full": 'ZeRO-3, `remat="full"`',
+    "zeropp": "ZeRO++ (qwZ + hpZ + qgZ)",
+}
+
+
+def _gpu_step(data: dict) -> str:
+    ts = data["train_step"]
+    if "variants" not in ts:
+        raise TableError(f"gpu_check: this run has no train-step section ({ts})")
+    rows = []
+    for name, v in ts["variants"].items():
+        rows.append([
+            STEP_NAMES.get(name, name), f"{1000 * v['median_s']:.1f}",
+            _int(v["tokens_per_s"]), _pct(v["mfu"]), _x(v["vs_plain"], 3),
+            str(v["matmuls"]["total"]), f"{v['temp_bytes'] / 2**30:.2f}",
+        ])
+    header = ["step", "ms/step", "tokens/s", "MFU", "vs plain", "matmuls", "temp GiB"]
+    m = ts["model"]
+    t = ts["target"]
+    caption = (
+        f"GPT of {m['params'] / 1e6:.1f}M parameters ({m['layers']} layers, d_model "
+        f"{m['d_model']}, {m['heads']} heads, sequence {m['seq_len']}, vocabulary {m['vocab']}), "
+        f"batch {m['batch']}, {m['compute_dtype']} compute, {m['param_dtype']} parameters, "
+        f"{ts['optimizer']}; median of {ts['rounds']} interleaved rounds; MFU against "
+        f"{ts['peak_bf16_flops'] / 1e12:.0f} TFLOP/s. ZeRO-3 minimal / plain = "
+        f"{t['zero3_minimal/plain']:.3f}x (target <= {t['target']:.2f}x: "
+        f"{'met' if t['met'] else 'not met'})."
+    )
+    return _table(header, rows) + "\n\n" + caption
+
+
+# --------------------------------------------------------------------------- one-file benchmarks
+
+
+def lora(data: dict, view: str | None) -> str:
+    """``examples/lora_finetune.py --json``: per-device state bytes and cross-node bytes."""
+    _no_view(view, "lora_finetune")
+    rows = []
+    for r in data["runs"]:
+        mem = r["memory_per_device"]
+        loss = (f"{r['first_loss']:.2f} -> {r['last_loss']:.2f}"
+                if "first_loss" in r else "not run")
+        rows.append([r["run"], _int(mem["trainable"]), _int(mem["optimizer"]),
+                     _int(mem["frozen"]), _int(mem["total"]),
+                     _int(r["cross_node_bytes_per_step_per_node"]), loss])
+    header = ["run", "trainable B", "optimizer B", "frozen B", "whole state B",
+              "cross-node B per step per node", "loss"]
+    a = data["args"]
+    caption = (f"Per device; GPT {a['layers']} layers x d_model {a['d_model']}, rank-{a['rank']} "
+               f"LoRA, {a['steps']} steps, {a['nodes']} nodes x {a['local']} devices, frozen "
+               f"weights INT{a['weight_bits']} in the quantized run.")
+    return _table(header, rows) + "\n\n" + caption
+
+
+def memory(data: dict, view: str | None) -> str:
+    """``benchmarks/memory.py``. Views: ``state`` (sections a, b), ``paper`` (the paper's
+    100B example), ``depth`` (section c: temp bytes against depth)."""
+    if view == "state":
+        rows = []
+        for name, m in data["modes"].items():
+            rows.append([name, _int(m["model_state_bytes"]), _int(m["batch_bytes"]),
+                         _int(m["compiled_argument_bytes"]), f"{m['relative_error']:.2e}",
+                         _int(m["secondary_bytes"]), _int(m["compiled_temp_bytes"])])
+        header = ["mode", "model state B (predicted)", "batch B", "compiled argument B",
+                  "relative difference", "hpZ secondary B", "compiled temp B"]
+        return (_table(header, rows) + f"\n\nPer device; {data['params']:,} parameters on "
+                f"{data['devices']} devices.")
+    if view == "paper":
+        p = data["paper_example"]
+        gib = 2**30
+        rows = [["data parallel", f"{p['data_parallel'] / gib:,.1f}", ""],
+                ["ZeRO-3", f"{p['zero3'] / gib:,.2f}", _x(1.0, 1)],
+                ["ZeRO-3 + hpZ", f"{p['hpz'] / gib:,.1f}", _x(p["hpz"] / p["zero3"], 1)]]
+        return (_table(["", "GiB per GPU", "vs ZeRO-3"], rows)
+                + f"\n\nData parallelism needs {p['data_parallel'] / p['hpz']:.0f}x the hpZ "
+                  "figure.")
+    if view == "depth":
+        rows = []
+        for name, d in data["depth"].items():
+            model, remat = name.rsplit("/", 1)
+            rows.append([model, remat, _int(d["temp_4"]), _int(d["temp_8"]),
+                         f"{d['ratio']:.2f}"])
+        header = ["model", "remat", "temp B, 4 layers", "temp B, 8 layers",
+                  "growth per layer / one layer's bf16 weights"]
+        return _table(header, rows)
+    raise TableError(f"memory results need a view, one of ['depth', 'paper', 'state']; got {view!r}")
+
+
+def models(data: dict, view: str | None) -> str:
+    """``benchmarks/models.py``: per-device bytes of the compiled step by unit policy."""
+    _no_view(view, "models")
+    names = {"hf_gpt2": "transformers GPT-2", "hf_bert": "transformers BERT",
+             "nnx_lm": "NNX transformer"}
+    policies = {"auto": "default", "children": '`"children"`'}
+    rows = []
+    for key, variants in data["models"].items():
+        plain = variants["plain (1 device)"]
+        plain_b = plain["argument_bytes"] + plain["temp_bytes"]
+        for pol, v in variants.items():
+            if pol == "plain (1 device)":
+                continue
+            b = v["argument_bytes"] + v["temp_bytes"]
+            rows.append([names.get(key, key), policies.get(pol, pol), str(v["units"]),
+                         _pct(v["largest_share"], 0), f"{b / 1e6:.1f} MB", _x(b / plain_b)])
+        rows.append([names.get(key, key), "plain one-device `jax.jit`", "", "",
+                     f"{plain_b / 1e6:.1f} MB", _x(1.0)])
+    header = ["model", "units", "unit count", "largest unit", "arguments + temp per device",
+              "vs plain"]
+    return (_table(header, rows) + f"\n\n{data['layers']} layers, d_model {data['d_model']}, "
+            f"{data['devices']} devices.")
+
+
+def overhead(data: dict, view: str | None) -> str:
+    """``benchmarks/overhead.py``: one device, no communication: what the unit transform costs."""
+    _no_view(view, "overhead")
+    v = data["variants"]
+    rows = []
+    for name, r in v.items():
+        rows.append([STEP_NAMES.get(name, name), f"{r['median_ms']:.1f}", _x(r["vs_plain"], 3),
+                     _x(r["vs_plain_remat"], 3) if "vs_plain_remat" in r else "",
+                     str(r["matmuls"]["total"]), f"{r['temp_bytes'] / 2**20:.1f}"])
+    header = ["step", "median ms", "vs plain", "vs plain + full remat", "matmuls", "temp MiB"]
+    m = data["model"]
+    def pretty(key: str) -> str:
+        for short, long in (("zero3_minimal", "ZeRO-3 minimal"), ("zero3_full", "ZeRO-3 full"),
+                            ("plain_remat", "plain + full remat")):
+            key = key.replace(short, long)
+        return key.replace("/", " / ")
+
+    targets = "; ".join(
+        f"{pretty(k)}: {t['ratio']:.3f}x, target <= {t['target']}x, "
+        f"{'met' if t['met'] else 'not met'}"
+        for k, t in data["targets"].items() if "ratio" in t)
+    caption = (f"GPT of {m['params']:,} parameters ({m['layers']} layers, d_model "
+               f"{m['d_model']}, sequence {m['seq_len']}, batch {m['batch']}, "
+               f"{m['compute_dtype']}), {data['optimizer']}, {data['rounds']} interleaved "
+               f"rounds on {data['device']['platform']}, jax {data['jax']}. {targets}.")
+    return _table(header, rows) + "\n\n" + caption
+
+
+def qgz_accuracy(data: dict, view: str | None) -> str:
+    """``benchmarks/qgz_accuracy.py``: relative L2 error of reduce-scatters of real gradients."""
+    _no_view(view, "qgz_accuracy")
+    rows = []
+    for when, e in data["errors"].items():
+        q, ring = e["qgz (1 quantization/hop)"], e["ring (7 requantizations)"]
+        rows.append([when, f"{q['4']:.3f}", f"{ring['4']:.3f}", f"{q['8']:.4f}",
+                     f"{ring['8']:.4f}", f"{e['bf16 ring']:.4f}",
+                     f"{e['single_node_quantized_int4']:.3f}",
+                     f"{e['single_node_fallback']:.1e}"])
+    header = ["gradients", "qgZ INT4", "ring INT4", "qgZ INT8", "ring INT8", "bf16 ring",
+              "one node, INT4 local hop", "one node, fallback (fp32)"]
+    return (_table(header, rows) + f"\n\n{data['nodes']} nodes x {data['local']} devices "
+            f"(the one-node columns: 1 x {data['nodes'] * data['local']}), block "
+            f"{data['block_size']}.")
+
+
+QUANT_DATA = {"gpt_init": "GPT at init", "gpt_trained": "same GPT after training",
+              "student_t2": "Student-t (2 dof) matrices"}
+
+
+def quantization(data: dict, view: str | None) -> str:
+    """``benchmarks/quantization.py``. Views: ``block_vs_tensor``, ``sweep``."""
+    block = data["default_block_size"]
+    if view == "block_vs_tensor":
+        bvt = data["block_vs_tensor"]
+        rows = []
+        for key, label in QUANT_DATA.items():
+            r8, r4 = bvt[f"{key}/int8"], bvt[f"{key}/int4"]
+            rows.append([label, f"{r8['block']:.5f}", f"{r8['per_tensor']:.5f}",
+                         _x(r8["ratio"]), f"{r4['block']:.4f}", f"{r4['per_tensor']:.4f}",
+                         _x(r4["ratio"])])
+        header = ["weights", f"INT8, block {block}", "INT8, per tensor", "per tensor / block",
+                  f"INT4, block {block}", "INT4, per tensor", "per tensor / block"]
+        return (_table(header, rows) + f"\n\nRelative L2 error over all tensors, each "
+                f"quantized on its own; the trained GPT after {len(data['train_losses'])} steps.")
+    if view == "sweep":
+        rows = []
+        for size, r in data["sweep"].items():
+            mark = "**" if int(size) == block else ""
+            rows.append([f"{mark}{size}{mark}", f"{r['gpt_trained/int8']:.5f}",
+                         f"{r['gpt_trained/int4']:.4f}", f"{r['student_t2/int8']:.4f}",
+                         _pct(r["overhead_int8"]), _pct(r["overhead_int4"])])
+        header = ["block size", "trained GPT, INT8", "trained GPT, INT4", "Student-t, INT8",
+                  "scale bytes / INT8 payload", "scale bytes / INT4 payload"]
+        return _table(header, rows) + f"\n\nBold: the default block size ({block})."
+    raise TableError("quantization results need a view, one of ['block_vs_tensor', 'sweep']; "
+                     f"got {view!r}")
+
+
+def ulysses(data: dict, view: str | None) -> str:
+    """``benchmarks/ulysses.py``: all-to-all bytes, longest sequence, step time."""
+    _no_view(view, "ulysses")
+    a = data["all_to_all"]
+    ls = data["longest_sequence"]
+    st = data["step_time"]
+    low = a["per_step"]["lowered"]
+    comp = a["per_step"]["compiled"]
+    rows = [
+        [f"all-to-all bytes per layer, forward, per device (batch {a['batch']} x {a['seq']}, "
+         f"P = {a['sp']})",
+         f"{_int(a['measured_fwd_bytes_per_layer_per_device'])} B (model 4Nh/P: "
+         f"{_int(a['model_4Nh_over_P_bytes'])} B)"],
+        ["all-to-alls per step, lowered / compiled", f"{low['count']} / {comp['count']}"],
+        ["cross-node all-to-all bytes per step", _int(comp["cross_node_bytes"])],
+        [f"longest sequence whose compiled step fits {ls['budget_mib']:.0f} MiB per device",
+         f"{ls['without SP']['longest_seq']} without SP, {ls['Ulysses SP']['longest_seq']} with "
+         f"SP ({_x(ls['ratio'])})"],
+        [f"step time, global batch {st['batch']} x {st['seq']}",
+         f"SP {_x(st['ratio_sp_over_no_sp'])} of the plain step's time"],
+    ]
+    m = data["model"]
+    return (_table(["", "result"], rows) + f"\n\nGPT {m['layers']} layers, d_model "
+            f"{m['d_model']}, {m['heads']} heads; {data['nodes']} nodes x {data['local']} "
+            f"devices, {data['compute_dtype']} compute.")
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _no_view(view: str | None, shape: str) -> None:
+    if view is not None:
+        raise TableError(f"{shape} results have one table; drop '/{view}'")
+
+
+# Each shape: the keys that identify it, and its renderer.
+SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
+    ("cluster", {"bandwidths", "cells", "runs", "model", "rounds"}, cluster),
+    ("cluster_checkpoint", {"rows", "equal", "stores", "written_on"}, cluster_checkpoint),
+    ("comm_volume", {"modes", "vs_regather_all", "params"}, comm_volume),
+    ("convergence", {"settings", "runs", "targets"}, convergence),
+    ("gpu_check", {"versions", "kernels", "bandwidth", "train_step"}, gpu_check),
+    ("lora_finetune", {"args", "runs"}, lora),
+    ("memory", {"modes", "paper_example", "depth"}, memory),
+    ("models", {"models", "layers", "d_model", "devices"}, models),
+    ("overhead", {"variants", "targets", "model", "rounds"}, overhead),
+    ("qgz_accuracy", {"errors", "block_size"}, qgz_accuracy),
+    ("quantization", {"block_vs_tensor", "sweep", "default_block_size"}, quantization),
+    ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),
+]
+VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
+         "memory": ["state", "paper", "depth"],
+         "quantization": ["block_vs_tensor", "sweep"]}
+
+
+def shape_of(data: Any, name: str) -> tuple[str, Callable[[dict, str | None], str]]:
+    if not isinstance(data, dict):
+        raise TableError(f"{name}.json: not a JSON object")
+    found = [(s, fn) for s, keys, fn in SHAPES if keys <= data.keys()]
+    if len(found) != 1:
+        raise TableError(
+            f"{name}.json: {'no' if not found else 'more than one'} known result shape matches "
+            f"its keys {sorted(data.keys())}; add a renderer to docs/hooks.py")
+    return found[0]
+
+
+def render(name: str, view: str | None = None) -> str:
+    """The Markdown table for ``benchmarks/results/NAME.json`` (and ``VIEW``)."""
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        raise TableError(f"no results file {path.relative_to(ROOT)}")
+    data = json.loads(path.read_text())
+    shape, fn = shape_of(data, name)
+    try:
+        out = fn(data, view)
+    except (KeyError, TypeError, IndexError, ZeroDivisionError) as e:
+        raise TableError(f"{name}.json ({shape}): unexpected contents: {e!r}") from e
+    if "nan" in out.lower().split() or not out.strip():
+        raise TableError(f"{name}.json ({shape}): rendered an empty or NaN table")
+    return out
+
+
+def replace_markers(markdown: str, where: str = "page") -> str:
+    def sub(m: re.Match) -> str:
+        return render(m.group(1), m.group(2))
+
+    out = MARKER.sub(sub, markdown)
+    left = ANY_MARKER.findall(out)
+    if left:
+        raise TableError(f"{where}: malformed table marker(s) {left}; "
+                         "write <!-- table: NAME --> or <!-- table: NAME/VIEW -->")
+    return out
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    return replace_markers(markdown, page.file.src_uri)
+
+
+def available() -> list[str]:
+    out = []
+    for path in sorted(RESULTS.glob("*.json")):
+        try:
+            shape, _ = shape_of(json.loads(path.read_text()), path.stem)
+        except TableError:
+            out.append(f"{path.stem}  (unknown shape)")
+            continue
+        for v in VIEWS.get(shape, [None]):
+            name = path.stem if v is None else f"{path.stem}/{v}"
+            try:
+                render(path.stem, v)
+            except TableError as e:
+                name += f"  (not renderable: {e})"
+            out.append(name)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\nTables:\n  " + "\n  ".join(available()))
+        return 0
+    for arg in argv:
+        name, _, view = arg.partition("/")
+        print(render(name.removesuffix(".json"), view or None))
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

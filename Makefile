@@ -21,11 +21,13 @@ demo: $(STAMP)
 		--json demo_run.json
 
 # Two pytest workers: most of a test's time is XLA compiling, which runs on one core.
+# worksteal: an idle worker takes queued tests from the busy one, so the long tests do not
+# leave one core idle at the end.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m ''
+	$(PY) -m pytest -q -n 2 --dist worksteal -m ''
 
 # On a machine with an NVIDIA GPU: Pallas kernels bit-exact and their bandwidth, and a
 # one-GPU train step (benchmarks/gpu_check.py; ~6 minutes on an H100). Uses .venv if it

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import jax
 import numpy as np
 import optax
@@ -12,6 +15,19 @@ from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
 # d_model=20 makes every unit's size a non-multiple of 8 devices (padding needed), and
 # logit_scale is a root-level scalar: a unit with fewer elements than devices.
 SMALL = GPTConfig(vocab_size=64, seq_len=12, layers=2, d_model=20, heads=4, logit_scale=True)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a Python subprocess of a test: this one's, less what fixes the
+    device count (the child simulates its own), keeping the suite's compile flags
+    (conftest.COMPILE_FLAGS)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    keep = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if f.startswith("--xla_backend_optimization_level")]
+    if keep:
+        env["XLA_FLAGS"] = " ".join(keep)
+    env.update(extra)
+    return env
 
 
 def tokens(batch: int, seq_len: int = SMALL.seq_len, *, seed: int) -> np.ndarray:
@@ -49,12 +65,19 @@ def make_step(with_grads: bool = False):
     return step
 
 
-def reference_loss_and_grads(model, params, batch):
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_and_grads(model, params, batch):
     def loss_of(p):
         return loss_fn(model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
 
+    return jax.value_and_grad(loss_of)(params)
+
+
+def reference_loss_and_grads(model, params, batch):
+    """Single-device loss and gradients, jitted: one compile per model and shapes instead of
+    one per primitive (op-by-op execution compiled ~10 s of small programs per process)."""
     with jax.default_device(jax.devices()[0]):
-        return jax.value_and_grad(loss_of)(params)
+        return _loss_and_grads(model, params, batch)
 
 
 def reference_train(model, params, tx, batches):

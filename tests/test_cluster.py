@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from helpers import subprocess_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PREFIX = "zppcl-"
 
@@ -40,7 +42,7 @@ def test_short_cluster_run_writes_cells_and_cleans_up(tmp_path):
         pytest.skip(reason)
     if _our_namespaces():
         pytest.skip(f"leftover {PREFIX}* namespaces; run benchmarks/cluster.py --cleanup")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = subprocess_env()
     cmd = [sys.executable, str(ROOT / "benchmarks/cluster.py"), "--nodes", "2", "--local", "2",
            "--bandwidths", "100mbit", "--modes", "zero3,zeropp", "--no-native-row", "--no-fsdp2",
            "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import zeropp_jax as zpp
+from helpers import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -42,11 +43,8 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
     # The workers choose their own device count; drop anything that would override it.
-    for k in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS"):
-        env.pop(k, None)
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env(JAX_PLATFORMS="cpu")
     # The workers import zeropp_jax from this checkout, installed or not.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return env

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 import pathlib
 import re
 import subprocess
 import sys
+
+from helpers import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "quickstart.py"
@@ -19,7 +20,7 @@ def _normalize(line: str) -> str:
 
 def test_quickstart_runs_and_the_loss_falls():
     # Its own process: it simulates its 8 CPU devices itself, before JAX starts.
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all gpu-check venv clean docs
+.PHONY: demo test test-all gpu-check venv clean docs lint-imports
 
 venv: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 # leave one core idle at the end.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal
+
+# The layers import only downward (contracts in pyproject.toml; import-linter is in the
+# test extra).
+lint-imports: $(STAMP)
+	$(VENV)/bin/lint-imports
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m ''

@@ -24,7 +24,7 @@ Needs root (network namespaces, veth, tc). What it builds, all of it its own:
   timed steps (so they include TCP/IP headers and the coordinator's heartbeats).
 
 Per cell: median step time, speedup over zero3 at the same bandwidth in the same run,
-measured bytes per node per step, and the bytes ``zeropp_jax.analysis.comm_report``
+measured bytes per node per step, and the bytes ``zeropp_jax.measure.analysis.comm_report``
 predicts from the compiled program (cross-node bytes per node). Writes
 ``OUT/cluster.json`` and ``OUT/cluster.png`` (speedup vs bandwidth, one line per mode;
 ``--out`` defaults to the git-ignored ``benchmarks/out/``; ``--out benchmarks/results``
@@ -574,7 +574,7 @@ class NodeGroup:
 def rows_for(args: argparse.Namespace) -> tuple[list[tuple[str, str, str | None]], str]:
     """[(row name, row spec ``MODE[@opt+opt]``, reduce_scatter)] and a note about the
     baseline. Peers get no reduce_scatter."""
-    from zeropp_jax.config import ZeroPPConfig
+    from zeropp_jax.core.config import ZeroPPConfig
 
     has_hier = "reduce_scatter" in {f.name for f in __import__("dataclasses").fields(ZeroPPConfig)}
     if has_hier:
@@ -870,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
                   "seq_len": args.seq_len, "batch": args.batch,
                   "compute_dtype": args.compute_dtype, "params": any_run["params"]},
         "baseline_note": result["baseline_note"],
-        "predicted_note": ("predicted = zeropp_jax.analysis.comm_report(compiled step, mesh)"
+        "predicted_note": ("predicted = zeropp_jax.measure.analysis.comm_report(compiled step, mesh)"
                            ".cross_node_bytes_per_node: payload bytes a hierarchical "
                            "algorithm must move; measured = tx_bytes on the node's link, incl. "
                            "TCP/IP headers and gloo's own algorithms (e.g. ring all-gather)"),

@@ -152,8 +152,8 @@ def flax_param_count(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
-    from zeropp_jax.data import VOCAB_SIZE
-    from zeropp_jax.models.gpt import GPT, GPTConfig
+    from zeropp_demo.data import VOCAB_SIZE
+    from zeropp_demo.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, layers=args.layers,
                           d_model=args.d_model, heads=args.heads, dtype=args.compute_dtype))
@@ -182,7 +182,7 @@ def jax_peer(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from zeropp_jax.models.gpt import loss_fn
+    from zeropp_demo.gpt import loss_fn
 
     mh = multihost_module()
     parts = mh.build(build_args(args))
@@ -241,7 +241,7 @@ def jax_peer(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
     predicted = None
     if args.comm_report:
         t0 = time.perf_counter()
-        from zeropp_jax.comm_report import comm_report
+        from zeropp_jax.measure.comm_report import comm_report
 
         lowered = jitted.lower(params, opt_state, place(parts["first"]))
         nodes, local = args.num_processes, args.local_devices
@@ -306,7 +306,7 @@ def zpp_step(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
     predicted = None
     if args.comm_report:
         t0 = time.perf_counter()
-        from zeropp_jax.comm_report import comm_report
+        from zeropp_jax.measure.comm_report import comm_report
 
         lowered = train_step.lower(state, parts["first"])
         asked, moved = comm_report(lowered, mesh), comm_report(lowered.compile(), mesh)
@@ -337,7 +337,7 @@ def jax_main(args: argparse.Namespace) -> None:
     import jax
     from jax.experimental import multihost_utils
 
-    from zeropp_jax.data import sample_batch
+    from zeropp_demo.data import sample_batch
 
     step, info, data = {"zpp": zpp_step, "probe_psum": probe_step}.get(args.impl, jax_peer)(args)
     counter = {"step": 0}
@@ -420,7 +420,7 @@ def jax_main(args: argparse.Namespace) -> None:
 
 def torch_gpt(vocab: int, seq_len: int, layers: int, d_model: int, heads: int,
               mlp_ratio: int = 4) -> Any:
-    """zeropp_jax.models.gpt.GPT in torch: same modules, shapes, biases (LayerNorm eps 1e-6,
+    """zeropp_demo.gpt.GPT in torch: same modules, shapes, biases (LayerNorm eps 1e-6,
     tanh GELU, untied head), so the same parameter count."""
     import torch
     import torch.nn.functional as F
@@ -482,7 +482,7 @@ def torch_rank(args: argparse.Namespace, local_rank: int, conn: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
+    from zeropp_demo.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
 
     torch.set_num_threads(args.torch_threads)
     nodes, local = args.num_processes, args.local_devices

@@ -3,7 +3,7 @@
     python benchmarks/comm_volume.py --nodes 2 --local 4      # about a minute
 
 For zero3, qwz, hpz, qgz, zeropp and zeropp with INT4 weights (bf16 compute), the train
-step is lowered and compiled, and ``zeropp_jax.analysis.comm_report`` counts the bytes
+step is lowered and compiled, and ``zeropp_jax.measure.analysis.comm_report`` counts the bytes
 that cross node boundaries: what the program asks for (lowered) and what XLA's CPU backend
 actually moves (compiled; it widens bf16 reduce-scatters to f32, flagged in the report).
 Per node and step, in bytes and in units of M (parameter count), and as a ratio to zero3.
@@ -60,7 +60,7 @@ def main() -> None:
     import optax
 
     from benchmarks.common import example_model_and_data, lm_train_step
-    from zeropp_jax.analysis import comm_report
+    from zeropp_jax.measure.analysis import comm_report
 
     mesh = zpp.make_mesh(args.nodes, args.local)
     model, params, _, batch = example_model_and_data(args.seed, args.batch)

@@ -9,8 +9,8 @@ import numpy as np
 import optax
 
 import zeropp_jax as zpp
-from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
-from zeropp_jax.models.gpt import GPT, GPTConfig, lm_train_step  # noqa: F401 (re-export)
+from zeropp_demo.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
+from zeropp_demo.gpt import GPT, GPTConfig, lm_train_step  # noqa: F401 (re-export)
 
 EXAMPLE_GPT = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=128, layers=4, d_model=128, heads=4)
 

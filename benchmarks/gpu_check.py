@@ -544,7 +544,7 @@ def train_step_check(device, quick: bool, batch_size: int) -> dict:
 
     import zeropp_jax as zpp
     from benchmarks.overhead import count_matmuls
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
 
     warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
     on_gpu = device.platform == "gpu"

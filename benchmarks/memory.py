@@ -47,7 +47,7 @@ def main() -> None:
     import optax
 
     from benchmarks.common import example_model_and_data, lm_train_step
-    from zeropp_jax.analysis import memory_model, secondary_bytes
+    from zeropp_jax.measure.analysis import memory_model, secondary_bytes
 
     num = args.nodes * args.local
     model, params, _, batch = example_model_and_data(0, args.batch)
@@ -100,7 +100,7 @@ def depth_growth(nodes: int, local: int) -> dict:
     import optax
 
     import zeropp_jax as zpp
-    from zeropp_jax.models.gpt import GPT, GPTConfig, lm_train_step
+    from zeropp_demo.gpt import GPT, GPTConfig, lm_train_step
 
     d, seq = 128, 8
 

@@ -4,7 +4,7 @@
 
 One device (a 1x1 mesh: every gather and reduce-scatter is over one device, so what is left
 is the cost of the unit machinery itself: flattening, casts, remat, the custom gradients).
-The same GPT (``zeropp_jax.models.gpt``), the same data and the same optimizer (SGD) in
+The same GPT (``zeropp_demo.gpt``), the same data and the same optimizer (SGD) in
 four steps:
 
   plain          ``jax.jit`` of ``value_and_grad(loss(model.apply))`` + the optax update,
@@ -108,7 +108,7 @@ def remat_gpt_class():
     import flax.linen as nn
     import jax.numpy as jnp
 
-    from zeropp_jax.models.gpt import GPT, Block
+    from zeropp_demo.gpt import GPT, Block
 
     class RematGPT(GPT):
         @nn.compact
@@ -135,7 +135,7 @@ def plain_step(model, tx):
     import jax
     import optax
 
-    from zeropp_jax.models.gpt import loss_fn
+    from zeropp_demo.gpt import loss_fn
 
     def step(params, opt_state, batch):
         def loss_of(p):
@@ -150,7 +150,7 @@ def plain_step(model, tx):
 
 def zero3_step():
     """The same step written for ``@zpp.train_step`` (state donated, as in ``plain_step``)."""
-    from zeropp_jax.models.gpt import lm_train_step
+    from zeropp_demo.gpt import lm_train_step
 
     return lm_train_step(donate_state=True)
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     import optax
 
     import zeropp_jax as zpp
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
 
     # Donation is a no-op on some backends; say so once, not every step.
     warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")

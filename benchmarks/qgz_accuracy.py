@@ -59,8 +59,8 @@ def main() -> None:
 
     from benchmarks.common import brief_training, example_model_and_data
     from pallas_kernels.quantize import dequantize_reference, quantize_reference
-    from zeropp_jax.models.gpt import loss_fn
-    from zeropp_jax.qgz import qgz_reduce_scatter
+    from zeropp_demo.gpt import loss_fn
+    from zeropp_jax.comm.qgz import qgz_reduce_scatter
 
     num = args.nodes * args.local
     bs = args.block_size

@@ -51,7 +51,7 @@ def main() -> None:
     import numpy as np
 
     from benchmarks.common import brief_training, example_model_and_data
-    from zeropp_jax.quantization import dequantize_blockwise, quantize_blockwise
+    from zeropp_jax.quant.quantization import dequantize_blockwise, quantize_blockwise
 
     model, init, data, _ = example_model_and_data(args.seed, 32)
     t0 = time.perf_counter()

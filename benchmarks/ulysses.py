@@ -63,9 +63,9 @@ def main() -> None:
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from zeropp_jax.analysis import comm_report
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
-    from zeropp_jax.ulysses import all_to_all_bytes_per_layer
+    from zeropp_jax.measure.analysis import comm_report
+    from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_jax.parallel.ulysses import all_to_all_bytes_per_layer
 
     nodes, sp = args.nodes, args.local
     mesh = zpp.make_mesh(nodes, sp)

@@ -46,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import optax
 
-    from zeropp_jax.analysis import comm_report
-    from zeropp_jax.data import sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.generate import (gather_secondary, generate, greedy_reference,
+    from zeropp_jax.measure.analysis import comm_report
+    from zeropp_demo.data import sample_batch, stdlib_corpus, train_val_split
+    from zeropp_jax.inference.generate import (gather_secondary, generate, greedy_reference,
                                      lower_decode_step)
-    from zeropp_jax.models.gpt import GPT, GPTConfig, lm_train_step
+    from zeropp_demo.gpt import GPT, GPTConfig, lm_train_step
 
     length = args.prompt_len + args.new_tokens
     cfg = GPTConfig(vocab_size=256, seq_len=length, layers=args.layers, d_model=args.d_model,

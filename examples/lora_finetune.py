@@ -8,7 +8,7 @@ The same fine-tuning runs twice: frozen weights stored as INT8 primary shards
 (``quantize_frozen=True``: gathered as stored, no quantization in the step) and stored in
 fp32 (gathered as bf16). For each it prints the loss, the per-device bytes of the persistent
 state (trainable shards + optimizer state + frozen storage) and the cross-node bytes per step
-per node, counted from the lowered step program (``zeropp_jax.analysis.comm_report``). A
+per node, counted from the lowered step program (``zeropp_jax.measure.analysis.comm_report``). A
 third row gives full fine-tuning (nothing frozen) for scale. On a CPU machine the script
 simulates exactly ``nodes * local`` devices itself.
 """
@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import optax
 
-    from zeropp_jax.analysis import comm_report
-    from zeropp_jax.data import sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.models.gpt import GPT, GPTConfig, lm_train_step
-    from zeropp_jax.models.lora_gpt import LoRAGPT, is_adapter, with_base
+    from zeropp_jax.measure.analysis import comm_report
+    from zeropp_demo.data import sample_batch, stdlib_corpus, train_val_split
+    from zeropp_demo.gpt import GPT, GPTConfig, lm_train_step
+    from zeropp_demo.lora_gpt import LoRAGPT, is_adapter, with_base
 
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, layers=args.layers,
                     d_model=args.d_model, heads=4)

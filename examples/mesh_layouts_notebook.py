@@ -16,7 +16,7 @@ CELLS = [
 Eight simulated CPU devices arranged as 1x8, 2x4, 4x2 and 8x1 `("node", "local")` meshes.
 For each layout: who holds which primary and secondary slice, which links the collectives
 use, qgZ's slice reorder, and the cross-node bytes of one train step per ZeRO++ mode, counted
-from the lowered program by `zeropp_jax.analysis.comm_report`. The model is tiny on purpose
+from the lowered program by `zeropp_jax.measure.analysis.comm_report`. The model is tiny on purpose
 (the notebook runs in about a minute); the byte counts scale with the parameter count."""),
     ("code", """import zeropp_jax as zpp
 
@@ -26,10 +26,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import optax
 
-from zeropp_jax import viz
-from zeropp_jax.analysis import comm_report
-from zeropp_jax.generate import gather_secondary, lower_decode_step
-from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+from zeropp_jax.measure import viz
+from zeropp_jax.measure.analysis import comm_report
+from zeropp_jax.inference.generate import gather_secondary, lower_decode_step
+from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
 
 LAYOUTS = [(1, 8), (2, 4), (4, 2), (8, 1)]
 MODES = ["zero3", "qwz", "hpz", "qgz", "qwz_hpz", "zeropp"]

@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after training, state.consolidate() (a collective over processes) "
                         "and process 0 saves the full params here (.npz, '/'-joined names)")
     t.add_argument("--save", type=pathlib.Path, default=None,
-                   help="after training, zeropp_jax.checkpoint.save here: every process "
+                   help="after training, zeropp_jax.train.checkpoint.save here: every process "
                         "writes its own shards (a directory all processes see)")
     t.add_argument("--resume", action="store_true",
                    help="start from the latest checkpoint in --save (any process count or "
@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     b.add_argument("--control", choices=["none", "stdin"], default="none",
                    help="stdin: after the compiling step, run timed phases read from stdin")
     b.add_argument("--comm-report", action="store_true",
-                   help="process 0 adds zeropp_jax.analysis.comm_report's predicted bytes")
+                   help="process 0 adds zeropp_jax.measure.analysis.comm_report's predicted bytes")
     args = p.parse_args(argv)
     missing = [f for f, v in (("--coordinator", args.coordinator),
                               ("--num-processes", args.num_processes),
@@ -146,9 +146,9 @@ def build(args: argparse.Namespace) -> dict:
     import optax
 
     import zeropp_jax as zpp
-    from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.models.gpt import GPT, GPTConfig
-    from zeropp_jax.optim import lr_schedule
+    from zeropp_demo.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
+    from zeropp_demo.gpt import GPT, GPTConfig
+    from zeropp_jax.train.optim import lr_schedule
 
     overrides = {} if args.reduce_scatter is None else {"reduce_scatter": args.reduce_scatter}
     if args.all_gather is not None:
@@ -180,7 +180,7 @@ def lm_train_step():
     import jax
 
     import zeropp_jax as zpp
-    from zeropp_jax.models.gpt import loss_fn
+    from zeropp_demo.gpt import loss_fn
 
     @zpp.train_step
     def train_step(state, batch):
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     from tqdm import tqdm
 
     import zeropp_jax as zpp
-    from zeropp_jax.data import sample_batch
+    from zeropp_demo.data import sample_batch
 
     lead = jax.process_index() == 0
     mesh = zpp.make_mesh()  # nodes = processes, local = devices per process
@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.comm_report:
         t0 = time.perf_counter()
         try:
-            from zeropp_jax.analysis import comm_report
+            from zeropp_jax.measure.analysis import comm_report
         except ImportError as e:  # an older zeropp_jax without the report
-            predicted = {"error": f"zeropp_jax.analysis.comm_report unavailable: {e}"}
+            predicted = {"error": f"zeropp_jax.measure.analysis.comm_report unavailable: {e}"}
         else:
             # Compiling here fills the cache the first step then uses.
             lowered = train_step.lower(state, first)

@@ -108,7 +108,7 @@ def make_config(args: argparse.Namespace):
 
 
 def make_schedule(args: argparse.Namespace):
-    from zeropp_jax.optim import lr_schedule
+    from zeropp_jax.train.optim import lr_schedule
 
     return lr_schedule(args.lr, args.steps, kind=args.lr_schedule, warmup=args.warmup)
 
@@ -152,10 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
     import optax
     from tqdm import tqdm
 
-    from zeropp_jax import checkpoint
-    from zeropp_jax.accumulate import accumulate_gradients
-    from zeropp_jax.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_jax.train import checkpoint
+    from zeropp_jax.train.accumulate import accumulate_gradients
+    from zeropp_demo.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
+    from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
 
     mesh = zpp.make_mesh(args.nodes, args.local)
     config = make_config(args)

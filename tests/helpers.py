@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 import zeropp_jax as zpp
-from zeropp_jax.models.gpt import GPT, GPTConfig, loss_fn
+from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
 
 # d_model=20 makes every unit's size a non-multiple of 8 devices (padding needed), and
 # logit_scale is a root-level scalar: a unit with fewer elements than devices.

@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.accumulate import accumulate_gradients
-from zeropp_jax.models.gpt import GPT, loss_fn
+from zeropp_jax.train.accumulate import accumulate_gradients
+from zeropp_demo.gpt import GPT, loss_fn
 
 from helpers import SMALL, assert_updates_close, init_params, tokens
 

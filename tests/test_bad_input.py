@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.models.gpt import GPT
+from zeropp_demo.gpt import GPT
 
 from helpers import SMALL, init_params, make_step, tokens
 

@@ -79,7 +79,7 @@ def test_overhead_counts_matmul_instructions_not_metadata():
 
 
 def test_overhead_remat_gpt_has_gpt_params_and_loss():
-    from zeropp_jax.models.gpt import GPT, GPTConfig
+    from zeropp_demo.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=32, seq_len=8, layers=2, d_model=16, heads=2)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 8)), jnp.int32)

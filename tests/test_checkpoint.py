@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax import checkpoint as ckpt
-from zeropp_jax.models.gpt import GPT, loss_fn
+from zeropp_jax.train import checkpoint as ckpt
+from zeropp_demo.gpt import GPT, loss_fn
 
 from helpers import SMALL, init_params, make_step, tokens
 
@@ -174,8 +174,8 @@ sys.path.insert(0, {tests!r})
 import zeropp_jax as zpp
 zpp.simulate_cpu_devices(8)
 import optax
-from zeropp_jax import checkpoint as ckpt
-from zeropp_jax.models.gpt import GPT
+from zeropp_jax.train import checkpoint as ckpt
+from zeropp_demo.gpt import GPT
 from helpers import SMALL, init_params, make_step, tokens
 state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=31),
     tx=optax.adamw(1e-2, weight_decay=0.1), mesh=zpp.make_mesh(2, 4),

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.models.gpt import GPT, loss_fn
+from zeropp_demo.gpt import GPT, loss_fn
 
 from helpers import (
     SMALL,

@@ -11,9 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax.analysis import comm_report
-from zeropp_jax.comm_report import collectives, mesh_axes_groups
-from zeropp_jax.models.gpt import GPT
+from zeropp_jax.measure.analysis import comm_report
+from zeropp_jax.measure.comm_report import collectives, mesh_axes_groups
+from zeropp_demo.gpt import GPT
 
 from helpers import SMALL, init_params, make_step, tokens
 

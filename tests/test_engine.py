@@ -8,8 +8,9 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.models.gpt import GPT
-from zeropp_jax.partition import REST
+from zeropp_demo.gpt import GPT
+from zeropp_jax.comm.partition import REST
+from zeropp_jax.comm.placement import REPLICATED, SHARDED
 
 from helpers import (
     adam_trajectory_tolerance,
@@ -116,21 +117,21 @@ def test_stage_3_shards_and_stage_1_2_replicate():
     mesh = zpp.make_mesh(2, 4)
     s3 = zpp.TrainState.create(model=model, params=params, tx=optax.adam(1e-3), mesh=mesh)
     for arr in s3.params.units.values():
-        assert arr.sharding.spec == zpp.engine.SHARDED
+        assert arr.sharding.spec == SHARDED
         shard_lens = {s.data.shape for s in arr.addressable_shards}
         assert shard_lens == {(arr.shape[0] // 8,)}
     # Adam's moments are sharded like the params; its step count is replicated.
     mu = s3.opt_state[0].mu
-    assert all(x.sharding.spec == zpp.engine.SHARDED for x in mu.values())
-    assert s3.opt_state[0].count.sharding.spec == zpp.engine.REPLICATED
+    assert all(x.sharding.spec == SHARDED for x in mu.values())
+    assert s3.opt_state[0].count.sharding.spec == REPLICATED
     s2 = zpp.TrainState.create(
         model=model, params=params, tx=optax.adam(1e-3), mesh=mesh,
         config=zpp.ZeroPPConfig(stage=2),
     )
     for name, arr in s2.params.units.items():
-        assert arr.sharding.spec == zpp.engine.REPLICATED
+        assert arr.sharding.spec == REPLICATED
         assert arr.dtype == np.dtype("bfloat16")
-        assert s2.master.units[name].sharding.spec == zpp.engine.SHARDED
+        assert s2.master.units[name].sharding.spec == SHARDED
 
 
 def test_device_d_owns_flat_slice_d():
@@ -163,7 +164,7 @@ def test_no_recompile_and_stable_shardings():
         traces.append(1)
 
         def loss_of(p):
-            from zeropp_jax.models.gpt import loss_fn
+            from zeropp_demo.gpt import loss_fn
             return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
 
         loss, grads = jax.value_and_grad(loss_of)(state.params)

@@ -11,9 +11,9 @@ import pytest
 
 import zeropp_jax as zpp
 from pallas_kernels.quantize import dequantize_reference, quantize_reference
-from zeropp_jax.comm_report import collectives
-from zeropp_jax.frozen import split_frozen
-from zeropp_jax.models.gpt import GPT
+from zeropp_jax.measure.comm_report import collectives
+from zeropp_jax.comm.frozen import split_frozen
+from zeropp_demo.gpt import GPT
 
 from helpers import SMALL, assert_leaves_rel_close, init_params, make_step, reference_loss_and_grads, tokens
 
@@ -54,7 +54,7 @@ def _dequantized(params, bits, block):
         parts = np.split(flat, np.cumsum(sizes)[:-1])
         out[unit] = (jax.tree_util.tree_unflatten(
             treedef, [p.reshape(np.shape(x)) for p, x in zip(parts, leaves)]), scales)
-    from zeropp_jax.frozen import merge_trees
+    from zeropp_jax.comm.frozen import merge_trees
 
     return merge_trees(train, {k: t for k, (t, _) in out.items()}), {k: s for k, (_, s) in out.items()}
 

@@ -7,14 +7,14 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.analysis import comm_report
-from zeropp_jax.generate import (
+from zeropp_jax.measure.analysis import comm_report
+from zeropp_jax.inference.generate import (
     gather_secondary,
     generate,
     greedy_reference,
     lower_decode_step,
 )
-from zeropp_jax.models.gpt import GPT
+from zeropp_demo.gpt import GPT
 
 from helpers import SMALL, init_params, tokens
 

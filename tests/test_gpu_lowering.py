@@ -7,9 +7,9 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax import compat
-from zeropp_jax.models.gpt import GPT
-from zeropp_jax.quantization import compiled_kernels
+from zeropp_jax.core import compat
+from zeropp_demo.gpt import GPT
+from zeropp_jax.quant.quantization import compiled_kernels
 
 from helpers import SMALL, init_params, make_step, tokens
 

@@ -6,8 +6,8 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.comm_report import collectives
-from zeropp_jax.models.gpt import GPT
+from zeropp_jax.measure.comm_report import collectives
+from zeropp_demo.gpt import GPT
 
 from helpers import SMALL, init_params, make_step, tokens
 

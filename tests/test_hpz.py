@@ -9,10 +9,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax import compat
-from zeropp_jax.analysis import secondary_bytes
-from zeropp_jax.comm_report import collectives
-from zeropp_jax.models.gpt import GPT, loss_fn
+from zeropp_jax.core import compat
+from zeropp_jax.measure.analysis import secondary_bytes
+from zeropp_jax.measure.comm_report import collectives
+from zeropp_demo.gpt import GPT, loss_fn
 
 from helpers import (
     SMALL,

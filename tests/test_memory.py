@@ -5,8 +5,8 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.analysis import memory_model
-from zeropp_jax.models.gpt import GPT
+from zeropp_jax.measure.analysis import memory_model
+from zeropp_demo.gpt import GPT
 
 from helpers import SMALL, init_params, make_step, tokens
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.models.gpt import GPT
+from zeropp_demo.gpt import GPT
 
 from helpers import SMALL, assert_updates_close, init_params, make_step, reference_train, tokens
 

@@ -136,7 +136,7 @@ def test_two_processes_match_one_process(tmp_path, mode):
     state = zpp.TrainState.create(model=parts["model"], params=parts["params"],
                                   tx=parts["tx"], mesh=mesh, config=parts["config"])
     step = ex.lm_train_step()
-    from zeropp_jax.data import sample_batch
+    from zeropp_demo.data import sample_batch
 
     for i in range(4):
         state, _ = step(state, sample_batch(parts["data"], args.batch, args.seq_len,
@@ -186,7 +186,7 @@ jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id={pid}
                            initialization_timeout=60)
 import numpy as np, optax
 import zeropp_jax as zpp
-from zeropp_jax.models.gpt import GPT, GPTConfig
+from zeropp_demo.gpt import GPT, GPTConfig
 cfg = GPTConfig(vocab_size=32, seq_len=8, layers=1, d_model=16, heads=2)
 model = GPT(cfg)
 params = model.init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
@@ -241,7 +241,7 @@ def test_checkpoint_one_process_to_two_and_back(tmp_path):
     between meshes (see the module docstring), so rtol 1e-5 on losses and states."""
     import multihost_ckpt as mc
 
-    from zeropp_jax import checkpoint as ckpt
+    from zeropp_jax.train import checkpoint as ckpt
 
     state = mc.build(zpp.make_mesh(2, 4))
     state, _ = mc.step(state, mc.batch(0))

@@ -3,7 +3,7 @@
 import optax
 import pytest
 
-from zeropp_jax.optim import check_elementwise
+from zeropp_jax.train.optim import check_elementwise
 
 
 @pytest.mark.parametrize(

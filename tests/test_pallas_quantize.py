@@ -16,7 +16,7 @@ import pytest
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import quantize as Q
-from zeropp_jax import compat
+from zeropp_jax.core import compat
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 BITS = (8, 4)
@@ -244,7 +244,7 @@ TRITON_CALL = re.compile(r"stablehlo\.custom_call @" + re.escape(compat.TRITON_C
 
 
 def _lower_for_cuda(f, *args: jax.ShapeDtypeStruct) -> str:
-    # Works on a host without a GPU on every supported JAX (see zeropp_jax.compat).
+    # Works on a host without a GPU on every supported JAX (see zeropp_jax.core.compat).
     return compat.lower_for_cuda(jax.jit(f), *args).as_text()
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from zeropp_jax.partition import (
+from zeropp_jax.comm.partition import (
     REST,
     default_unit_paths,
     make_unit_layout,

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
 from pallas_kernels.quantize import dequantize_reference, quantize_reference
-from zeropp_jax.comm_report import collectives
-from zeropp_jax.models.gpt import GPT
-from zeropp_jax.qgz import qgz_reduce_scatter
+from zeropp_jax.measure.comm_report import collectives
+from zeropp_demo.gpt import GPT
+from zeropp_jax.comm.qgz import qgz_reduce_scatter
 
 from helpers import SMALL, assert_leaves_rel_close, init_params, make_step, tokens
 
@@ -185,7 +185,7 @@ def test_qgz_until_switches_without_recompiling():
 
 @pytest.mark.parametrize("nodes,local", MESHES)
 def test_hierarchical_reduce_scatter_equals_psum_scatter(nodes, local):
-    from zeropp_jax.qgz import hierarchical_reduce_scatter
+    from zeropp_jax.comm.qgz import hierarchical_reduce_scatter
 
     num = nodes * local
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:num])
@@ -203,7 +203,7 @@ def test_hierarchical_reduce_scatter_in_the_step_moves_16_bit():
     cfg = zpp.ZeroPPConfig(reduce_scatter="hierarchical")  # bf16 compute
     state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4), config=cfg)
-    from zeropp_jax.analysis import comm_report
+    from zeropp_jax.measure.analysis import comm_report
 
     compiled = make_step().lower(state, tokens(16, seed=0)).compile()
     rows = comm_report(compiled, state.mesh).rows
@@ -230,7 +230,7 @@ def test_hierarchical_reduce_scatter_in_the_step_moves_16_bit():
 def test_hierarchical_all_gather_is_bitwise_the_flat_one(nodes, local):
     """Two hops (node, then local, then a transpose) give the flat all-gather's buffer bit
     for bit: 16- and 32-bit data, and qwZ's values and scales."""
-    from zeropp_jax.collectives import all_gather_flat, qwz_all_gather
+    from zeropp_jax.comm.collectives import all_gather_flat, qwz_all_gather
 
     num = nodes * local
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:num])
@@ -255,7 +255,7 @@ def test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups():
     """In the compiled step every weight all-gather spans one axis: node groups (one
     device per node) or local groups (one node); none spans all devices. fp32 gradients
     equal the flat gathers' exactly (the gathers move the same bits)."""
-    from zeropp_jax.analysis import comm_report
+    from zeropp_jax.measure.analysis import comm_report
 
     mesh = zpp.make_mesh(2, 4)
     node_groups = {(0, 4), (1, 5), (2, 6), (3, 7)}

@@ -1,4 +1,4 @@
-"""zeropp_jax.quantization: the public block-quantization API on any shape."""
+"""zeropp_jax.quant.quantization: the public block-quantization API on any shape."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeropp_jax.quantization import (
+from zeropp_jax.quant.quantization import (
     QuantizedArray,
     default_implementation,
     dequantize_blockwise,

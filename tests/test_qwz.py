@@ -14,10 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
 from pallas_kernels.quantize import dequantize_reference, quantize_reference
-from zeropp_jax.collectives import qwz_all_gather
-from zeropp_jax.comm_report import collectives
-from zeropp_jax.models.gpt import GPT
-from zeropp_jax.partition import REST, merge_units
+from zeropp_jax.comm.collectives import qwz_all_gather
+from zeropp_jax.measure.comm_report import collectives
+from zeropp_demo.gpt import GPT
+from zeropp_jax.comm.partition import REST, merge_units
 
 from helpers import (
     SMALL,

@@ -19,9 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax.analysis import comm_report
-from zeropp_jax.models.gpt import GPT, loss_fn
-from zeropp_jax.ulysses import dot_product_attention, head_plan, pad_sequence, ulysses_attention
+from zeropp_jax.measure.analysis import comm_report
+from zeropp_demo.gpt import GPT, loss_fn
+from zeropp_jax.parallel.ulysses import dot_product_attention, head_plan, pad_sequence, ulysses_attention
 
 from helpers import SMALL, init_params
 

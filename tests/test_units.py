@@ -13,8 +13,8 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.comm_report import collectives
-from zeropp_jax.models.gpt import GPT, loss_fn
+from zeropp_jax.measure.comm_report import collectives
+from zeropp_demo.gpt import GPT, loss_fn
 
 from helpers import (
     SMALL,
@@ -173,7 +173,7 @@ def test_live_weights_bounded_in_depth():
     """Compiled temp memory of a bf16 ZeRO-3 step grows by less than half of one layer's
     gathered weights per added layer (weights dominate: wide layers, 8 tokens per device).
     Without ordering every gather ran at the start: 5.8x a layer's weights per layer."""
-    from zeropp_jax.models.gpt import GPTConfig
+    from zeropp_demo.gpt import GPTConfig
 
     def temp_and_layer(layers):
         cfg = GPTConfig(vocab_size=64, seq_len=8, layers=layers, d_model=128, heads=4)
@@ -252,7 +252,7 @@ def test_minimal_never_keeps_a_copy_of_weights():
 def test_which_unit_keeps_its_weights():
     """The last unit called once keeps its weights, unless what is called after it (a tied
     head calling the embedding again; a scanned stack) holds more than it does."""
-    from zeropp_jax.flax import _last_unit
+    from zeropp_jax.units.adapters.linen import _last_unit
 
     emb, b0, b1, head, stack = ("emb",), ("b", "0"), ("b", "1"), ("head",), ("stack",)
     sizes = {emb: 100, b0: 300, b1: 300, head: 50}

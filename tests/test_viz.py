@@ -1,4 +1,4 @@
-"""zeropp_jax.viz: the pictured layouts agree with the code that moves the data."""
+"""zeropp_jax.measure.viz: the pictured layouts agree with the code that moves the data."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
 from pallas_kernels.reorder import reorder_reference
-from zeropp_jax import viz
-from zeropp_jax.comm_report import collectives
-from zeropp_jax.hpz import hpz_all_gather, secondary_slice
+from zeropp_jax.measure import viz
+from zeropp_jax.measure.comm_report import collectives
+from zeropp_jax.comm.hpz import hpz_all_gather, secondary_slice
 
 matplotlib.use("Agg")
 AXES = ("node", "local")

@@ -12,10 +12,10 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.wrap import auto_units, module_classes, resolve_units
+from zeropp_jax.units.wrap import auto_units, module_classes, resolve_units
 
 from helpers import SMALL, init_params
-from zeropp_jax.models.gpt import GPT
+from zeropp_demo.gpt import GPT
 
 
 def _tree(**shapes):

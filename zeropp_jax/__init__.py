@@ -1,39 +1,68 @@
-"""zeropp_jax: ZeRO++ (qwZ, hpZ, qgZ) for JAX and Flax."""
+"""zeropp_jax: ZeRO++ (qwZ, hpZ, qgZ) for JAX and Flax.
 
-# Submodules the README names as zeropp_jax.<module>.<function>.
-from zeropp_jax import analysis, checkpoint, generate, losses, processes, ulysses, wrap
-from zeropp_jax.accumulate import accumulate_gradients
-from zeropp_jax.checkpoint import consolidate
-from zeropp_jax.config import ZeroPPConfig
-from zeropp_jax.engine import Engine
-from zeropp_jax.placement import ShardedParams
-from zeropp_jax.placement import global_norm
-from zeropp_jax.state import TrainState
-from zeropp_jax.step import train_step
-from zeropp_jax.frozen import FrozenShards
-from zeropp_jax.losses import token_mean
-from zeropp_jax.mesh import make_mesh
-from zeropp_jax.mesh import simulate_cpu_devices
+The package is layered; each folder imports only from the ones below it (checked by the
+import-linter contracts in ``pyproject.toml``):
+
+    inference/  measure/  parallel/   generation; comm report, memory model, pictures; Ulysses
+    train/                            TrainState, the step, optimizer checks, checkpoints
+    units/  units/adapters/           the unit transform, ordering, wrap policies; linen/NNX/HF
+    comm/                             flat layouts, placement, collectives, hpZ, qgZ, frozen
+    quant/                            blockwise quantization over pallas_kernels/
+    core/                             config, mesh, version-dependent calls, processes
+"""
+
+import sys as _sys
+
+from zeropp_jax.comm import collectives, qgz
+from zeropp_jax.comm.frozen import FrozenShards
+from zeropp_jax.comm.placement import ShardedParams, global_norm
+from zeropp_jax.core import processes
+from zeropp_jax.core.config import ZeroPPConfig
+from zeropp_jax.core.mesh import make_mesh, simulate_cpu_devices
+from zeropp_jax.inference import generate
+from zeropp_jax.measure import analysis, viz
+from zeropp_jax.parallel import ulysses
+from zeropp_jax.quant import quantization
+from zeropp_jax.train import checkpoint, losses
+from zeropp_jax.train.accumulate import accumulate_gradients
+from zeropp_jax.train.checkpoint import consolidate
+from zeropp_jax.train.engine import Engine
+from zeropp_jax.train.losses import token_mean
+from zeropp_jax.train.state import TrainState
+from zeropp_jax.train.step import train_step
+from zeropp_jax.units import wrap
+
+# Import paths the docs show (``zeropp_jax.collectives.qwz_all_gather``,
+# ``from zeropp_jax.checkpoint import save``, ...) name the same module objects as their
+# homes in the layer folders.
+for _module in (analysis, checkpoint, collectives, generate, losses, processes, qgz,
+                quantization, ulysses, viz, wrap):
+    _sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[-1]}"] = _module
+del _module
 
 __all__ = [
     "Engine",
     "FrozenShards",
-    "accumulate_gradients",
-    "analysis",
-    "checkpoint",
-    "consolidate",
-    "generate",
-    "losses",
-    "processes",
-    "global_norm",
     "ShardedParams",
     "TrainState",
     "ZeroPPConfig",
+    "accumulate_gradients",
+    "analysis",
+    "checkpoint",
+    "collectives",
+    "consolidate",
+    "generate",
+    "global_norm",
+    "losses",
     "make_mesh",
+    "processes",
+    "qgz",
+    "quantization",
     "simulate_cpu_devices",
     "token_mean",
     "train_step",
     "ulysses",
+    "viz",
     "wrap",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,151 @@
+"""A small GPT-style decoder in plain Flax linen (nothing ZeRO-specific in it).
+
+Each block, the token embedding, the position embedding and the LM head are direct children
+of the root, so zeropp_jax makes each of them one unit by default.
+
+Sequence parallelism (DeepSpeed-Ulysses): with ``GPTConfig(sequence_axis="local")`` the model
+runs inside ``shard_map`` on this device's slice of every sequence (``[batch, seq / P]``
+tokens, ``P`` the size of that mesh axis, device ``r`` holding tokens ``[r seq/P, (r+1)
+seq/P)``); positions are global and attention goes through
+``zeropp_jax.parallel.ulysses.ulysses_attention``. The parameters are the same as without it, and
+``model.init`` runs outside ``shard_map`` as usual (it takes the plain path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zeropp_jax.parallel.ulysses import ulysses_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 128
+    layers: int = 4
+    d_model: int = 128
+    heads: int = 4
+    mlp_ratio: int = 4
+    dtype: str = "float32"  # computation dtype of activations
+    logit_scale: bool = False  # a learnable scalar on the root module (CLIP-style)
+    # Mesh axis the sequence is split over (Ulysses sequence parallelism), or None: every
+    # device holds whole sequences. Only inside shard_map; init ignores it.
+    sequence_axis: str | None = None
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention on whole sequences. ``q, k, v [b, t, heads, hd]`` ->
+    ``[b, t, heads, hd]`` (softmax in fp32, result in ``v``'s dtype)."""
+    t = q.shape[1]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    logits = jnp.where(mask[None, None], logits, jnp.finfo(logits.dtype).min)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _sequence_parallel(module: nn.Module) -> bool:
+    # init runs outside shard_map (no mesh axis to split over); the parameters do not depend
+    # on the sequence layout, so it takes the plain path.
+    return module.config.sequence_axis is not None and not module.is_initializing()
+
+
+class CausalSelfAttention(nn.Module):
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        b, t, d = x.shape
+        if d % cfg.heads:
+            raise ValueError(f"d_model={d} must be a multiple of heads={cfg.heads}")
+        hd = d // cfg.heads
+        qkv = nn.Dense(3 * d, dtype=cfg.dtype, name="qkv")(x)
+        q, k, v = jnp.split(qkv.reshape(b, t, 3, cfg.heads, hd), 3, axis=2)
+        q, k, v = (a[:, :, 0] for a in (q, k, v))  # [b, t, heads, hd]
+        if _sequence_parallel(self):
+            # t is this device's share of the sequence; two all-to-alls over the axis.
+            out = ulysses_attention(
+                q, k, v, attention_fn=causal_attention, axis_name=cfg.sequence_axis
+            )
+        else:
+            out = causal_attention(q, k, v)
+        out = out.reshape(b, t, d)
+        return nn.Dense(d, dtype=cfg.dtype, name="proj")(out)
+
+
+class Block(nn.Module):
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(dtype=cfg.dtype, name="ln1")(x))
+        h = nn.LayerNorm(dtype=cfg.dtype, name="ln2")(x)
+        h = nn.Dense(cfg.mlp_ratio * cfg.d_model, dtype=cfg.dtype, name="fc")(h)
+        h = nn.Dense(cfg.d_model, dtype=cfg.dtype, name="out")(jax.nn.gelu(h))
+        return x + h
+
+
+class GPT(nn.Module):
+    """Tokens ``[batch, seq]`` int32 -> logits ``[batch, seq, vocab]`` float32.
+
+    With ``config.sequence_axis`` (inside ``shard_map``): tokens ``[batch, seq / P]``, this
+    device's consecutive slice of each sequence, and logits for those tokens.
+    """
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        t = tokens.shape[1]
+        x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="wte")(tokens)
+        positions = jnp.arange(t)
+        if _sequence_parallel(self):
+            sp = jax.lax.axis_size(cfg.sequence_axis)
+            if t * sp > cfg.seq_len:
+                raise ValueError(
+                    f"sequence length {t} x {sp} devices of {cfg.sequence_axis!r} = {t * sp} "
+                    f"exceeds GPTConfig.seq_len={cfg.seq_len} (the position table); raise "
+                    "seq_len or use shorter sequences"
+                )
+            # Device r holds tokens [r t, (r+1) t) of each sequence: global positions.
+            positions = positions + jax.lax.axis_index(cfg.sequence_axis) * t
+        pos = nn.Embed(cfg.seq_len, cfg.d_model, dtype=cfg.dtype, name="wpe")(positions)
+        x = x + pos[None]
+        for i in range(cfg.layers):
+            x = Block(cfg, name=f"block_{i}")(x)
+        x = nn.LayerNorm(dtype=cfg.dtype, name="ln_f")(x)
+        logits = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="head")(x)
+        if cfg.logit_scale:
+            logits = logits * self.param("logit_scale", nn.initializers.ones, ())
+        return logits.astype(jnp.float32)
+
+
+def loss_fn(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy (nats). ``logits [b, t, v]``, ``targets [b, t]``."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def lm_train_step(donate_state: bool = False):
+    """The examples' language-model step on ``int32 [batch, seq + 1]`` token windows
+    (inputs ``[:, :-1]``, targets ``[:, 1:]``), decorated with ``zeropp_jax.train_step``
+    (``donate_state`` passed on). Returns ``(state, {"loss": mean next-byte cross
+    entropy})``."""
+    import zeropp_jax as zpp  # the model itself stays free of zeropp_jax
+
+    @zpp.train_step(donate_state=donate_state)
+    def step(state, batch):
+        def loss_of(p):
+            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    return step

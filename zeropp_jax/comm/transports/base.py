@@ -1,0 +1,78 @@
+"""The two interfaces every transport implements. Runs inside ``shard_map``.
+
+A unit's weights live on each device as *stored* buffers: ``(values,)``, the flat primary
+shard ``[n_pad / P]``, or ``(values, scales)`` for weights stored quantized. A
+``WeightTransport`` says how forward turns them into the unit's full flat weights (over the
+whole ``("node", "local")`` mesh), what forward keeps for backward, and how backward
+rebuilds the full weights from that. A ``GradientTransport`` says how the full flat
+gradient ``[n_pad]`` becomes this device's slice of the sum over devices.
+
+Transports are frozen dataclasses: chosen once per unit from the config
+(``transports.weight_transport`` / ``gradient_transport``), hashable, and asked by
+everything that moves weights (the unit transform, generation) instead of branching on
+the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+
+from zeropp_jax.core.mesh import AXES
+
+Buffers = tuple[jax.Array, ...]
+
+
+class WeightTransport(Protocol):
+    """How a unit's weights arrive in forward and are rebuilt in backward."""
+
+    def gather(self, stored: Buffers, *, backward: bool = False) -> tuple[jax.Array, Buffers]:
+        """Stored buffers -> (full flat ``[n_pad]`` compute-dtype weights, the gathered wire
+        buffers). An all-gather over ``("node", "local")``. ``backward=True`` marks a
+        regather so XLA cannot merge it with the forward's gather."""
+        ...
+
+    def decode(self, moved: Buffers) -> jax.Array:
+        """Gathered wire buffers (``gather``'s second result) -> full flat weights."""
+        ...
+
+    def keep(self, stored: Buffers, moved: Buffers) -> Buffers:
+        """What forward keeps for backward: the stored buffers, or a slice of what moved."""
+        ...
+
+    def regather(self, kept: Buffers) -> jax.Array:
+        """``keep``'s result -> the full flat compute-dtype weights, in backward."""
+        ...
+
+
+class GradientTransport(Protocol):
+    """How a unit's full flat gradient leaves: a reduce-scatter of its sum."""
+
+    def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None) -> jax.Array:
+        """``[n_pad]`` gradient -> this device's ``[n_pad / P]`` slice of the sum over
+        ``("node", "local")``, in fp32. ``on``: a traced bool for transports that can switch
+        to a plain reduce-scatter at run time (ignored by the others)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectGather:
+    """Base of the transports that keep the stored buffers for backward and regather them
+    over the whole mesh (ZeRO-3's regather; hpZ's ``SecondaryRegather`` replaces this)."""
+
+    def keep(self, stored: Buffers, moved: Buffers) -> Buffers:
+        return stored
+
+    def regather(self, kept: Buffers) -> jax.Array:
+        return self.gather(kept, backward=True)[0]  # type: ignore[attr-defined]
+
+
+def reduce_gradient(transport: GradientTransport, g_full: jax.Array, shard_dtype,
+                    on: jax.Array | None = None) -> jax.Array:
+    """``[n_pad]`` gradient -> this device's ``[n_pad / P]`` slice of the mean over all
+    ``P`` devices of ``("node", "local")``, in ``shard_dtype`` (divided in fp32)."""
+    num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
+    summed = transport.reduce_sum(g_full, on)
+    return (summed / num_devices).astype(shard_dtype)

@@ -1,0 +1,51 @@
+"""hpZ: backward rebuilds a unit's weights from a secondary slice inside the node group."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from zeropp_jax.comm.hpz import group_nodes, hpz_all_gather, secondary_slice
+from zeropp_jax.comm.transports.base import Buffers, WeightTransport
+from zeropp_jax.core.mesh import LOCAL, NODE
+
+
+@dataclasses.dataclass(frozen=True)
+class SecondaryRegather:
+    """Wraps a value transport (plain, qwZ, stored quantized): forward gathers as it does;
+    each device then keeps the slice ``[n_pad / (k L)]`` of what moved at its position in
+    its group of ``k`` nodes (the secondary partition), and backward rebuilds the weights
+    from the group's slices: an all-gather over ``"local"``, plus ppermutes over ``"node"``
+    for ``k > 1``. No byte of a backward gather leaves the group.
+
+    Attributes:
+      inner: how the weights travel in forward, and how what moved decodes.
+      group_size: devices per group (``config.hpz_group_size``); None: one node.
+    """
+
+    inner: WeightTransport
+    group_size: int | None = None
+
+    def nodes(self) -> int:
+        """Nodes per group, from the mesh's axis sizes (inside ``shard_map``)."""
+        return group_nodes(self.group_size, jax.lax.axis_size(NODE), jax.lax.axis_size(LOCAL))
+
+    def gather(self, stored: Buffers, *, backward: bool = False) -> tuple[jax.Array, Buffers]:
+        return self.inner.gather(stored, backward=backward)
+
+    def decode(self, moved: Buffers) -> jax.Array:
+        return self.inner.decode(moved)
+
+    def keep(self, stored: Buffers, moved: Buffers) -> Buffers:
+        k = self.nodes()
+        return tuple(secondary_slice(m, k) for m in moved)
+
+    def regather(self, kept: Buffers) -> jax.Array:
+        k = self.nodes()
+        return self.inner.decode(tuple(hpz_all_gather(w, k) for w in kept))
+
+
+def wrap(inner: Any, config: Any) -> SecondaryRegather:
+    return SecondaryRegather(inner, config.hpz_group_size)

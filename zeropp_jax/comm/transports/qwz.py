@@ -1,0 +1,52 @@
+"""qwZ: the fp32 primary shard block-quantized to INT8/INT4, gathered, dequantized."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from zeropp_jax.comm.collectives import qwz_all_gather
+from zeropp_jax.comm.transports.base import Buffers, DirectGather
+from zeropp_jax.core.mesh import AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class QwzGather(DirectGather):
+    """Stored ``(shard,)``; on the wire block-quantized values plus fp32 scales, packed
+    in one byte buffer (``collectives.qwz_all_gather``). Quantization is deterministic, so
+    the backward regather sees the forward's weights bit for bit.
+
+    Attributes:
+      bits: 8 or 4.
+      block_size: elements per scale; None: one scale per shard.
+      dtype: the compute dtype of the full weights.
+      implementation: ``"xla"`` or ``"pallas"`` (``quant.quantization``).
+      hierarchical: two hops, over ``"node"`` then ``"local"``.
+    """
+
+    bits: int
+    block_size: int | None
+    dtype: Any
+    implementation: str
+    hierarchical: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> "QwzGather":
+        return cls(config.weight_bits, config.block_size if config.blockwise else None,
+                   config.compute_jnp_dtype, config.quantization_impl,
+                   config.all_gather == "hierarchical")
+
+    def gather(self, stored: Buffers, *, backward: bool = False) -> tuple[jax.Array, Buffers]:
+        shard = stored[0]
+        full = qwz_all_gather(
+            shard, axis_names=AXES, bits=self.bits,
+            block_size=self.block_size or shard.shape[0], out_dtype=self.dtype,
+            implementation=self.implementation, distinct=backward,
+            hierarchical=self.hierarchical,
+        )
+        return full, (full,)
+
+    def decode(self, moved: Buffers) -> jax.Array:
+        return moved[0]

@@ -1,0 +1,75 @@
+"""Frozen weights stored quantized: gathered as stored, dequantized only on arrival."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeropp_jax.comm.collectives import axis_size, gather_tiled, pack_rows, unpack_rows
+from zeropp_jax.comm.transports.base import Buffers, DirectGather
+from zeropp_jax.core.mesh import AXES
+from zeropp_jax.quant.quantization import dequantize_flat
+
+
+def all_gather_quantized(
+    values: jax.Array, scales: jax.Array, axis_names: Any = AXES, *, distinct: bool = False,
+    hierarchical: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """All-gathers stored quantized shards as they are (no quantization). Inside ``shard_map``.
+
+    Communicates over ``axis_names``: int8 (or INT4-packed uint8) values and fp32 scales,
+    packed into one uint8 buffer per device (``collectives.pack_rows``) and returned
+    concatenated in row-major device order. ``distinct=True`` moves the same bytes as int8
+    so XLA cannot merge a backward regather with the forward gather. ``hierarchical``: two
+    hops, node first (``collectives.gather_tiled``).
+    """
+    axes = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+    # Values and scales in one byte buffer, one gather (each collective has a fixed cost).
+    buf = pack_rows(values, scales, 1).reshape(-1)
+    if distinct:
+        buf = jax.lax.bitcast_convert_type(buf, jnp.int8)
+    gathered = gather_tiled(buf, axes, hierarchical=hierarchical)
+    v, s = unpack_rows(gathered.reshape(axis_size(axes), -1), values.shape[0], values.dtype)
+    return v.reshape(-1), s.reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredQuantizedGather(DirectGather):
+    """Stored ``(values, scales)``: int8 (or INT4 pairs packed in uint8) values of the
+    primary shard and one fp32 scale per block. What moves is what is stored; nothing is
+    quantized in the step. Dequantized to the compute dtype after the gather.
+
+    Attributes:
+      bits: 8 or 4.
+      block_size: elements per scale.
+      dtype: the compute dtype of the full weights.
+      implementation: ``"xla"`` or ``"pallas"`` for the dequantize.
+      hierarchical: two hops, over ``"node"`` then ``"local"``.
+    """
+
+    bits: int
+    block_size: int
+    dtype: Any
+    implementation: str
+    hierarchical: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any, layout: Any) -> "StoredQuantizedGather":
+        from zeropp_jax.comm.frozen import frozen_block_size
+
+        return cls(config.weight_bits, frozen_block_size(config, layout),
+                   config.compute_jnp_dtype, config.quantization_impl,
+                   config.all_gather == "hierarchical")
+
+    def gather(self, stored: Buffers, *, backward: bool = False) -> tuple[jax.Array, Buffers]:
+        moved = all_gather_quantized(*stored, AXES, distinct=backward,
+                                     hierarchical=self.hierarchical)
+        return self.decode(moved), moved
+
+    def decode(self, moved: Buffers) -> jax.Array:
+        values, scales = moved
+        return dequantize_flat(values, scales, bits=self.bits, block_size=self.block_size,
+                               dtype=self.dtype, implementation=self.implementation)

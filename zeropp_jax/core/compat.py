@@ -1,0 +1,225 @@
+"""Everything that differs between the JAX versions zeropp_jax supports (0.10.2 to 0.12.x).
+
+One place for version-dependent calls: the rest of the package (and the tests) import them
+from here, never from ``jax._src`` or by version checks of their own. Each item says which
+versions differ and how. Checked against the sources of jax 0.10.2, 0.11.2 and 0.12.0.1, and
+by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
+
+1. ``all_gather_invariant`` (an all-gather typed invariant under ``shard_map``'s
+   ``check_vma``). 0.10.2 and 0.11.2 define it in ``jax._src.lax.parallel`` only (not
+   exported from ``jax.lax``); 0.12 removed that function. All three accept
+   ``jax.lax.all_gather(..., to="invarying")``, which is the same primitive.
+2. ``backends_are_initialized``: private (``jax._src.xla_bridge``) in 0.10 to 0.12, with no
+   public equivalent; if it disappears we answer False and let ``jax.config.update`` raise.
+3. Checkpoint (remat) policies: ``jax.checkpoint_policies`` is a namespace attribute of
+   ``jax`` in 0.10.2, 0.11.2 and 0.12 with the same names (0.11 adds the classes
+   ``SaveOnlyTheseNames``... to it). Should it become a submodule that ``import jax`` does not
+   load, it is imported explicitly as a fallback. ``save_anything_except_these_names`` is still a
+   stub that saves everything in 0.10.2 and 0.11.2: use allow-lists.
+4. Lowering Pallas kernels for CUDA on a host without a GPU (``lower_for_cuda``). 0.10.2's
+   Triton lowering falls back to compute capability 9.0 when no GPU is present. From 0.11 it
+   reads the target GPU from the abstract mesh's ``AbstractDevice`` and raises "No supported
+   GPU devices found" without one; ``lower_for_cuda`` sets an H100 (the old fallback) for the
+   duration of trace and lower. Kernels inside ``shard_map`` over a concrete CPU mesh see
+   that mesh's CPU ``AbstractDevice`` instead, so the host's device kind is also registered
+   in Pallas Triton's GPU registry (private, ``jax._src.pallas.triton.gpu_info``) meanwhile.
+5. Pallas Triton (``jax.experimental.pallas.triton``): imports in 0.10 to 0.12. From 0.11
+   lowering a Triton ``pallas_call`` warns (DeprecationWarning, id ``jax-pallas-triton``):
+   the backend is deprecated in favour of Mosaic GPU. It still works, so the kernels in
+   ``pallas_kernels/`` keep Triton. Its custom-call target is ``TRITON_CALL_TARGET``.
+6. Replica groups in program text: jax <= 0.10 prints explicit lists
+   (``dense<[[0, 1], ...]>`` / ``{{0,1},...}`` / iota ``[4,2]<=[8]``); jax >= 0.11 prints
+   mesh axes (``#stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [...]>`` with an
+   ``sdy.mesh`` declaration; compiled: ``mesh['node'=4,'local'=2] {'local'}``). Both are
+   parsed by ``zeropp_jax.measure.comm_report.collectives``, the one parser of program text.
+7. ``saved_residuals`` (what a function's backward keeps): private
+   (``jax._src.ad_checkpoint``) with the same signature in 0.10 to 0.12; the public
+   ``jax.ad_checkpoint`` exports only ``print_saved_residuals``.
+8. The ``jax.distributed`` coordination client (barriers with a timeout, a key-value
+   store): private (``jax._src.distributed.global_state.client``) in 0.10 to 0.12, the
+   same object orbax and ``jax.experimental.multihost_utils`` use; ``wait_at_barrier(id,
+   timeout_in_ms)``, ``key_value_set(key, value)`` and ``blocking_key_value_get(key,
+   timeout_in_ms)`` have the same signatures in all three.
+9. orbax's ``ArrayRestoreArgs`` reading an array into another global length (zero
+   padding or truncation): orbax >= 0.11.x requires ``strict=False`` for it (0.12.8 raises
+   "Truncating/padding is disabled" without); versions before the flag padded silently and
+   reject the keyword.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Iterator
+
+import jax
+
+JAX_VERSION: tuple[int, ...] = tuple(
+    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()
+)
+
+# -- 1. all_gather_invariant ------------------------------------------------------------------
+
+
+def all_gather_invariant(x: Any, axis_name: str | tuple[str, ...], *, axis: int = 0,
+                         tiled: bool = False) -> Any:
+    """``jax.lax.all_gather`` whose result is typed invariant over ``axis_name``.
+
+    Runs inside ``shard_map``. Its transpose is a slice, not a reduce-scatter.
+    """
+    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled, to="invarying")
+
+
+# -- 2. backends_are_initialized ----------------------------------------------------------------
+
+
+def backends_are_initialized() -> bool:
+    """True once JAX has created its backends (device count settings come too late then)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # private API gone: let jax.config.update decide
+        return False
+
+
+# -- 3. checkpoint policies -----------------------------------------------------------------------
+
+try:
+    checkpoint_policies = jax.checkpoint_policies
+except AttributeError:  # a submodule that `import jax` does not load
+    checkpoint_policies = importlib.import_module("jax.checkpoint_policies")
+
+checkpoint_dots = checkpoint_policies.checkpoint_dots
+dots_with_no_batch_dims_saveable = checkpoint_policies.dots_with_no_batch_dims_saveable
+nothing_saveable = checkpoint_policies.nothing_saveable
+everything_saveable = checkpoint_policies.everything_saveable
+save_only_these_names = checkpoint_policies.save_only_these_names
+save_from_both_policies = checkpoint_policies.save_from_both_policies
+
+# -- 4. lowering for CUDA without a GPU --------------------------------------------------------
+
+# The GPU a CUDA lowering targets when the host has none: compute capability 9.0, the
+# fallback jax 0.10.2's Triton lowering uses by itself.
+DEFAULT_CUDA_DEVICE_KIND = "NVIDIA H100"
+_H100_SMS = 132
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # no GPU backend (none present, or JAX_PLATFORMS=cpu)
+        return False
+
+
+@contextlib.contextmanager
+def _host_kind_resolves_to_default_gpu() -> Iterator[None]:
+    """Pallas calls traced inside ``shard_map`` over a concrete CPU mesh lower under that
+    mesh's abstract mesh (JAX records it per equation), whose ``AbstractDevice`` is the CPU:
+    no abstract mesh set around ``lower`` reaches them. Triton's GPU lookup falls back to a
+    registry of device kinds, so the host's kind is registered as the default GPU meanwhile.
+    """
+    try:
+        from jax._src.pallas.triton import gpu_info
+        registry, lookup = gpu_info.registry, gpu_info.get_gpu_info
+        target = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    except (ImportError, AttributeError):  # layout changed: the abstract mesh alone remains
+        yield
+        return
+    kind = jax.local_devices()[0].device_kind
+    added = kind not in registry
+    if added:
+        registry[kind] = lambda: target
+    try:
+        yield
+    finally:
+        if added:
+            registry.pop(kind, None)
+            getattr(lookup, "cache_clear", lambda: None)()  # forget answers given meanwhile
+
+
+@contextlib.contextmanager
+def abstract_cuda_device() -> Iterator[None]:
+    """Makes CUDA the target of Pallas lowering, also on a host without a GPU.
+
+    JAX >= 0.11 reads the target GPU from the abstract mesh's ``AbstractDevice``; without a
+    GPU this sets an empty abstract mesh carrying an H100 (tracing is unaffected: the mesh
+    has no axes) and resolves the host's device kind to an H100 for kernels inside
+    ``shard_map``. With a GPU present, or on JAX 0.10 (whose Triton lowering needs no
+    device), it does nothing.
+    """
+    if JAX_VERSION < (0, 11) or _has_gpu():
+        yield
+        return
+    device = jax.sharding.AbstractDevice(
+        device_kind=DEFAULT_CUDA_DEVICE_KIND, num_cores=_H100_SMS, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh), _host_kind_resolves_to_default_gpu():
+        yield
+
+
+def lower_for_cuda(jitted: Any, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    """``jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))`` on any host.
+
+    Args:
+      jitted: a ``jax.jit``-wrapped function (anything with ``.trace``).
+      *args, **kwargs: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+
+    For Pallas kernels to lower (not run in interpret mode) on a CPU host, call it under
+    ``zeropp_jax.quant.quantization.compiled_kernels()``.
+    """
+    with abstract_cuda_device():
+        return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+
+
+# -- 5. Pallas Triton ---------------------------------------------------------------------------
+
+# Custom-call target of a Triton pallas_call in lowered StableHLO: XLA's Triton custom call in
+# jaxlib 0.10.2 to 0.12 (0.10.2 also carries an unused FFI path, "triton_kernel_call_ffi",
+# meant for later jaxlibs; 0.11 dropped it again).
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
+
+
+# -- 7. saved_residuals -------------------------------------------------------------------------
+
+
+def saved_residuals(f: Any, *args: Any, **kwargs: Any) -> list[tuple[Any, str]]:
+    """``(aval, description)`` of every residual ``f``'s backward would keep."""
+    from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
+
+    return _saved_residuals(f, *args, **kwargs)
+
+
+def eval_jaxpr(closed: Any, *args: Any) -> list[Any]:
+    """Evaluates a ``ClosedJaxpr`` (from ``jax.make_jaxpr``) on ``args`` in the current
+    trace: the recorded equations are bound again, no Python is re-run.
+    ``jax.core.eval_jaxpr`` is public in 0.10 to 0.12."""
+    from jax import core
+
+    return core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+# -- 8. the jax.distributed coordination client --------------------------------------------------
+
+
+def distributed_client() -> Any:
+    """The coordination-service client of ``jax.distributed.initialize``, or None if this
+    process did not join a cluster."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+# -- 9. orbax: restoring into another global length ------------------------------------------------
+
+
+def orbax_resizing_restore_args(sharding: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """``ArrayRestoreArgs`` reading a stored array into ``shape`` on ``sharding``: zeros
+    past the stored end, the stored tail dropped where ``shape`` is shorter."""
+    import orbax.checkpoint as ocp
+
+    try:
+        return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype,
+                                    strict=False)
+    except TypeError:  # an orbax without the flag pads and truncates by itself
+        return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)

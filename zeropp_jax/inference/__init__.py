@@ -1,0 +1,1 @@
+"""Generation on a sharded state."""

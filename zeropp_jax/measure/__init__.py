@@ -1,0 +1,1 @@
+"""Communication reports, memory model and mesh pictures."""

@@ -1,1 +1,0 @@
-"""Reference models used by the examples, benchmarks and tests."""

@@ -1,0 +1,1 @@
+"""The train state, the step, optimizer checks, accumulation, losses and checkpoints."""

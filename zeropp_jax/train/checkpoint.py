@@ -1,0 +1,782 @@
+"""Checkpoints of a sharded train state, written by every process, restorable onto any mesh.
+
+Each process writes only the shards its own devices hold and reads only those its devices
+will hold (orbax over TensorStore, OCDBT), so no process ever holds the whole model: a
+checkpoint written by 2 processes on a 2x2 mesh restores in 1 process on 1x2, or in 4 on
+4x2. What is stored does not depend on the mesh: a unit's flat buffer (``n`` real elements,
+then zero padding to the writing mesh's ``n_pad``), the optimizer buffers laid out alike,
+the variable collections (batch_stats, NNX state, PRNG keys as key data) and the frozen
+weights as stored (block-quantized values and scales: a block never straddles devices, so
+its bytes are the same on any mesh). Restoring reads each array with the template's global
+length and sharding, padding with zeros or dropping padding as the new mesh needs. Units,
+collections and frozen parts are matched by name, never by position. This is DeepSpeed's
+universal checkpoint; ``load_params`` is its ``zero_to_fp32``.
+
+Layout of ``directory``::
+
+    step_00000100/          one finished checkpoint
+      meta.json             step, units and leaf shapes, optimizer-state leaves, checksums
+      arrays/               orbax PyTree checkpoint of the global arrays
+    .tmp-step_00000200-…/   a save in progress (or one that was interrupted): ignored
+    .lock                   taken by the saving job's process 0 (flock)
+
+Every process must call ``save`` and ``restore`` (they are collective, as a train step is);
+a call made on some processes only fails after ``ZEROPP_COLLECTIVE_TIMEOUT_S`` with an
+error naming it (``zeropp_jax.core.processes``). Process 0 alone touches the directory's
+structure: under the lock it clears debris of dead saves, picks a temporary directory,
+writes ``meta.json`` once every process has written its shards, and commits with one
+rename, so an interrupted save never leaves a ``step_N`` behind. Every array has a checksum
+in ``meta.json`` that does not depend on how it is split: two sums over its real elements'
+bits (plain and weighted by global index, mod 2^64). Each process sums the elements it
+holds, the processes add their sums, and restore does the same over what it read, so a
+damaged file is an error on every process, never silently different weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import uuid
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from zeropp_jax.core import compat
+from zeropp_jax.core import processes
+from zeropp_jax.comm.frozen import merge_trees
+from zeropp_jax.core.mesh import mesh_shape
+from zeropp_jax.comm.partition import REST, UnitLayout, merge_units
+from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams, is_prng_key, place
+from zeropp_jax.train.state import TrainState
+
+PyTree = Any
+FORMAT = "zeropp_jax.train.checkpoint/2"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_MASK = (1 << 64) - 1
+_CHUNK = 1 << 20  # elements summed at a time (bounds the uint64 temporaries)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, damaged, or does not fit the given state."""
+
+
+def _step_dir(directory: pathlib.Path, step: int) -> pathlib.Path:
+    return directory / f"step_{step:08d}"
+
+
+def available_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps of the finished checkpoints in ``directory`` (ascending; [] if none)."""
+    directory = pathlib.Path(directory)
+    if not directory.is_dir():
+        return []
+    steps = []
+    for p in directory.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def _written(directory: pathlib.Path, step: int) -> int:
+    """The checkpoint's place in write order (meta "written_seq"; 0 if unknown)."""
+    try:
+        return int(json.loads((_step_dir(directory, step) / "meta.json").read_text())
+                   .get("written_seq", 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The step of the checkpoint written last, or None. After a rollback (restore step
+    100 of 300, train, save 110) that is 110, not the abandoned 300."""
+    directory = pathlib.Path(directory)
+    steps = available_steps(directory)
+    if not steps:
+        return None
+    return max(steps, key=lambda s: (_written(directory, s), s))
+
+
+@contextlib.contextmanager
+def _locked(directory: pathlib.Path) -> Iterator[None]:
+    """Holds ``directory/.lock`` exclusively (``flock``): saves into one directory run
+    one after another, and while one holds it every ``.tmp-*`` entry belongs to a save
+    that died. The lock goes with the process if it dies."""
+    import fcntl
+
+    with open(directory / ".lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _recover(directory: pathlib.Path) -> None:
+    """Under the lock: a re-save that died between its two renames left the complete old
+    copy as ``.tmp-replaced-step_N-*`` and no ``step_N``: put it back. Other ``.tmp-*``
+    entries are debris of dead saves and go."""
+    for p in sorted(directory.glob(".tmp-replaced-step_*")):
+        m = re.match(r"^\.tmp-replaced-(step_\d+)-", p.name)
+        final = directory / m.group(1) if m else None
+        if final is not None and not final.exists() and (p / "meta.json").is_file():
+            os.rename(p, final)
+    for p in directory.glob(".tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _retain(directory: pathlib.Path, step: int, keep: int) -> None:
+    """Keeps ``keep`` checkpoints after writing ``step``. Checkpoints of later steps
+    written before it belong to a run abandoned by a rollback: they go first (oldest
+    written first); then the lowest steps of the current run."""
+    steps = available_steps(directory)
+    seq = {s: _written(directory, s) for s in steps}
+    mine = seq.get(step, 0)
+    abandoned = sorted((s for s in steps if s > step and seq[s] < mine), key=lambda s: seq[s])
+    current = [s for s in steps if s not in abandoned]
+    for old in (abandoned + current)[: max(0, len(steps) - keep)]:
+        shutil.rmtree(_step_dir(directory, old), ignore_errors=True)
+
+
+def _finalize(tmp: pathlib.Path, final: pathlib.Path) -> pathlib.Path:
+    """The commit point: one rename makes the checkpoint visible."""
+    if final.exists():
+        trash = final.parent / f".tmp-replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    return final
+
+
+# -- checksums that do not depend on the split --------------------------------------------------
+
+
+def _sums_of(flat: np.ndarray, start: int) -> tuple[int, int]:
+    """(sum of bits, sum of bits x (global index + 1)) of a host slice starting at global
+    element ``start``, mod 2^64. Bits as unsigned ints of the element's width."""
+    flat = np.ascontiguousarray(flat).reshape(-1)
+    if flat.dtype == np.bool_:
+        flat = flat.view(np.uint8)
+    bits = flat.view(f"u{flat.dtype.itemsize}")
+    s1 = s2 = 0
+    for lo in range(0, bits.size, _CHUNK):
+        v = bits[lo: lo + _CHUNK].astype(np.uint64)
+        idx = np.arange(start + lo + 1, start + lo + 1 + v.size, dtype=np.uint64)
+        s1 += int(v.sum(dtype=np.uint64))
+        s2 += int((v * idx).sum(dtype=np.uint64))  # uint64 products wrap: mod 2^64
+    return s1 & _MASK, s2 & _MASK
+
+
+def _partial_sums(x: jax.Array, n_real: int) -> tuple[int, int]:
+    """This process's part of ``x``'s checksum: the elements ``[0, n_real)`` of the
+    row-major flattened global array that its devices hold as first replica (so every
+    element is counted by exactly one process)."""
+    s1 = s2 = 0
+    for shard in x.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        if x.ndim == 1:
+            start = shard.index[0].start or 0
+        elif all(sl == slice(None) or (sl.start in (None, 0) and sl.stop in (None, d))
+                 for sl, d in zip(shard.index, x.shape)):
+            start = 0
+        else:  # only 1-D buffers are split; everything else is replicated
+            raise AssertionError(f"cannot checksum a {x.ndim}-D array split over devices")
+        data = np.asarray(shard.data).reshape(-1)[: max(0, n_real - start)]
+        a, b = _sums_of(data, start)
+        s1, s2 = (s1 + a) & _MASK, (s2 + b) & _MASK
+    return s1, s2
+
+
+def _checksums(name: str, arrays: dict[str, jax.Array], real: dict[str, int]
+               ) -> dict[str, str]:
+    """Checksums of global arrays, each process adding its part (one small exchange)."""
+    mine = {k: _partial_sums(x, real[k]) for k, x in arrays.items()}
+    total = {k: [0, 0] for k in arrays}
+    for text in processes.allgather(name, json.dumps(mine)):
+        for k, (a, b) in json.loads(text).items():
+            total[k] = [(total[k][0] + a) & _MASK, (total[k][1] + b) & _MASK]
+    return {k: f"{a:016x}{b:016x}" for k, (a, b) in total.items()}
+
+
+# -- what a state holds, mesh-independently ----------------------------------------------------
+
+
+def _unit_of(path: tuple, layouts: dict[str, UnitLayout]) -> str | None:
+    for k in reversed(path):
+        key = getattr(k, "key", None)
+        if isinstance(key, str) and key in layouts:
+            return key
+    return None
+
+
+def _opt_leaves(state: TrainState) -> list[dict]:
+    """One record per optimizer-state leaf: key, whether it is a unit-flat buffer, unit."""
+    engine = state.engine
+    leaves = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+    specs = jax.tree_util.tree_leaves(engine.opt_specs)
+    if len(specs) != len(leaves):  # opt_specs mirrors opt_state leaf for leaf
+        raise AssertionError("optimizer state and its specs differ in structure")
+    out = []
+    for (path, leaf), spec in zip(leaves, specs):
+        rec = {"key": jax.tree_util.keystr(path), "dtype": str(np.dtype(leaf.dtype))}
+        if spec == SHARDED:
+            unit = _unit_of(path, engine.layouts)
+            if unit is None or leaf.shape != (engine.layouts[unit].n_pad,):
+                raise NotImplementedError(
+                    f"optimizer-state leaf {rec['key']} is sharded but not a per-unit flat "
+                    "buffer; zeropp_jax cannot checkpoint it mesh-independently"
+                )
+            rec.update(kind="unit", unit=unit, shape=[engine.layouts[unit].n])
+        else:
+            rec.update(kind="whole", unit=None, shape=list(leaf.shape))
+        out.append(rec)
+    return out
+
+
+def _unit_records(layouts: dict[str, UnitLayout]) -> list[dict]:
+    recs = []
+    for name, lay in layouts.items():
+        paths = jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(lay.treedef, list(range(len(lay.shapes))))
+        )[0]
+        recs.append({
+            "name": name,
+            "path": list(lay.path),
+            "layer": lay.layer,
+            "n": lay.n,
+            "leaves": [{"path": [str(getattr(k, "key", k)) for k in p], "shape": list(s)}
+                       for (p, _), s in zip(paths, lay.shapes)],
+        })
+    return recs
+
+
+def _frozen_info(state: TrainState) -> dict | None:
+    """How the frozen weights are stored (None without frozen weights)."""
+    frozen, engine = state.frozen, state.engine
+    if frozen is None or not engine.frozen_layouts:
+        return None
+    cfg = engine.config
+    return {
+        "quantized": bool(frozen.quantized),
+        "bits": int(frozen.bits) if frozen.quantized else None,
+        "block_size": int(frozen.block_size) if frozen.quantized and cfg.blockwise else None,
+        "blockwise": bool(cfg.blockwise) if frozen.quantized else None,
+        "dtype": None if frozen.quantized else str(np.dtype(cfg.param_jnp_dtype)),
+        "units": _unit_records(engine.frozen_layouts),
+        # Non-blocked quantization has one scale per device's shard: tied to the mesh.
+        "n_pad": {k: lay.n_pad for k, lay in engine.frozen_layouts.items()},
+        "shards": int(engine.mesh.size),
+    }
+
+
+def _frozen_real(info: dict, n: int, n_pad: int, part: str) -> int:
+    """Real (mesh-independent) elements of a frozen unit's stored ``part``: whole blocks
+    that hold parameters (their padding inside the last block is the same on any mesh)."""
+    if not info["quantized"]:
+        return n
+    if not info["blockwise"]:  # one scale per device's shard: all of it is mesh-bound
+        return n_pad // (2 if info["bits"] == 4 else 1) if part == "v" else info["shards"]
+    blocks = math.ceil(n / info["block_size"])
+    if part == "s":
+        return blocks
+    return blocks * info["block_size"] // (2 if info["bits"] == 4 else 1)
+
+
+def _arrays(state: TrainState) -> tuple[dict[str, dict[str, jax.Array]], dict]:
+    """The global arrays to store, grouped, and the records that describe them."""
+    engine = state.engine
+    shards = state.params if state.master is None else state.master
+    arrays: dict[str, dict[str, jax.Array]] = {"params": {}, "opt": {}}
+    for i, name in enumerate(engine.layouts):
+        arrays["params"][f"u{i}"] = shards.units[name]
+    opt_recs = _opt_leaves(state)
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(state.opt_state)):
+        arrays["opt"][f"o{i}"] = leaf
+    coll_recs = []
+    if state.collections:
+        arrays["collections"] = {}
+        for i, (path, leaf) in enumerate(
+                jax.tree_util.tree_flatten_with_path(state.collections)[0]):
+            key = is_prng_key(leaf)
+            x = jax.random.key_data(leaf) if key else leaf
+            arrays["collections"][f"c{i}"] = x
+            coll_recs.append({"key": jax.tree_util.keystr(path), "shape": list(x.shape),
+                              "dtype": str(np.dtype(x.dtype)),
+                              "prng": str(jax.random.key_impl(leaf)) if key else None})
+    frozen = _frozen_info(state)
+    if frozen is not None:
+        arrays["frozen"] = {}
+        for i, name in enumerate(engine.frozen_layouts):
+            arrays["frozen"][f"v{i}"] = state.frozen.values[name]
+            if state.frozen.quantized:
+                arrays["frozen"][f"s{i}"] = state.frozen.scales[name]
+    return arrays, {"opt_state": opt_recs, "collections": coll_recs, "frozen": frozen}
+
+
+def _real_lengths(arrays: dict, meta: dict) -> dict[str, int]:
+    """``"group/key" -> real elements`` (what the checksum covers; the rest is padding)."""
+    real = {}
+    units = meta["units"]
+    for k in arrays.get("params", {}):
+        real[f"params/{k}"] = units[int(k[1:])]["n"]
+    for k in arrays.get("opt", {}):
+        rec = meta["opt_state"][int(k[1:])]
+        real[f"opt/{k}"] = int(np.prod(rec["shape"], dtype=np.int64))
+    for k in arrays.get("collections", {}):
+        real[f"collections/{k}"] = int(np.prod(meta["collections"][int(k[1:])]["shape"],
+                                              dtype=np.int64))
+    info = meta.get("frozen")
+    for k in arrays.get("frozen", {}):
+        rec = info["units"][int(k[1:])]
+        n_pad = info["n_pad"][rec["name"]]
+        real[f"frozen/{k}"] = _frozen_real(info, rec["n"], n_pad, k[0])
+    return real
+
+
+def _flat(arrays: dict) -> dict[str, jax.Array]:
+    return {f"{g}/{k}": x for g, d in arrays.items() for k, x in d.items()}
+
+
+def _local_int(x: Any) -> int:
+    """A replicated scalar's value from this process's own copy (no collective)."""
+    if isinstance(x, jax.Array):
+        return int(np.asarray(x.addressable_shards[0].data))
+    return int(x)
+
+
+def _on_lead(name: str, fn: Any) -> str:
+    """Runs ``fn() -> str`` on process 0 only; its result, or its error, reaches every
+    process (the others raise ``CheckpointError`` quoting it instead of waiting)."""
+    out, err = None, None
+    if jax.process_index() == 0:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 — re-raised below, reported to the others
+            err = e
+    msg = processes.broadcast(name, json.dumps(
+        {"ok": out} if err is None else {"error": f"{type(err).__name__}: {err}"}))
+    if err is not None:
+        raise err
+    got = json.loads(msg)
+    if "error" in got:
+        raise CheckpointError(f"{name} failed on process 0: {got['error']}")
+    return got["ok"]
+
+
+# -- save --------------------------------------------------------------------------------------
+
+
+def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 3) -> pathlib.Path:
+    """Writes ``state`` to ``directory/step_<state.step>`` and returns that path.
+
+    Collective: with several processes every process calls it with the same arguments and
+    writes only its own devices' shards (the directory must be on a filesystem all of them
+    see). Atomic: the checkpoint appears under its final name only once complete. Saves
+    into one directory take turns (a lock file; two concurrent saves both succeed), and a
+    re-save that dies between its two renames is undone by the next save or restore, so a
+    complete checkpoint is never hidden or deleted by a crash. ``keep``: how many finished
+    checkpoints to keep after a successful save (None keeps all): checkpoints of later
+    steps written earlier (a run abandoned by restoring an older step) go first, then the
+    lowest steps. Saving a step that already exists replaces it.
+    """
+    import orbax.checkpoint as ocp
+
+    if not isinstance(state, TrainState):
+        raise TypeError(f"save expects a zeropp_jax.TrainState, got {type(state).__name__}")
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+    processes.rendezvous("checkpoint.save")
+    directory = pathlib.Path(directory).absolute()  # orbax wants absolute paths
+    engine = state.engine
+    step = _local_int(state.step)
+    arrays, recs = _arrays(state)
+    nodes, local = mesh_shape(engine.mesh)
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "skipped_steps": 0 if state.skipped_steps is None else _local_int(state.skipped_steps),
+        "written_on": {"nodes": nodes, "local": local, "processes": jax.process_count(),
+                       "config": dataclasses.asdict(engine.config)},
+        "units": _unit_records(engine.layouts),
+        **recs,
+    }
+    meta["checksums"] = _checksums("checkpoint.save.checksums", _flat(arrays),
+                                   _real_lengths(arrays, meta))
+
+    with contextlib.ExitStack() as lock:  # held by process 0 from cleanup to commit
+        def prepare() -> str:
+            directory.mkdir(parents=True, exist_ok=True)
+            lock.enter_context(_locked(directory))
+            _recover(directory)
+            meta["written_seq"] = 1 + max([_written(directory, s)
+                                           for s in available_steps(directory)] or [0])
+            tmp = directory / f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            return str(tmp)
+
+        tmp = pathlib.Path(_on_lead("checkpoint.save.prepare", prepare))
+        error = None
+        try:
+            ocp.PyTreeCheckpointer().save(tmp / "arrays", arrays)
+        except Exception as e:  # noqa: BLE001 — every process must hear of it
+            error = e
+        processes.agree("checkpoint.save.write", error, CheckpointError)
+
+        def commit() -> str:
+            with open(tmp / "meta.json", "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            final = _finalize(tmp, _step_dir(directory, step))
+            if keep is not None:
+                _retain(directory, step, keep)
+            return str(final)
+
+        return pathlib.Path(_on_lead("checkpoint.save.commit", commit))
+
+
+# -- restore -----------------------------------------------------------------------------------
+
+
+def _find(directory: pathlib.Path, step: int | None) -> int:
+    """The step to read (default the latest written), after undoing a re-save that died
+    between its renames. Raises ``CheckpointError`` if there is none."""
+    if directory.is_dir() and any(directory.glob(".tmp-replaced-*")):
+        with _locked(directory):
+            _recover(directory)
+    steps = available_steps(directory)
+    if step is not None:
+        return int(step)
+    if not steps:
+        hint = ""
+        if directory.is_dir() and any(directory.glob(".tmp-*")):
+            hint = " (only an unfinished save is there: it was interrupted)"
+        raise CheckpointError(f"no checkpoint in {directory}{hint}")
+    return int(latest_step(directory))
+
+
+def _read_meta(directory: pathlib.Path, step: int) -> tuple[dict, pathlib.Path]:
+    path = _step_dir(directory, step)
+    others = [s for s in available_steps(directory) if s != step]
+    fallback = (f"; other checkpoints here: steps {others} (pass step=...)" if others else "")
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint for step {step} in {directory}{fallback}")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{path} is not a complete zeropp_jax checkpoint (meta.json unreadable: {e})"
+            f"{fallback}"
+        ) from e
+    if meta.get("format") != FORMAT:
+        old = (" (written by an older zeropp_jax, before multi-process checkpoints; load it "
+               "with that version and save it again)"
+               if meta.get("format") == "zeropp_jax.train.checkpoint/1" else "")
+        raise CheckpointError(
+            f"{path}: unknown format {meta.get('format')!r}, expected {FORMAT}{old}")
+    return meta, path
+
+
+def _locate(directory: str | os.PathLike, step: int | None, name: str
+            ) -> tuple[dict, pathlib.Path]:
+    """(meta, path) of one finished checkpoint, the same on every process."""
+    directory = pathlib.Path(directory).absolute()  # orbax wants absolute paths
+    chosen = int(_on_lead(f"{name}.find", lambda: str(_find(directory, step))))
+    meta = path = error = None
+    try:
+        meta, path = _read_meta(directory, chosen)
+    except CheckpointError as e:
+        error = e
+    processes.agree(f"{name}.meta", error, CheckpointError)
+    return meta, path
+
+
+def _read_arrays(path: pathlib.Path, targets: dict, name: str) -> dict:
+    """Reads ``path/arrays`` into the shape of ``targets`` (orbax restore args)."""
+    import orbax.checkpoint as ocp
+
+    arrays, error = None, None
+    try:
+        arrays = ocp.PyTreeCheckpointer().restore(path / "arrays", restore_args=targets)
+    except Exception as e:  # noqa: BLE001 — any failure to read means a damaged checkpoint
+        error = CheckpointError(
+            f"{path} is damaged: its arrays cannot be read ({type(e).__name__}: {e})")
+    processes.agree(f"{name}.read", error, CheckpointError)
+    return arrays
+
+
+def _verify(path: pathlib.Path, meta: dict, sums: dict[str, str]) -> None:
+    bad = [k for k, v in meta["checksums"].items() if sums.get(k) != v]
+    if bad:
+        raise CheckpointError(
+            f"{path} is damaged: array {bad[0]} fails its checksum"
+            + (f" ({len(bad) - 1} more)" if len(bad) > 1 else ""))
+
+
+def _describe_units(recs: list[dict]) -> dict[str, tuple]:
+    return {r["name"]: (r["n"], tuple((tuple(l["path"]), tuple(l["shape"])) for l in r["leaves"]))
+            for r in recs}
+
+
+def _unit_mismatch(path: Any, want: dict, have: dict, what: str) -> CheckpointError | None:
+    if want == have:
+        return None
+    diff = []
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) != have.get(name):
+            w = f"{want[name][0]:,} parameters" if name in want else "absent"
+            h = f"{have[name][0]:,} parameters" if name in have else "absent"
+            diff.append(f"{what} {name!r}: checkpoint {h}, this model {w}")
+    return CheckpointError(
+        f"{path} was written for another model: " + "; ".join(diff[:6])
+        + ". Build the state with the model configuration (and frozen= filter) the "
+        "checkpoint was saved with."
+    )
+
+
+def _check_fits(state: TrainState, meta: dict, path: pathlib.Path) -> None:
+    """Raises ``CheckpointError`` unless the checkpoint holds this state's model,
+    optimizer, collections and frozen weights (stored the same way)."""
+    engine = state.engine
+    err = _unit_mismatch(path, _describe_units(_unit_records(engine.layouts)),
+                         _describe_units(meta["units"]), "unit")
+    if err:
+        raise err
+    opt_want = _opt_leaves(state)
+    strip = lambda recs: [(r["key"], r["kind"], r["unit"], r["shape"]) for r in recs]  # noqa
+    if strip(opt_want) != strip(meta["opt_state"]):
+        raise CheckpointError(
+            f"{path} holds the state of another optimizer ({len(meta['opt_state'])} leaves, "
+            f"e.g. {[r['key'] for r in meta['opt_state'][:3]]}) than this state's "
+            f"({len(opt_want)} leaves, e.g. {[r['key'] for r in opt_want[:3]]}); create the "
+            "template state with the same optax transformation"
+        )
+    want = [jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(state.collections or {})[0]]
+    have = [r["key"] for r in meta.get("collections", [])]
+    if want != have:
+        raise CheckpointError(
+            f"{path} holds variable collections {have[:4]}... but this state has "
+            f"{want[:4]}...: create the template state from the same model (with its "
+            "batch_stats / state)"
+        )
+    mine, theirs = _frozen_info(state), meta.get("frozen")
+    if (mine is None) != (theirs is None):
+        raise CheckpointError(
+            f"{path} was saved {'with' if theirs else 'without'} frozen parameters and this "
+            f"state has {'some' if mine else 'none'}: create the template with the same "
+            "TrainState.create(..., frozen=...) filter"
+        )
+    if mine is None:
+        return
+    for key in ("quantized", "bits", "block_size", "blockwise", "dtype"):
+        if mine[key] != theirs[key]:
+            raise CheckpointError(
+                f"{path} stores its frozen weights with {key}={theirs[key]!r}, this state "
+                f"with {key}={mine[key]!r}: create the template with the config the "
+                "checkpoint was saved with (quantize_frozen, weight_bits, block_size, "
+                "blockwise, param_dtype)"
+            )
+    err = _unit_mismatch(path, _describe_units(mine["units"]),
+                         _describe_units(theirs["units"]), "frozen part of unit")
+    if err:
+        raise err
+    if mine["quantized"] and not mine["blockwise"] and (
+            mine["n_pad"] != theirs["n_pad"] or mine["shards"] != theirs["shards"]):
+        raise CheckpointError(
+            f"{path} holds frozen weights quantized with one scale per device's shard "
+            f"(blockwise=False) on {theirs['shards']} devices; they restore only onto "
+            f"{theirs['shards']} devices (this mesh has {mine['shards']}). Use blockwise "
+            "quantization (the default) for checkpoints that move between meshes"
+        )
+
+
+def _restore_args(x: jax.Array) -> Any:
+    """Read the stored array into ``x``'s global shape, sharding and dtype: zeros where
+    the stored one is shorter (this mesh pads more), its tail dropped where longer."""
+    return compat.orbax_resizing_restore_args(x.sharding, x.shape, x.dtype)
+
+
+def _targets(state: TrainState, meta: dict) -> tuple[dict, dict]:
+    """(orbax restore args in the checkpoint's tree, the template array for each)."""
+    engine = state.engine
+    shards = state.params if state.master is None else state.master
+    like: dict[str, dict[str, jax.Array]] = {"params": {}, "opt": {}}
+    saved = {r["name"]: i for i, r in enumerate(meta["units"])}
+    for name in engine.layouts:
+        like["params"][f"u{saved[name]}"] = shards.units[name]
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(state.opt_state)):
+        like["opt"][f"o{i}"] = leaf
+    if state.collections:
+        like["collections"] = {
+            f"c{i}": jax.random.key_data(leaf) if is_prng_key(leaf) else leaf
+            for i, leaf in enumerate(jax.tree_util.tree_leaves(state.collections))}
+    if meta.get("frozen"):
+        like["frozen"] = {}
+        saved = {r["name"]: i for i, r in enumerate(meta["frozen"]["units"])}
+        for name in engine.frozen_layouts:
+            like["frozen"][f"v{saved[name]}"] = state.frozen.values[name]
+            if state.frozen.quantized:
+                like["frozen"][f"s{saved[name]}"] = state.frozen.scales[name]
+    return jax.tree_util.tree_map(_restore_args, like), like
+
+
+def restore(
+    directory: str | os.PathLike, state: TrainState, *, step: int | None = None
+) -> TrainState:
+    """Loads a checkpoint into the shape of ``state`` (which fixes model, optimizer, mesh).
+
+    ``state`` is a template, typically fresh from ``TrainState.create`` on the mesh to
+    restore onto (any mesh shape, device or process count, ZeRO stage); its values are
+    replaced. Collective like ``save``: every process calls it and reads only its own
+    devices' shards. ``step``: which checkpoint (default the one written last). Raises
+    ``CheckpointError`` (on every process) if the checkpoint is incomplete, damaged, or was
+    written for another model, optimizer or frozen-weight storage.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"restore expects a zeropp_jax.TrainState template, got "
+                        f"{type(state).__name__}")
+    processes.rendezvous("checkpoint.restore")
+    meta, path = _locate(directory, step, "checkpoint.restore")
+    _check_fits(state, meta, path)  # the same verdict on every process: same meta, template
+    args, _ = _targets(state, meta)
+    arrays = _read_arrays(path, args, "checkpoint.restore")
+    _verify(path, meta, _checksums("checkpoint.restore.checksums", _flat(arrays),
+                                   _real_lengths(arrays, meta)))
+
+    engine = state.engine
+    mesh, cfg = engine.mesh, engine.config
+    replicated = NamedSharding(mesh, REPLICATED)
+    saved = {r["name"]: i for i, r in enumerate(meta["units"])}
+    master = {name: arrays["params"][f"u{saved[name]}"] for name in engine.layouts}
+    opt_state = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(state.opt_state),
+        [arrays["opt"][f"o{i}"] for i in range(len(meta["opt_state"]))])
+    new = state.replace(
+        step=_replicated_scalar(meta["step"], replicated),
+        skipped_steps=_replicated_scalar(meta.get("skipped_steps", 0), replicated),
+        opt_state=opt_state,
+    )
+    if state.collections:
+        leaves = []
+        for i, (rec, leaf) in enumerate(zip(meta["collections"],
+                                            jax.tree_util.tree_leaves(state.collections))):
+            x = arrays["collections"][f"c{i}"]
+            if rec.get("prng"):
+                impl = jax.random.key_impl(leaf)
+                x = jax.jit(lambda d, impl=impl: jax.random.wrap_key_data(d, impl=impl),
+                            out_shardings=leaf.sharding)(x)
+            leaves.append(x)
+        new = new.replace(collections=jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(state.collections), leaves))
+    if meta.get("frozen"):
+        fsaved = {r["name"]: i for i, r in enumerate(meta["frozen"]["units"])}
+        f = state.frozen
+        new = new.replace(frozen=f.replace(
+            values={k: arrays["frozen"][f"v{fsaved[k]}"] for k in f.values},
+            scales={k: arrays["frozen"][f"s{fsaved[k]}"] for k in f.scales}))
+    if cfg.stage == 3:
+        return new.replace(params=ShardedParams(master, True))
+    cdt = cfg.compute_jnp_dtype  # stages 1 and 2: replicated compute-dtype weights too
+    full = {k: jax.jit(lambda v: v.astype(cdt), out_shardings=replicated)(v)
+            for k, v in master.items()}
+    return new.replace(params=ShardedParams(full, False), master=ShardedParams(master, True))
+
+
+def _replicated_scalar(value: int, replicated: NamedSharding) -> jax.Array:
+    return place(np.asarray(value, np.int32), replicated)
+
+
+# -- without a mesh ----------------------------------------------------------------------------
+
+
+def _tree_of(flat: np.ndarray, leaves: list[dict]) -> dict:
+    tree: dict = {}
+    offset = 0
+    for leaf in leaves:
+        size = int(np.prod(leaf["shape"], dtype=np.int64))
+        node = tree
+        for k in leaf["path"][:-1]:
+            node = node.setdefault(k, {})
+        node[leaf["path"][-1]] = flat[offset: offset + size].reshape(leaf["shape"])
+        offset += size
+    return tree
+
+
+def _frozen_flat(arrays: dict, info: dict, j: int, rec: dict) -> np.ndarray:
+    """A frozen part as stored -> fp32 ``[n]`` (dequantized if stored quantized)."""
+    values = np.asarray(arrays["frozen"][f"v{j}"])
+    if not info["quantized"]:
+        return values[: rec["n"]]
+    from zeropp_jax.quant.quantization import dequantize_flat
+
+    scales = np.asarray(arrays["frozen"][f"s{j}"])
+    n_pad = info["n_pad"][rec["name"]]
+    block = info["block_size"] or n_pad // info["shards"]
+    blocks = values.size * (2 if info["bits"] == 4 else 1) // block
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        full = dequantize_flat(values, scales[:blocks], bits=info["bits"], block_size=block,
+                               dtype=np.float32, implementation="xla")
+    return np.asarray(full)[: rec["n"]]
+
+
+def load_params(directory: str | os.PathLike, *, step: int | None = None) -> PyTree:
+    """The checkpoint's parameters as a plain Flax params tree of numpy arrays (param
+    dtype; frozen weights dequantized to fp32, as ``state.consolidate()`` gives them).
+
+    Needs no mesh, model or optimizer (DeepSpeed's ``zero_to_fp32``): usable with
+    ``model.apply({"params": load_params(dir)}, ...)`` on any device. Reads every array
+    whole, in every process that calls it.
+    """
+    import orbax.checkpoint as ocp
+
+    directory = pathlib.Path(directory).absolute()
+    meta, path = _read_meta(directory, _find(directory, step))
+    args: dict = {}
+    for key in meta["checksums"]:
+        group, name = key.split("/")
+        args.setdefault(group, {})[name] = ocp.RestoreArgs(restore_type=np.ndarray)
+    try:
+        arrays = ocp.PyTreeCheckpointer().restore(path / "arrays", restore_args=args)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"{path} is damaged: its arrays cannot be read ({type(e).__name__}: {e})") from e
+    real = _real_lengths(arrays, meta)
+    _verify(path, meta, {k: "%016x%016x" % _sums_of(np.asarray(x).reshape(-1)[: real[k]], 0)
+                         for k, x in _flat(arrays).items()})
+    trees = {rec["name"]: _tree_of(np.asarray(arrays["params"][f"u{i}"])[: rec["n"]],
+                                   rec["leaves"]) for i, rec in enumerate(meta["units"])}
+    recs = {rec["name"]: rec for rec in meta["units"]}
+    info = meta.get("frozen")
+    for j, rec in enumerate(info["units"] if info else []):
+        part = _tree_of(_frozen_flat(arrays, info, j, rec), rec["leaves"])
+        trees[rec["name"]] = merge_trees(trees.get(rec["name"], {}), part)
+        recs.setdefault(rec["name"], rec)
+    rest = trees.pop(REST, {})
+    by_path: dict[tuple, Any] = {}
+    stacks: dict[tuple, dict[int, Any]] = {}
+    for name, tree in trees.items():
+        p, layer = tuple(recs[name]["path"]), recs[name].get("layer")
+        if layer is None:
+            by_path[p] = tree
+        else:
+            stacks.setdefault(p, {})[layer] = tree
+    for p, layers in stacks.items():  # nn.scan stacks: layers back on a leading axis
+        by_path[p] = jax.tree_util.tree_map(lambda *xs: np.stack(xs),
+                                            *[layers[i] for i in range(len(layers))])
+    return merge_units(rest, by_path)
+
+
+def consolidate(state: TrainState) -> PyTree:
+    """A plain Flax params tree of numpy arrays from a sharded ``state`` (any stage)."""
+    return state.consolidate()

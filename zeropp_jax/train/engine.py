@@ -1,0 +1,463 @@
+"""The ZeRO engine: everything static about a run, and what runs inside the step.
+
+``Engine`` holds the model, optimizer, mesh, config and unit layouts. Inside ``shard_map``
+it runs the model on primary shards (``apply_step``: unit by unit for stage 3, on replicated
+weights for stages 1 and 2) and takes the optimizer step on the shards
+(``apply_gradients``: reduce, clip, check, update). Outside, it places batches and turns
+shards back into a params tree (``consolidate``). ``TrainState`` (state.py) carries it as
+static data; ``train_step`` (step.py) runs a user's step function around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.comm import collectives
+from zeropp_jax.core import processes
+from zeropp_jax.core.config import ZeroPPConfig
+from zeropp_jax.units.adapters.linen import apply_units
+from zeropp_jax.units.adapters.transformers import hf_call
+from zeropp_jax.comm.frozen import FrozenShards, dequantize_frozen_flat, merge_trees
+from zeropp_jax.core.mesh import AXES, mesh_shape
+from zeropp_jax.comm.partition import REST, UnitLayout, merge_units
+from zeropp_jax.comm.placement import (
+    REPLICATED,
+    SHARDED,
+    ShardedParams,
+    global_norm,
+    place,
+    to_host,
+)
+from zeropp_jax.comm.transports import reduce_gradient
+from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
+
+if TYPE_CHECKING:  # state.py imports this module
+    from zeropp_jax.train.state import TrainState
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    """What a traced step's ``apply_fn`` uses of the train state besides its params.
+
+    Attributes:
+      frozen: the state's frozen shards (``TrainState.frozen``), or None.
+      qgz_on: with ``config.qgz_until``, a traced bool: qgZ (True) or the plain
+        reduce-scatter for this step; None: qgZ whenever ``config.qgz``.
+    """
+
+    frozen: FrozenShards | None = None
+    qgz_on: jax.Array | None = None
+
+
+def _stack(*xs: Any) -> Any:
+    """Stacks layers on a new leading axis: numpy for numpy inputs, else jnp (traced)."""
+    if all(isinstance(x, np.ndarray) for x in xs):
+        return np.stack(xs)
+    return jnp.stack(xs)
+
+
+# Batch structures (leaf paths, shapes, dtypes) every process has been seen to agree on.
+_AGREED: set[str] = set()
+
+
+def _check_processes_agree(batch: PyTree) -> None:
+    """With several processes, every process must pass the same global batch (each places
+    only its own devices' rows of it). Their structures are compared once per structure
+    (a tiny all-gather of a checksum), so a process passing 8 rows where another passes 12
+    is an error, not a silently different step."""
+    import zlib
+
+    sig = repr([(jax.tree_util.keystr(p), np.shape(x), str(np.asarray(x).dtype)
+                 if not hasattr(x, "dtype") else str(x.dtype))
+                for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]])
+    if sig in _AGREED:
+        return
+    every = processes.allgather("batch structure", f"{zlib.crc32(sig.encode()):08x}")
+    if len(set(every)) > 1:
+        raise ValueError(
+            f"processes passed different global batches (this process, {jax.process_index()}: "
+            f"{sig}); every process must pass the same global batch, e.g. built from the "
+            "same seed and step, and each places only its own devices' rows"
+        )
+    _AGREED.add(sig)
+
+
+def _mean_over_devices(x: Any) -> Any:
+    """Float leaves: mean over ``("node", "local")``; others as they are."""
+    x = jnp.asarray(x)
+    return jax.lax.pmean(x, AXES) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+
+def _per_device_rngs(rngs: Any) -> Any:
+    """Folds this device's index into every RNG key passed to ``apply_fn``. Inside ``shard_map``.
+
+    The step's keys arrive replicated; data-parallel training wants each device's batch
+    shard to draw its own dropout masks (as each rank does in DeepSpeed / DDP), and a
+    unit's backward reuses the forward's key, so masks stay consistent within a device.
+    A dict of keys (``{"dropout": key}``) or a single key (Flax's ``params`` stream).
+    """
+    index = collectives.axis_index(AXES)
+    fold = lambda key: jax.random.fold_in(key, index)  # noqa: E731
+    if isinstance(rngs, Mapping):
+        return {name: fold(key) for name, key in rngs.items()}
+    return fold(rngs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Engine:
+    """Everything static about a ZeRO run: model, optimizer, mesh, config and unit layouts.
+
+    Compared and hashed by identity: a train state carries its engine as static data, so
+    one engine means one compiled step.
+    """
+
+    model: nn.Module
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    config: ZeroPPConfig
+    layouts: dict[str, UnitLayout]
+    opt_specs: PyTree
+    # Layouts of the units' frozen parts (``TrainState.create(..., frozen=...)``), keyed by
+    # unit name like ``layouts``; a unit may appear in both (LoRA adapters beside frozen
+    # weights) or only here (a wholly frozen unit).
+    frozen_layouts: dict[str, UnitLayout] = dataclasses.field(default_factory=dict)
+    # A transformers FlaxPreTrainedModel the model came from (``model`` is its module), so
+    # ``apply_fn`` also takes its call style; None for a plain linen model.
+    wrapper: Any = None
+    # True when the user chose the units (units=...): then units the call reads outside
+    # their own calls are reported (the default policy's leftovers are silently resident).
+    explicit_units: bool = False
+
+    @property
+    def has_frozen(self) -> bool:
+        """True if some parameters are frozen (kept outside ``params`` and ``opt_state``)."""
+        return bool(self.frozen_layouts)
+
+    def unit_table(self) -> tuple[list[tuple[str, int, int]], int]:
+        """([(unit name, parameters, shard elements per device)], total parameters),
+        trainable and frozen parts of a unit counted together, in unit order."""
+        rows: dict[str, list[int]] = {}
+        for lays in (self.layouts, self.frozen_layouts):
+            for name, lay in lays.items():
+                row = rows.setdefault(name, [0, 0])
+                row[0] += lay.n
+                row[1] += lay.shard_len
+        table = [(name, n, shard) for name, (n, shard) in rows.items()]
+        return table, sum(r[1] for r in table)
+
+    @property
+    def num_devices(self) -> int:
+        nodes, local = mesh_shape(self.mesh)
+        return nodes * local
+
+    # -- inside shard_map ------------------------------------------------------------------
+
+    def apply(
+        self,
+        variables: Mapping[str, Any],
+        *args: Any,
+        method: str | Callable | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``model.apply`` on this device's parameters, without a train state's step state
+        (frozen weights must then come as ``variables["frozen"]``; qgZ always on). Prefer
+        ``state.apply_fn``, which carries the state's frozen shards and qgZ schedule."""
+        return self.apply_step(StepState(), variables, *args, method=method, **kwargs)
+
+    def call(self, step: "StepState", *args: Any, **kwargs: Any) -> Any:
+        """``state.apply_fn``: ``apply_step`` for ``({"params": ...}, *args)``; for a
+        transformers model called its own way (``**batch, params=..., train=...``), the
+        model's ``__call__`` with its module applied on the shards."""
+        if self.wrapper is not None and not (args and isinstance(args[0], Mapping)):
+            return hf_call(self.wrapper, lambda v, *a, **k: self.apply_step(step, v, *a, **k),
+                           *args, **kwargs)
+        return self.apply_step(step, *args, **kwargs)
+
+    def apply_step(
+        self,
+        step: "StepState",
+        variables: Mapping[str, Any],
+        *args: Any,
+        method: str | Callable | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``model.apply`` on this device's parameters. Call inside ``train_step``.
+
+        ``step`` is what the traced step knows besides the params (``state.apply_fn`` binds
+        it): the frozen shards and the qgZ schedule flag. ``variables`` is
+        ``{"params": state.params}``; other arguments as for Flax's ``Module.apply``.
+        """
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            raise TypeError("apply_fn expects {'params': state.params} as its first argument")
+        collections = {k: v for k, v in variables.items()
+                       if k not in ("params", "frozen")}
+        params = variables["params"]
+        if not isinstance(params, ShardedParams):
+            raise TypeError(
+                "apply_fn expects state.params (a ShardedParams), got "
+                f"{type(params).__name__}. Differentiate with respect to state.params and "
+                "pass what you receive to apply_fn; do not build a params dict yourself."
+            )
+        if kwargs.get("rngs") is not None:
+            kwargs["rngs"] = _per_device_rngs(kwargs["rngs"])
+        if self.config.stage == 3:
+            frozen = variables.get("frozen", step.frozen) if self.has_frozen else None
+            out = apply_units(
+                self.model, self.layouts, params.units, self.config, *args, method=method,
+                frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
+                collections=collections, warn_resident=self.explicit_units, **kwargs,
+            )
+        else:
+            tree = {"params": self.unflatten_full(params.units), **collections}
+            if method is not None:
+                kwargs["method"] = method
+            out = self.model.apply(tree, *args, **kwargs)
+        if kwargs.get("mutable") not in (None, False):
+            # Each device updated the collections from its own batch shard (BatchNorm's
+            # running averages): the replicated state keeps their mean over all devices.
+            result, updates = out
+            return self._cast_output(result), jax.tree_util.tree_map(_mean_over_devices,
+                                                                     updates)
+        return self._cast_output(out)
+
+    def _cast_output(self, out: Any) -> Any:
+        """Floating outputs narrower than ``config.output_dtype`` -> that dtype (fp32), so
+        a loss computed from bf16 logits is computed in fp32."""
+        dtype = self.config.output_dtype
+        if dtype is None:
+            return out
+        dtype = jnp.dtype(dtype)
+
+        def cast(x: Any) -> Any:
+            if (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+                    and jnp.finfo(x.dtype).bits < jnp.finfo(dtype).bits):
+                return x.astype(dtype)
+            return x
+
+        return jax.tree_util.tree_map(cast, out)
+
+    def unflatten_full(
+        self, flats: Mapping[str, jax.Array], frozen_flats: Mapping[str, jax.Array] | None = None
+    ) -> PyTree:
+        """Full flat buffers per unit -> the model's params tree.
+
+        ``frozen_flats`` (full flat frozen parts, per unit) are merged in when given;
+        without them the tree holds the trainable parameters only."""
+        trees = {name: lay.unflatten(flats[name]) for name, lay in self.layouts.items()}
+        paths = {name: lay.path for name, lay in self.layouts.items()}
+        for name, lay in self.frozen_layouts.items() if frozen_flats is not None else ():
+            trees[name] = merge_trees(trees.get(name, {}), lay.unflatten(frozen_flats[name]))
+            paths[name] = lay.path
+        rest = trees.pop(REST, {})
+        by_path: dict[tuple[str, ...], Any] = {}
+        stacks: dict[tuple[str, ...], dict[int, PyTree]] = {}
+        for name, t in trees.items():
+            layer = self.layouts[name].layer if name in self.layouts else None
+            if layer is None:
+                by_path[paths[name]] = t
+            else:
+                stacks.setdefault(paths[name], {})[layer] = t
+        for path, layers in stacks.items():  # scanned stacks: layers back on a leading axis
+            ordered = [layers[i] for i in range(len(layers))]
+            by_path[path] = jax.tree_util.tree_map(_stack, *ordered)
+        return merge_units(rest, by_path)
+
+    def consolidate(self, params: ShardedParams, frozen: FrozenShards | None = None) -> PyTree:
+        """Global ``ShardedParams`` (outside ``shard_map``) -> plain params tree of numpy
+        arrays. Works for parameters and for gradients returned from a ``train_step``.
+        With ``frozen`` (``state.frozen``) the frozen parameters are merged in (dequantized
+        to fp32 if stored quantized).
+
+        With several processes (multi-host) this is a collective: every process must call
+        it, and every process receives the full parameters."""
+        flats = {}
+        for name, lay in self.layouts.items():
+            flats[name] = to_host(params.units[name])[: lay.n]
+        frozen_flats = None if frozen is None else self.frozen_full(frozen)
+        return jax.tree_util.tree_map(np.asarray, self.unflatten_full(flats, frozen_flats))
+
+    def frozen_full(self, frozen: FrozenShards) -> dict[str, np.ndarray]:
+        """Global frozen storage -> full flat fp32 ``[n_pad]`` numpy buffers per unit (the
+        dequantized values a forward pass computes with, before the compute-dtype cast)."""
+        out = {}
+        for name, lay in self.frozen_layouts.items():
+            values = to_host(frozen.values[name])
+            if frozen.quantized:
+                with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                    values = dequantize_frozen_flat(values, to_host(frozen.scales[name]),
+                                                    self.config, lay)
+            out[name] = np.asarray(values, np.float32)
+        return out
+
+    def apply_gradients(self, state: "TrainState", grads: ShardedParams) -> "TrainState":
+        """One optimizer step on primary shards. Call inside ``train_step``.
+
+        Stage 3: ``grads`` are already primary-shard gradients (the units' backward
+        reduce-scattered them). Stage 2: full local gradients, reduce-scattered here over
+        ``("node", "local")``. Stage 1: full local gradients, all-reduced here, then each
+        device keeps its slice. Then the optimizer updates the fp32 primary shards and, for
+        stages 1 and 2, an all-gather rebuilds the replicated compute-dtype weights.
+        """
+        if not isinstance(grads, ShardedParams) or set(grads.units) != set(self.layouts):
+            raise TypeError(
+                "apply_gradients expects the gradient of the loss with respect to "
+                "state.params (a ShardedParams with the same units)"
+            )
+        cfg = self.config
+        if cfg.stage == 3:
+            master = state.params
+            g = grads.units
+        else:
+            master = state.master
+            g = {}
+            for name, full in grads.units.items():
+                if cfg.stage == 2:
+                    g[name] = reduce_gradient(FlatReduceScatter(), full, cfg.param_jnp_dtype)
+                else:
+                    summed = jax.lax.psum(full, AXES).astype(jnp.float32) / self.num_devices
+                    g[name] = collectives.own_slice(summed, AXES).astype(cfg.param_jnp_dtype)
+        g, finite = self._clip_and_check(g)
+        updates, opt_state = self.tx.update(g, state.opt_state, master.units)
+        new_master = optax.apply_updates(master.units, updates)
+        new_master = {k: v.astype(cfg.param_jnp_dtype) for k, v in new_master.items()}
+        skipped = state.skipped_steps
+        if cfg.skip_nonfinite:
+            # Every device decides the same (``finite`` is global), so shards stay in step.
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_master = jax.tree_util.tree_map(keep, new_master, master.units)
+            opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
+            skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
+        if cfg.stage == 3:
+            return state.replace(
+                step=state.step + 1, params=ShardedParams(new_master, True), opt_state=opt_state,
+                skipped_steps=skipped,
+            )
+        full = {
+            k: collectives.all_gather_flat(v.astype(cfg.compute_jnp_dtype), AXES, invariant=True)
+            for k, v in new_master.items()
+        }
+        return state.replace(
+            step=state.step + 1,
+            params=ShardedParams(full, False),
+            master=ShardedParams(new_master, True),
+            opt_state=opt_state,
+            skipped_steps=skipped,
+        )
+
+    def _clip_and_check(self, g: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:
+        """Primary-shard gradients -> (clipped gradients, global "all finite" flag).
+
+        Inside ``shard_map``. Both need the whole gradient, which no device holds: each
+        device sums squares (and counts non-finite elements) over its shards, and a
+        ``psum`` over ``("node", "local")`` completes them. Padding elements carry zero
+        gradient, so they change neither. Clipping follows ``optax.clip_by_global_norm``
+        exactly: unchanged if the norm is below the maximum, else scaled to it.
+        """
+        cfg = self.config
+        finite = jnp.array(True)
+        if cfg.skip_nonfinite:
+            # Counted in f32 (exact up to 2^24 bad elements; any count > 0 means skip), so
+            # XLA can combine this psum with the metrics' f32 pmean: one collective, not two.
+            bad = sum(jnp.sum(~jnp.isfinite(v), dtype=jnp.float32) for v in g.values())
+            finite = jax.lax.psum(bad, AXES) == 0
+        if cfg.gradient_clipping is not None:
+            norm = global_norm(g)
+            max_norm = jnp.float32(cfg.gradient_clipping)
+            g = {
+                k: jnp.where(norm < max_norm, v, (v / norm.astype(v.dtype)) * max_norm)
+                .astype(v.dtype)
+                for k, v in g.items()
+            }
+        return g, finite
+
+    def step_state(self, state: "TrainState") -> "StepState":
+        """What ``apply_fn`` needs of ``state`` besides the params: its frozen shards, and
+        with ``qgz_until`` whether qgZ is on at ``state.step`` (a traced bool, so one
+        compiled program serves both phases of the run)."""
+        until = self.config.qgz_until_step if self.config.qgz else None
+        return StepState(state.frozen, None if until is None else state.step < until)
+
+    # -- outside shard_map -----------------------------------------------------------------
+
+    def state_specs(self, state: "TrainState") -> "TrainState":
+        return state.replace(
+            step=REPLICATED,
+            skipped_steps=REPLICATED,
+            params=state.params.specs(),
+            master=None if state.master is None else state.master.specs(),
+            opt_state=self.opt_specs,
+            frozen=None if state.frozen is None else state.frozen.specs(),
+            collections=jax.tree_util.tree_map(lambda _: REPLICATED, state.collections),
+        )
+
+    def shard_batch(self, batch: PyTree, spec: P = SHARDED) -> PyTree:
+        """Places every leaf of ``batch`` with ``PartitionSpec`` ``spec`` on the mesh.
+
+        The default splits the leading (batch) dimension over all devices. Sequence
+        parallelism passes ``P("node", "local")``: batch over nodes, sequence over the
+        devices of a node. With several processes every process passes the same global
+        batch (for example built from the same seed and step); each places only its own
+        devices' pieces.
+        """
+        sharding = NamedSharding(self.mesh, spec)
+        sizes = dict(self.mesh.shape)
+
+        def put(path: Any, x: Any) -> jax.Array:
+            shape = np.shape(x)
+            name = jax.tree_util.keystr(path) or "batch"
+            if not shape:
+                raise ValueError(
+                    f"{name}: a scalar is not divisible over devices; every batch leaf needs "
+                    "a leading batch dimension (pass scalars such as a learning rate as extra "
+                    "arguments of the step: step(state, batch, lr))"
+                )
+            if len(shape) < len(spec):
+                raise ValueError(
+                    f"{name}: shape {shape} has fewer dimensions than the batch spec {spec}"
+                )
+            for dim, axes in enumerate(spec):
+                if axes is None:
+                    continue
+                axes = (axes,) if isinstance(axes, str) else tuple(axes)
+                n = int(np.prod([sizes[a] for a in axes]))
+                if shape[dim] % n:
+                    what = "batch" if dim == 0 else f"dimension {dim}"
+                    raise ValueError(
+                        f"{name}: {what} size {shape[dim]} is not divisible by the {n} "
+                        f"devices of mesh axes {axes} it is split over; use a size that is "
+                        f"a multiple of {n}"
+                    )
+            if isinstance(x, jax.Array) and x.sharding == sharding:
+                return x
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                return jax.device_put(x, sharding)  # a global array: reshard it
+            return place(x, sharding)
+
+        # Every leaf split on its leading dimension must have the same number of rows, and
+        # some: x with 16 rows beside y with 8 would pair each device's x rows with the
+        # wrong labels (or broadcast), and an empty batch would count as a step.
+        if spec and spec[0] is not None:
+            rows = {jax.tree_util.keystr(path) or "batch": np.shape(x)[0]
+                    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+                    if np.ndim(x)}
+            if len(set(rows.values())) > 1:
+                raise ValueError(
+                    f"batch leaves disagree on their leading (batch) size: {rows}; every "
+                    "leaf of the batch must hold the same number of examples"
+                )
+            if 0 in rows.values():
+                raise ValueError(f"the batch is empty ({rows}): a step needs examples")
+        if jax.process_count() > 1:
+            _check_processes_agree(batch)
+        return jax.tree_util.tree_map_with_path(put, batch)

@@ -1,0 +1,165 @@
+"""``train_step``: a one-device train step function, run as a ZeRO step.
+
+A user keeps writing the train step they would write for one device::
+
+    @zeropp_jax.train_step
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["x"])
+            return cross_entropy(logits, batch["y"])
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+``train_step`` jits the function and runs it inside ``jax.shard_map`` over the
+``("node", "local")`` mesh: the batch is split over all devices on its leading dimension,
+``state.params`` holds this device's primary shards, and ``state.apply_fn`` runs the Flax
+model unit by unit (ZeRO-3) or on replicated weights (stages 1 and 2). Returned train states
+keep their shardings; every other returned value is averaged over devices (a per-device
+loss becomes the global mean).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.train.engine import Engine
+from zeropp_jax.core.mesh import AXES
+from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams
+from zeropp_jax.train.state import TrainState
+
+PyTree = Any
+
+
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (TrainState, ShardedParams))
+
+
+def _out_specs(out: PyTree) -> PyTree:
+    def spec(x: Any) -> Any:
+        if isinstance(x, TrainState):
+            return x.engine.state_specs(x)
+        if isinstance(x, ShardedParams):
+            return x.specs()
+        return REPLICATED
+
+    return jax.tree_util.tree_map(spec, out, is_leaf=_is_container)
+
+
+def _average_metrics(out: PyTree) -> PyTree:
+    def avg(x: Any) -> Any:
+        if _is_container(x):
+            return x
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            # Metrics come back in fp32 at least: a bf16 mean over devices would round a
+            # slowly falling loss to the same value step after step.
+            wide = jnp.promote_types(x.dtype, jnp.float32)
+            return jax.lax.pmean(x.astype(wide), AXES)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jax.lax.pmean(x, AXES)
+        return x
+
+    return jax.tree_util.tree_map(avg, out, is_leaf=_is_container)
+
+
+def _varying_params(state: TrainState) -> TrainState:
+    # Stages 1/2: replicated weights enter shard_map invariant, and autodiff would psum their
+    # gradient by itself. Marking them device-varying keeps gradients local, so
+    # apply_gradients decides the collective (all-reduce vs reduce-scatter) and its dtype.
+    if state.params.sharded:
+        return state
+    units = {k: jax.lax.pcast(v, AXES, to="varying") for k, v in state.params.units.items()}
+    return state.replace(params=ShardedParams(units, False))
+
+
+def train_step(
+    fn: Callable[..., Any] | None = None,
+    *,
+    donate_state: bool = False,
+    batch_spec: P = SHARDED,
+) -> Callable[..., Any]:
+    """Turns a one-device train step ``fn(state, batch, *extra)`` into a ZeRO step.
+
+    ``state`` is a ``zeropp_jax.TrainState``; every leaf of ``batch`` is split over all
+    devices on its leading dimension (which must be divisible by the device count);
+    ``extra`` arguments (an RNG key, a learning-rate scale) are replicated. Inside, ``fn``
+    runs per device under ``jax.shard_map`` over ``("node", "local")``. Of what ``fn``
+    returns, train states and ``ShardedParams`` keep their shardings and every other array
+    is averaged over devices (``pmean``; integer arrays are returned as they are).
+
+    The returned function is jitted once per input structure; ``.lower(state, batch,
+    *extra)`` gives the lowered program (for HLO inspection). With ``donate_state=True``
+    the input state's buffers are donated to the output. ``batch_spec`` is the
+    ``PartitionSpec`` of every batch leaf: default ``P(("node", "local"))`` (batch split
+    over all devices); ``P("node", "local")`` for sequence parallelism (batch over nodes,
+    sequence over each node's devices).
+    """
+    if fn is None:
+        return functools.partial(train_step, donate_state=donate_state, batch_spec=batch_spec)
+    batch_spec = P(*batch_spec) if not isinstance(batch_spec, P) else batch_spec
+
+    def run(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+        engine = state.engine
+        in_specs = (
+            engine.state_specs(state),
+            jax.tree_util.tree_map(lambda _: batch_spec, batch),
+            *[jax.tree_util.tree_map(lambda _: REPLICATED, e) for e in extra],
+        )
+        recorded: dict[str, Any] = {}
+
+        def probe(state: TrainState, batch: PyTree, *extra: Any) -> jax.Array:
+            recorded["specs"] = _out_specs(fn(_varying_params(state), batch, *extra))
+            return jnp.zeros((), jnp.float32)
+
+        # First pass (abstract): learn the output structure, so the real shard_map can be
+        # given exact out_specs. Runs once per compilation.
+        jax.eval_shape(
+            jax.shard_map(probe, mesh=engine.mesh, in_specs=in_specs, out_specs=REPLICATED),
+            state,
+            batch,
+            *extra,
+        )
+
+        def body(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+            return _average_metrics(fn(_varying_params(state), batch, *extra))
+
+        return jax.shard_map(
+            body, mesh=engine.mesh, in_specs=in_specs, out_specs=recorded["specs"]
+        )(state, batch, *extra)
+
+    jitted = jax.jit(run, donate_argnums=(0,) if donate_state else ())
+
+    def _check(state: Any) -> Engine:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                "a train_step function takes a zeropp_jax.TrainState as its first argument "
+                f"(from zeropp_jax.TrainState.create), got {type(state).__name__}"
+            )
+        # A donated (or deleted) state's buffers are gone; JAX may crash on them instead of
+        # raising, so say it here.
+        if any(isinstance(x, jax.Array) and x.is_deleted()
+               for x in jax.tree_util.tree_leaves(state)):
+            raise ValueError(
+                "this train state's arrays were deleted: it was passed to a step with "
+                "donate_state=True (which reuses its buffers for the new state). Use the "
+                "state the step returned: state, metrics = step(state, batch)"
+            )
+        return state.engine
+
+    @functools.wraps(fn)
+    def wrapper(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+        engine = _check(state)
+        return jitted(state, engine.shard_batch(batch, batch_spec), *extra)
+
+    def lower(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+        engine = _check(state)
+        return jitted.lower(state, engine.shard_batch(batch, batch_spec), *extra)
+
+    wrapper.lower = lower  # type: ignore[attr-defined]
+    wrapper.jitted = jitted  # type: ignore[attr-defined]
+    return wrapper

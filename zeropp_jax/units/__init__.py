@@ -1,0 +1,1 @@
+"""The unit transform (gather, remat, regather, reduce), unit ordering, wrap policies and weight paths."""

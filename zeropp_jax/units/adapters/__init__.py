@@ -1,0 +1,1 @@
+"""One adapter per model framework: linen, NNX, transformers."""

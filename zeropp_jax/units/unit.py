@@ -1,0 +1,255 @@
+"""``zero_unit``: one unit of a ZeRO-3 model as a differentiable function of its shards.
+
+Runs inside ``shard_map``. The unit transform composes three separate choices:
+
+* how the weights travel: the unit's ``WeightTransport`` (``comm.transports``) gathers them
+  in forward and rebuilds them in backward from what it kept (the primary shard, or hpZ's
+  secondary);
+* what backward keeps: ``config.remat``. "minimal" (default): every activation backward
+  needs, as in a plain step; "full": only the unit's inputs (a ``jax.checkpoint`` with
+  nothing saved; backward recomputes the unit); or a ``jax.checkpoint`` policy. The
+  gathered weights are not kept, whatever the choice: they leave the residuals here and
+  backward regathers them (except with ``keep``, for the unit whose backward runs right
+  after its forward);
+* where the gradient goes: the run's ``GradientTransport`` (reduce-scatter or qgZ).
+
+Forward runs the unit once under ``jax.vjp`` (of its checkpointed computation, for "full"
+and policies) with the unit's weight arrays as inputs, so they appear among the pullback's
+residuals as themselves; they are cut out there and replaced by what rebuilds them (the
+primary shard, or hpZ's secondary). If a residual is a copy of a weight instead (a cast, a
+transpose), "minimal" falls back to keeping only matmul outputs and collective results.
+Backward rebuilds the weights, puts them back, and runs the saved pullback: with "minimal",
+no forward matmul runs twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from zeropp_jax.core import compat
+from zeropp_jax.core.config import ZeroPPConfig
+from zeropp_jax.comm.frozen import merge_trees
+from zeropp_jax.core.mesh import AXES
+from zeropp_jax.units.ordering import after
+from zeropp_jax.comm.partition import UnitLayout
+from zeropp_jax.comm.transports import gradient_transport, reduce_gradient, weight_transport
+
+PyTree = Any
+
+# Collectives inside a unit (Ulysses' all-to-alls, a tensor-parallel psum): "minimal" keeps
+# their results, so backward never repeats communication.
+_COLLECTIVES = frozenset({"all_to_all", "all_gather", "psum", "psum_scatter", "reduce_scatter",
+                          "ppermute", "pmax", "pmin"})
+
+
+def _minimal(prim: Any, *avals: Any, **params: Any) -> bool:
+    """Save every matmul output and every collective's result."""
+    return bool(compat.checkpoint_dots(prim, *avals, **params)) or prim.name in _COLLECTIVES
+
+
+minimal_policy = _minimal  # matmul outputs and collective results (a jax.checkpoint policy)
+
+
+def remat_policy(remat: Any) -> Callable[..., bool]:
+    """``config.remat`` -> a ``jax.checkpoint`` policy (a callable passes through).
+
+    "full": nothing saved (only the unit's inputs). "minimal": None, meaning no checkpoint:
+    every activation backward needs is kept, as in a plain step, except the weights (cut
+    out by identity); if a residual is a copy of a weight, ``_minimal`` (matmul outputs
+    and collective results) instead."""
+    if remat == "full":
+        return compat.nothing_saveable
+    if remat == "minimal":
+        return None  # no checkpoint: backward keeps what it needs, less the weights
+    return remat
+
+
+@jax.tree_util.register_pytree_node_class
+class _Pullback:
+    """A unit's saved pullback with its full weights cut out.
+
+    Children: the residual leaves of ``jax.vjp``'s pullback that are not weights. Static:
+    the pullback's tree structure and, per leaf, either ``("kept", j)`` or ``("weights", i)``
+    (the ``i``-th full weight buffer goes there).
+    """
+
+    def __init__(self, kept: tuple, treedef: Any, slots: tuple) -> None:
+        self.kept, self.treedef, self.slots = kept, treedef, slots
+
+    def tree_flatten(self) -> tuple[tuple, tuple]:
+        return self.kept, (self.treedef, self.slots)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple, kept: tuple) -> "_Pullback":
+        return cls(tuple(kept), *aux)
+
+    @classmethod
+    def cut(cls, pullback: Any, weights: tuple) -> "_Pullback":
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        kept, slots = [], []
+        for leaf in leaves:
+            i = next((i for i, w in enumerate(weights) if leaf is w), None)
+            if i is None:
+                slots.append(("kept", len(kept)))
+                kept.append(leaf)
+            else:
+                slots.append(("weights", i))
+        return cls(tuple(kept), treedef, tuple(slots))
+
+    def holds_copies_of(self, weights: tuple, min_size: int = 1024) -> bool:
+        """True if a kept residual has a weight's shape (or its transpose) without being
+        that weight: likely a copy (a cast or a transpose) that would keep the full
+        weights alive from forward to backward. Small arrays are ignored."""
+        shapes = {tuple(w.shape) for w in weights if w.size >= min_size}
+        shapes |= {s[::-1] for s in shapes}
+        return any(tuple(r.shape) in shapes for r in self.kept if hasattr(r, "shape"))
+
+    def restore(self, weights: tuple) -> Callable[..., Any]:
+        leaves = [self.kept[j] if kind == "kept" else weights[j] for kind, j in self.slots]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _varying(x: Any) -> Any:
+    """``x`` typed device-varying over ``("node", "local")``.
+
+    A unit's array argument may be invariant (a RoPE table or float mask built from
+    constants): its cotangent from the unit is per device, so the argument must enter as
+    varying; autodiff then sums the cotangent over devices (``pcast``'s transpose).
+    """
+    vma = getattr(jax.typeof(x), "vma", None) if isinstance(x, jax.Array) else None
+    if vma is None:  # not a typed array inside shard_map: nothing to mark
+        return x
+    missing = tuple(a for a in AXES if a not in vma)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def zero_unit(
+    fn: Callable[..., Any],
+    layout: UnitLayout | None,
+    config: ZeroPPConfig,
+    frozen_layout: UnitLayout | None = None,
+    keep: bool = False,
+) -> Callable[..., Any]:
+    """Wraps ``fn(params_tree, *arrays)`` into ``unit(shard, frozen, *arrays)``.
+
+    Args:
+      fn: the unit's computation, a pure function of its whole parameter subtree (compute
+        dtype; trainable and frozen leaves merged) and its array inputs.
+      layout: flat layout of the unit's trainable part, or None if it has none.
+      config: the run's settings (techniques, dtypes, ``remat``).
+      frozen_layout: flat layout of the unit's frozen part, or None.
+      keep: keep the forward's gathered weights for backward instead of regathering them
+        (``config.keep_last_unit``: the unit called last in forward, whose backward runs
+        next). Same weights bit for bit (gathers are deterministic); one all-gather less.
+
+    Returns:
+      ``unit(shard, frozen, *arrays)`` with the outputs of ``fn``, to be called inside
+      ``shard_map``: ``shard`` the local ``[layout.shard_len]`` primary shard (None without a
+      trainable part), ``frozen`` the local frozen storage, ``(values, scales)`` or
+      ``(values,)`` (``()`` without a frozen part). Forward gathers over ``("node",
+      "local")``; backward regathers (hpZ: inside the group) and reduce-scatters. The
+      gradient with respect to ``shard`` is this device's slice of the gradient averaged
+      over all devices; frozen storage gets none.
+    """
+    policy = remat_policy(config.remat)
+    # Chosen once per unit: how its trainable and frozen weights travel, and its gradient.
+    weights = weight_transport(config)
+    frozen_weights = None if frozen_layout is None else weight_transport(config, frozen_layout)
+    grads = gradient_transport(config)
+    # Frozen storage: (values, scales) when stored quantized, else (values,).
+    n_stored = 0 if frozen_layout is None else (2 if config.quantize_frozen else 1)
+
+    def split(full: tuple, ffull: tuple) -> tuple[tuple, tuple]:
+        """Full flat buffers -> the unit's weight arrays (trainable, frozen), in leaf order.
+        Outside the differentiated function, so the pullback holds the very arrays the
+        unit computes with and they can be cut out by identity."""
+        w = jax.tree_util.tree_leaves(layout.unflatten(full[0])) if full else []
+        f = jax.tree_util.tree_leaves(frozen_layout.unflatten(ffull[0])) if ffull else []
+        return tuple(w), tuple(f)
+
+    def run(w: tuple, f: tuple, arrays: tuple) -> Any:
+        tree = jax.tree_util.tree_unflatten(layout.treedef, list(w)) if w else {}
+        if f:
+            tree = merge_trees(tree, jax.tree_util.tree_unflatten(frozen_layout.treedef, list(f)))
+        return fn(tree, *arrays)
+
+    def flat(gw: tuple) -> tuple:
+        """Weight-array gradients -> the flat ``[n_pad]`` gradient (zero padded)."""
+        if not gw:
+            return ()
+        return (layout.flatten(jax.tree_util.tree_unflatten(layout.treedef, list(gw)),
+                               gw[0].dtype),)
+
+    # prevent_cse=False: the replay in backward runs on the regathered weights, which XLA
+    # cannot identify with the forward's, so no matmul is merged away (the compiled step of
+    # remat="full" recomputes them: tests/test_units.py), and without the barriers XLA may
+    # fuse across the replay.
+    def pullback_of(policy: Any, weights: tuple, frozen: tuple, arrays: tuple) -> tuple:
+        f = run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False)
+        out, pullback = jax.vjp(f, weights, frozen, arrays)
+        return out, _Pullback.cut(pullback, weights + frozen)
+
+    def gather(shard: tuple, frozen: tuple) -> tuple[tuple, tuple, tuple]:
+        """-> (trainable full weights, frozen full weights, what backward keeps): the full
+        flat buffers themselves with ``keep``, else what rebuilds them."""
+        full = tuple(weights.gather((s,))[0] for s in shard)
+        kept = full if keep else weights.keep(shard, full)
+        if not frozen:
+            return full, (), (kept, ())
+        ffull, moved = frozen_weights.gather(frozen)
+        return full, (ffull,), (kept, (ffull,) if keep else frozen_weights.keep(frozen, moved))
+
+    @jax.custom_vjp
+    def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> Any:
+        full, ffull, _ = gather(shard, frozen)
+        return run(*split(full, ffull), arrays)
+
+    def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> tuple[Any, tuple]:
+        full, ffull, kept = gather(shard, frozen)
+        w, f = split(full, ffull)
+        # The pullback's residuals: what backward needs (all of it with "minimal", what the
+        # policy saved plus the inputs otherwise). The weight arrays among them are dropped
+        # here (ZeRO-3's memory saving) and rebuilt in backward from ``kept`` (primary
+        # shards, or hpZ secondaries).
+        out, pullback = pullback_of(policy, w, f, arrays)
+        if policy is None and pullback.holds_copies_of(w + f):
+            # A residual is a copy of a weight (a cast, a transpose: a tied head's
+            # ``embedding.T``): keep only matmul outputs and collectives instead, which
+            # never holds weights, and recompute the elementwise rest.
+            out, pullback = pullback_of(_minimal, w, f, arrays)
+        return out, (pullback, kept, flags)
+
+    def unit_bwd(res: tuple, g: Any) -> tuple:
+        pullback, kept, flags = res
+        if keep:  # the forward's full weights, held since: nothing to gather
+            full, ffull = kept
+        else:
+            # The regather depends on the incoming cotangent, so it runs when backward
+            # reaches this unit, not at the start of the step (see ordering.py).
+            trainable, frozen = jax.tree_util.tree_map(lambda w: after(w, g), kept)
+            full = tuple(weights.regather((w,)) for w in trainable)
+            ffull = (frozen_weights.regather(frozen),) if frozen else ()
+        w, f = split(full, ffull)
+        g_w, _, g_arrays = pullback.restore(w + f)(g)
+        g_full = flat(g_w)
+        qgz_on = flags[0] if flags else None
+        g_shard = tuple(reduce_gradient(grads, gf, config.param_jnp_dtype, qgz_on)
+                        for gf in g_full)
+        return g_shard, (None,) * n_stored, g_arrays, (None,) * len(flags)
+
+    unit.defvjp(unit_fwd, unit_bwd)
+
+    def call(shard: jax.Array | None, frozen: tuple, *arrays: Any,
+             qgz_on: jax.Array | None = None) -> Any:
+        if layout is not None and shard.shape != (layout.shard_len,):
+            raise ValueError(
+                f"unit {layout.name!r} expects its local primary shard of shape "
+                f"({layout.shard_len},) inside shard_map, got {shard.shape}"
+            )
+        shard_t = () if shard is None else (shard,)
+        return unit(shard_t, tuple(frozen), tuple(_varying(a) for a in arrays),
+                    () if qgz_on is None else (qgz_on,))
+
+    return call

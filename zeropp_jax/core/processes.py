@@ -26,7 +26,10 @@ from zeropp_jax.core import compat
 TIMEOUT_ENV = "ZEROPP_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 
-# Calls made so far per kind, in this process (the same sequence on every process).
+# Calls made so far per kind, in this process (the same sequence on every process): they
+# name the keys of jax.distributed's key-value store, which lives as long as the process,
+# so this count does too. It is the one process-wide table in the library, by necessity:
+# every process must derive the same key for its n-th call without talking first.
 _calls: dict[str, int] = {}
 
 

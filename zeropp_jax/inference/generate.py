@@ -17,7 +17,6 @@ and every step has the same shapes (one compiled program).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -67,8 +66,16 @@ def _check(state: Any) -> Engine:
     return state.engine
 
 
-@functools.lru_cache(maxsize=None)
 def _gather_program(engine: Engine) -> Any:
+    """The jitted program that builds every unit's secondary slice; kept in the engine's
+    memo (built once per engine, freed with it)."""
+    key = ("generate", "gather")
+    if key not in engine.memo:
+        engine.memo[key] = _build_gather_program(engine)
+    return engine.memo[key]
+
+
+def _build_gather_program(engine: Engine) -> Any:
     transports = _transports(engine)
 
     def body(units: dict, frozen: Any) -> dict:
@@ -115,8 +122,15 @@ def _lower_gather(state: TrainState) -> Any:
 gather_secondary.lower = _lower_gather  # type: ignore[attr-defined]
 
 
-@functools.lru_cache(maxsize=None)
 def _decode_program(engine: Engine, method: Any) -> Any:
+    """The jitted one-token step for ``method``; kept in the engine's memo."""
+    key = ("generate", "decode", method)
+    if key not in engine.memo:
+        engine.memo[key] = _build_decode_program(engine, method)
+    return engine.memo[key]
+
+
+def _build_decode_program(engine: Engine, method: Any) -> Any:
     transports = _transports(engine)
     cdt = engine.config.compute_jnp_dtype
 

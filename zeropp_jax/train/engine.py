@@ -1,17 +1,19 @@
-"""The ZeRO engine: everything static about a run, and what runs inside the step.
+"""The engine: the static plan of a run, and the functions a step runs with it.
 
-``Engine`` holds the model, optimizer, mesh, config and unit layouts. Inside ``shard_map``
-it runs the model on primary shards (``apply_step``: unit by unit for stage 3, on replicated
-weights for stages 1 and 2) and takes the optimizer step on the shards
-(``apply_gradients``: reduce, clip, check, update). Outside, it places batches and turns
-shards back into a params tree (``consolidate``). ``TrainState`` (state.py) carries it as
-static data; ``train_step`` (step.py) runs a user's step function around it.
+``Engine`` is frozen data fixed for a run: the model, optimizer, mesh, config and unit
+layouts (and a memo of what it works out once). Inside ``shard_map`` it runs the model on
+primary shards (``call``: unit by unit for stage 3, on replicated weights for stages 1 and
+2) and computes the optimizer step on the shards (``optimizer_step``: reduce, clip, check,
+update), taking arrays and returning arrays. Outside, it places batches and turns shards back
+into a params tree (``consolidate``). It never sees a ``TrainState``: the state carries the
+engine as static data and updates itself (``TrainState.apply_gradients`` returns
+``self.replace(...)``), as ``flax.training.train_state`` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -40,9 +42,6 @@ from zeropp_jax.comm.placement import (
 from zeropp_jax.comm.transports import reduce_gradient
 from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
 
-if TYPE_CHECKING:  # state.py imports this module
-    from zeropp_jax.train.state import TrainState
-
 PyTree = Any
 
 
@@ -67,21 +66,18 @@ def _stack(*xs: Any) -> Any:
     return jnp.stack(xs)
 
 
-# Batch structures (leaf paths, shapes, dtypes) every process has been seen to agree on.
-_AGREED: set[str] = set()
-
-
-def _check_processes_agree(batch: PyTree) -> None:
+def _check_processes_agree(batch: PyTree, agreed: set[str]) -> None:
     """With several processes, every process must pass the same global batch (each places
     only its own devices' rows of it). Their structures are compared once per structure
     (a tiny all-gather of a checksum), so a process passing 8 rows where another passes 12
-    is an error, not a silently different step."""
+    is an error, not a silently different step. ``agreed``: the structures already
+    compared (the engine's memo), updated here."""
     import zlib
 
     sig = repr([(jax.tree_util.keystr(p), np.shape(x), str(np.asarray(x).dtype)
                  if not hasattr(x, "dtype") else str(x.dtype))
                 for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]])
-    if sig in _AGREED:
+    if sig in agreed:
         return
     every = processes.allgather("batch structure", f"{zlib.crc32(sig.encode()):08x}")
     if len(set(every)) > 1:
@@ -90,7 +86,7 @@ def _check_processes_agree(batch: PyTree) -> None:
             f"{sig}); every process must pass the same global batch, e.g. built from the "
             "same seed and step, and each places only its own devices' rows"
         )
-    _AGREED.add(sig)
+    agreed.add(sig)
 
 
 def _mean_over_devices(x: Any) -> Any:
@@ -138,6 +134,12 @@ class Engine:
     # True when the user chose the units (units=...): then units the call reads outside
     # their own calls are reported (the default policy's leftovers are silently resident).
     explicit_units: bool = False
+    # What this engine works out once and reuses, for as long as it lives (as long as a
+    # train state built on it): the units each call structure keeps gathered
+    # (``"resident"``, asked again by train_step's second trace), the batch structures every
+    # process agreed on (``"agreed_batches"``), generation's compiled programs. Nothing
+    # outside the engine holds these, so dropping the state frees them with the model.
+    memo: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def has_frozen(self) -> bool:
@@ -216,7 +218,8 @@ class Engine:
             out = apply_units(
                 self.model, self.layouts, params.units, self.config, *args, method=method,
                 frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
-                collections=collections, warn_resident=self.explicit_units, **kwargs,
+                collections=collections, warn_resident=self.explicit_units,
+                memo=self.memo.setdefault("resident", {}), **kwargs,
             )
         else:
             tree = {"params": self.unflatten_full(params.units), **collections}
@@ -300,8 +303,20 @@ class Engine:
             out[name] = np.asarray(values, np.float32)
         return out
 
-    def apply_gradients(self, state: "TrainState", grads: ShardedParams) -> "TrainState":
-        """One optimizer step on primary shards. Call inside ``train_step``.
+    def optimizer_step(
+        self,
+        grads: ShardedParams,
+        *,
+        params: ShardedParams,
+        master: ShardedParams | None,
+        opt_state: PyTree,
+        skipped_steps: jax.Array | None,
+    ) -> dict[str, Any]:
+        """One optimizer step on primary shards, inside ``shard_map`` (a train step).
+
+        Takes the train state's fields and returns their new values (``params``,
+        ``master``, ``opt_state``, ``skipped_steps``); ``TrainState.apply_gradients``
+        puts them in the state it returns. Knows nothing of the state itself.
 
         Stage 3: ``grads`` are already primary-shard gradients (the units' backward
         reduce-scattered them). Stage 2: full local gradients, reduce-scattered here over
@@ -316,10 +331,9 @@ class Engine:
             )
         cfg = self.config
         if cfg.stage == 3:
-            master = state.params
+            master = params
             g = grads.units
         else:
-            master = state.master
             g = {}
             for name, full in grads.units.items():
                 if cfg.stage == 2:
@@ -328,32 +342,26 @@ class Engine:
                     summed = jax.lax.psum(full, AXES).astype(jnp.float32) / self.num_devices
                     g[name] = collectives.own_slice(summed, AXES).astype(cfg.param_jnp_dtype)
         g, finite = self._clip_and_check(g)
-        updates, opt_state = self.tx.update(g, state.opt_state, master.units)
+        old_opt_state = opt_state
+        updates, opt_state = self.tx.update(g, opt_state, master.units)
         new_master = optax.apply_updates(master.units, updates)
         new_master = {k: v.astype(cfg.param_jnp_dtype) for k, v in new_master.items()}
-        skipped = state.skipped_steps
+        skipped = skipped_steps
         if cfg.skip_nonfinite:
             # Every device decides the same (``finite`` is global), so shards stay in step.
             keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
             new_master = jax.tree_util.tree_map(keep, new_master, master.units)
-            opt_state = jax.tree_util.tree_map(keep, opt_state, state.opt_state)
+            opt_state = jax.tree_util.tree_map(keep, opt_state, old_opt_state)
             skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
         if cfg.stage == 3:
-            return state.replace(
-                step=state.step + 1, params=ShardedParams(new_master, True), opt_state=opt_state,
-                skipped_steps=skipped,
-            )
+            return dict(params=ShardedParams(new_master, True), master=None,
+                        opt_state=opt_state, skipped_steps=skipped)
         full = {
             k: collectives.all_gather_flat(v.astype(cfg.compute_jnp_dtype), AXES, invariant=True)
             for k, v in new_master.items()
         }
-        return state.replace(
-            step=state.step + 1,
-            params=ShardedParams(full, False),
-            master=ShardedParams(new_master, True),
-            opt_state=opt_state,
-            skipped_steps=skipped,
-        )
+        return dict(params=ShardedParams(full, False), master=ShardedParams(new_master, True),
+                    opt_state=opt_state, skipped_steps=skipped)
 
     def _clip_and_check(self, g: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:
         """Primary-shard gradients -> (clipped gradients, global "all finite" flag).
@@ -381,25 +389,14 @@ class Engine:
             }
         return g, finite
 
-    def step_state(self, state: "TrainState") -> "StepState":
-        """What ``apply_fn`` needs of ``state`` besides the params: its frozen shards, and
-        with ``qgz_until`` whether qgZ is on at ``state.step`` (a traced bool, so one
-        compiled program serves both phases of the run)."""
+    def step_state(self, frozen: FrozenShards | None, step: jax.Array) -> StepState:
+        """What ``apply_fn`` needs of a train state besides the params: its frozen shards,
+        and with ``qgz_until`` whether qgZ is on at optimizer step ``step`` (a traced bool,
+        so one compiled program serves both phases of the run)."""
         until = self.config.qgz_until_step if self.config.qgz else None
-        return StepState(state.frozen, None if until is None else state.step < until)
+        return StepState(frozen, None if until is None else step < until)
 
     # -- outside shard_map -----------------------------------------------------------------
-
-    def state_specs(self, state: "TrainState") -> "TrainState":
-        return state.replace(
-            step=REPLICATED,
-            skipped_steps=REPLICATED,
-            params=state.params.specs(),
-            master=None if state.master is None else state.master.specs(),
-            opt_state=self.opt_specs,
-            frozen=None if state.frozen is None else state.frozen.specs(),
-            collections=jax.tree_util.tree_map(lambda _: REPLICATED, state.collections),
-        )
 
     def shard_batch(self, batch: PyTree, spec: P = SHARDED) -> PyTree:
         """Places every leaf of ``batch`` with ``PartitionSpec`` ``spec`` on the mesh.
@@ -459,5 +456,5 @@ class Engine:
             if 0 in rows.values():
                 raise ValueError(f"the batch is empty ({rows}): a step needs examples")
         if jax.process_count() > 1:
-            _check_processes_agree(batch)
+            _check_processes_agree(batch, self.memo.setdefault("agreed_batches", set()))
         return jax.tree_util.tree_map_with_path(put, batch)

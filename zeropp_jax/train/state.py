@@ -92,7 +92,8 @@ class TrainState:
         *args, **kwargs)``. Bound to this state's frozen shards and qgZ schedule. For a
         transformers model, also its own call style: ``apply_fn(**batch, params=params,
         dropout_rng=rng, train=True)``."""
-        return functools.partial(self.engine.call, self.engine.step_state(self))
+        return functools.partial(self.engine.call,
+                                 self.engine.step_state(self.frozen, self.step))
 
     @property
     def tx(self) -> optax.GradientTransformation:
@@ -111,7 +112,9 @@ class TrainState:
 
         ``collections``: new values of variable collections, as Flax's examples pass
         ``apply_gradients(grads=grads, batch_stats=updates["batch_stats"])``."""
-        new = self.engine.apply_gradients(self, grads)
+        new = self.replace(step=self.step + 1, **self.engine.optimizer_step(
+            grads, params=self.params, master=self.master, opt_state=self.opt_state,
+            skipped_steps=self.skipped_steps))
         if not collections:
             return new
         unknown = set(collections) - set(self.collections or {})
@@ -122,6 +125,20 @@ class TrainState:
                 "TrainState.create(..., params=variables) with the whole variables dict"
             )
         return new.replace(collections={**self.collections, **collections})
+
+    def specs(self) -> "TrainState":
+        """This state with a ``PartitionSpec`` in place of every array: how ``train_step``
+        places it on the mesh (shards split over ``("node", "local")``, the rest
+        replicated)."""
+        return self.replace(
+            step=REPLICATED,
+            skipped_steps=REPLICATED,
+            params=self.params.specs(),
+            master=None if self.master is None else self.master.specs(),
+            opt_state=self.engine.opt_specs,
+            frozen=None if self.frozen is None else self.frozen.specs(),
+            collections=jax.tree_util.tree_map(lambda _: REPLICATED, self.collections),
+        )
 
     def describe(self) -> str:
         """A table of the units: parameters, share of the model, shard per device."""

@@ -42,7 +42,7 @@ def _is_container(x: Any) -> bool:
 def _out_specs(out: PyTree) -> PyTree:
     def spec(x: Any) -> Any:
         if isinstance(x, TrainState):
-            return x.engine.state_specs(x)
+            return x.specs()
         if isinstance(x, ShardedParams):
             return x.specs()
         return REPLICATED
@@ -106,7 +106,7 @@ def train_step(
     def run(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = state.engine
         in_specs = (
-            engine.state_specs(state),
+            state.specs(),
             jax.tree_util.tree_map(lambda _: batch_spec, batch),
             *[jax.tree_util.tree_map(lambda _: REPLICATED, e) for e in extra],
         )

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax.comm.collectives import axis_size, gather_tiled, pack_rows, unpack_rows
+from zeropp_jax.comm.frozen import frozen_block_size
 from zeropp_jax.comm.transports.base import Buffers, DirectGather
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.quant.quantization import dequantize_flat
@@ -58,8 +59,6 @@ class StoredQuantizedGather(DirectGather):
 
     @classmethod
     def from_config(cls, config: Any, layout: Any) -> "StoredQuantizedGather":
-        from zeropp_jax.comm.frozen import frozen_block_size
-
         return cls(config.weight_bits, frozen_block_size(config, layout),
                    config.compute_jnp_dtype, config.quantization_impl,
                    config.all_gather == "hierarchical")

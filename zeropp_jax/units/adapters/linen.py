@@ -234,6 +234,7 @@ def apply_units(
     qgz_on: jax.Array | None = None,
     collections: Mapping[str, PyTree] | None = None,
     warn_resident: bool = False,
+    memo: dict | None = None,
     **kwargs: Any,
 ) -> Any:
     """``model.apply`` with ZeRO-3 parameters. Runs inside ``shard_map``.
@@ -253,6 +254,8 @@ def apply_units(
         replicated; with ``mutable=`` the call returns ``(output, updated collections)``.
       warn_resident: warn when units must stay gathered for the whole step (the user
         chose them; the default policy's leftovers are resident without a word).
+      memo: where ``find_resident`` keeps its answers for this model (the engine's), so
+        a second trace of the same call does not trace the model again; None: no reuse.
       *args, method, **kwargs: as for ``model.apply``.
     """
     frozen_layouts = frozen_layouts or {}
@@ -308,7 +311,7 @@ def apply_units(
               for name in names if name != REST}
     resident, calls = find_resident(model, shapes, stacked_units, rest,
                                     config.compute_jnp_dtype, args,
-                                    {**kwargs, "collections": collections}, method)
+                                    {**kwargs, "collections": collections}, method, memo)
     # Units whose weights are read outside their own calls (a tied head reading
     # ``.variables``, a module passed to another unit as an attribute) are gathered once
     # for the whole step, like the rest unit: the gradient is the exact sum over every use.
@@ -365,13 +368,7 @@ def _unit_shapes(layout: UnitLayout | None, frozen: UnitLayout | None) -> PyTree
     return trees[0] if len(trees) == 1 else merge_trees(*trees)
 
 
-# find_resident's answers by the call's static structure: train_step traces its body twice
-# (an abstract pass for the output structure, then the real one), and the second asks the
-# same question. Keyed by the model's identity, so entries of dropped models never match.
-_RESIDENT: dict[Any, tuple[Any, frozenset]] = {}
-
-
-def _resident_key(model: Any, shapes: Mapping, stacked: Mapping, rest: PyTree, dtype: Any,
+def _resident_key(shapes: Mapping, stacked: Mapping, rest: PyTree, dtype: Any,
                   args: tuple, kwargs: dict, method: Any) -> Any:
     """A hashable description of everything find_resident's answer depends on, or None."""
     def describe(tree: Any) -> Any:
@@ -379,7 +376,7 @@ def _resident_key(model: Any, shapes: Mapping, stacked: Mapping, rest: PyTree, d
         return treedef, tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else x
                               for x in leaves)
 
-    key = (id(model), tuple(sorted(map(str, shapes))), tuple(sorted(map(str, stacked))),
+    key = (tuple(sorted(map(str, shapes))), tuple(sorted(map(str, stacked))),
            describe(shapes), describe(rest), str(dtype), describe((args, kwargs)), method)
     try:
         hash(key)
@@ -397,6 +394,7 @@ def find_resident(
     args: tuple,
     kwargs: dict,
     method: str | Callable | None,
+    memo: dict | None = None,
 ) -> tuple[set[tuple[str, ...]], tuple[tuple[str, ...], ...]]:
     """The units that must stay gathered for the whole step, and the order of unit calls
     (unit and stack paths, one entry per call, forward order). Inside ``shard_map``.
@@ -417,12 +415,15 @@ def find_resident(
       stacked: path -> ``Stacked`` of the scanned stacks (always reached, never resident).
       rest: the gathered rest unit's params tree.
       dtype: the compute dtype the units' weights arrive in.
+      memo: answers for this model by the call's static structure (the engine owns it:
+        train_step traces its body twice, an abstract pass for the output structure and
+        the real one, and the second asks the same question); None: always trace.
     """
-    key = _resident_key(model, shapes, stacked, rest, dtype, args, kwargs, method)
-    if key is not None and key in _RESIDENT and _RESIDENT[key][0] is model:
-        return set(_RESIDENT[key][1]), _RESIDENT[key][2]
-    if len(_RESIDENT) > 256:
-        _RESIDENT.clear()
+    key = None if memo is None else _resident_key(shapes, stacked, rest, dtype, args, kwargs,
+                                                  method)
+    if key is not None and key in memo:
+        resident, calls = memo[key]
+        return set(resident), calls
     placeholders = {path: jax.tree_util.tree_map(
         lambda s: jnp.zeros(s, dtype), tree, is_leaf=lambda x: isinstance(x, tuple))
         for path, tree in shapes.items()}
@@ -497,7 +498,7 @@ def find_resident(
             "or keeps its own copy of them, e.g. an NNX module, can be passed to "
             "TrainState.create itself)."
         )
-    if key is not None:  # the model too: ids get reused
-        _RESIDENT[key] = (model, frozenset(resident), tuple(calls))
+    if key is not None:
+        memo[key] = (frozenset(resident), tuple(calls))
     return resident, tuple(calls)
 

@@ -17,6 +17,39 @@ from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
 SMALL = GPTConfig(vocab_size=64, seq_len=12, layers=2, d_model=20, heads=4, logit_scale=True)
 
 
+def all_pairs(*factors: list) -> list:
+    """Every combination of ``factors`` as ``pytest.param`` cases, those outside an
+    all-pairs cover marked slow (``make test-all`` runs them).
+
+    The cover keeps, for every two factors, every pair of their levels in some case
+    (pairwise testing): a bug that needs two settings together still shows in
+    ``make test``. Level ``i`` of each factor after the first two is taken at the sum of
+    the first two levels' indices, mod its size (with two factors, all cases are kept;
+    check the returned cover with ``pairs_covered``).
+    """
+    import itertools
+
+    import pytest
+
+    cases = []
+    for idx in itertools.product(*(range(len(f)) for f in factors)):
+        values = tuple(f[i] for f, i in zip(factors, idx))
+        in_cover = all(i == (idx[0] + idx[1]) % len(f)
+                       for f, i in zip(factors[2:], idx[2:]))
+        cases.append(pytest.param(*values, marks=() if in_cover else pytest.mark.slow))
+    return cases
+
+
+def pairs_covered(cases: list, factors: list) -> bool:
+    """True if the cases not marked slow contain every pair of levels of every two
+    factors."""
+    import itertools
+
+    kept = [c.values for c in cases if not c.marks]
+    return all({(v[a], v[b]) for v in kept} == set(itertools.product(factors[a], factors[b]))
+               for a, b in itertools.combinations(range(len(factors)), 2))
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a Python subprocess of a test: this one's, less what fixes the
     device count (the child simulates its own), keeping the suite's compile flags

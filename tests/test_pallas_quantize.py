@@ -17,6 +17,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import quantize as Q
 from zeropp_jax.core import compat
+from helpers import all_pairs, pairs_covered
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 BITS = (8, 4)
@@ -79,10 +80,15 @@ def _run(dtype_name: str, bits: int, block_size: int, nb: int, bpp: int):
 # ------------------------------------------------------------------ 1. bit-for-bit parity
 
 
-@pytest.mark.parametrize("block_size,nb,bpp", SIZES)
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("dtype_name", DTYPES)
-def test_kernels_match_reference_bit_for_bit(dtype_name, bits, block_size, nb, bpp):
+# Sizes x dtypes x widths: an all-pairs cover runs in `make test`, the rest in test-all.
+FACTORS = [SIZES, list(DTYPES), list(BITS)]
+CASES = all_pairs(*FACTORS)
+assert pairs_covered(CASES, FACTORS)
+
+
+@pytest.mark.parametrize("size,dtype_name,bits", CASES)
+def test_kernels_match_reference_bit_for_bit(size, dtype_name, bits):
+    block_size, nb, bpp = size
     x, (values, scales, out), (ref_values, ref_scales, ref_out) = _run(
         dtype_name, bits, block_size, nb, bpp
     )

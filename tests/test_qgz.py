@@ -16,7 +16,8 @@ from zeropp_jax.measure.comm_report import collectives
 from zeropp_demo.gpt import GPT
 from zeropp_jax.comm.qgz import qgz_reduce_scatter
 
-from helpers import SMALL, assert_leaves_rel_close, init_params, make_step, tokens
+from helpers import (SMALL, all_pairs, assert_leaves_rel_close, init_params, make_step,
+                     pairs_covered, tokens)
 
 AXES = ("node", "local")
 
@@ -74,10 +75,16 @@ def _bound(x_dev: np.ndarray, nodes: int, local: int, bits: int, block: int) -> 
 MESHES = [(2, 4), (4, 2), (3, 2), (1, 8), (8, 1)]
 
 
-@pytest.mark.parametrize("nodes,local", MESHES)
-@pytest.mark.parametrize("m", [96, 100])  # slice length: whole blocks, and not
-@pytest.mark.parametrize("bits", [4, 8])
-def test_placement_and_error_bound(nodes, local, m, bits):
+# Meshes x slice lengths (whole blocks, and not) x widths: an all-pairs cover runs in
+# `make test`, the rest in test-all.
+PLACEMENT = [MESHES, [96, 100], [4, 8]]
+PLACEMENT_CASES = all_pairs(*PLACEMENT)
+assert pairs_covered(PLACEMENT_CASES, PLACEMENT)
+
+
+@pytest.mark.parametrize("mesh_shape,m,bits", PLACEMENT_CASES)
+def test_placement_and_error_bound(mesh_shape, m, bits):
+    nodes, local = mesh_shape
     num = nodes * local
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:num])
     rng = np.random.default_rng(1000 * nodes + m + bits)

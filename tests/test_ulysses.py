@@ -56,13 +56,16 @@ def _random_mask(seq, seed):
 # (batch, P_sp, Hq, Hkv, kind). Heads: MHA even; GQA with Hkv % P == 0; GQA and MQA with
 # Hkv < P (key/value heads replicated); Hkv neither a multiple nor a divisor of P; uneven
 # query heads (padded), MHA and GQA.
+# Every kind of head layout above and every mask kind keeps a case in `make test`; the
+# other cases of a kind run in test-all.
+_MORE = pytest.mark.slow
 CASES = [
     (1, 2, 4, 4, "causal"),
-    (3, 4, 4, 4, "causal"),
-    (1, 4, 8, 8, "dense"),
-    (2, 2, 4, 4, "dense"),
+    pytest.param(3, 4, 4, 4, "causal", marks=_MORE),
+    pytest.param(1, 4, 8, 8, "dense", marks=_MORE),
+    pytest.param(2, 2, 4, 4, "dense", marks=_MORE),
     (2, 2, 8, 2, "causal"),
-    (2, 4, 8, 2, "causal"),
+    pytest.param(2, 4, 8, 2, "causal", marks=_MORE),
     (1, 4, 4, 1, "dense"),
     (2, 4, 12, 6, "masked"),
     (2, 4, 6, 3, "causal"),

@@ -29,7 +29,10 @@ from helpers import (
 FP32 = dict(compute_dtype="float32")
 
 
-@pytest.mark.parametrize("nodes,local", [(1, 8), (2, 4), (4, 2), (8, 1)])
+# 2x4 and 8x1 (one device per node) run in `make test`; 1x8 and 4x2 in test-all
+# (test_mesh_optimizers covers the 1xL and Nx1 shapes with several optimizers).
+@pytest.mark.parametrize("nodes,local", [pytest.param(1, 8, marks=pytest.mark.slow), (2, 4),
+                                         pytest.param(4, 2, marks=pytest.mark.slow), (8, 1)])
 def test_loss_and_grads_equal_single_device(nodes, local):
     model = GPT(SMALL)
     params = init_params(seed=nodes)

@@ -57,12 +57,9 @@ import traceback
 # Runs from the repository root without installation: zeropp_jax and pallas_kernels live here.
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.cli import add_out_argument  # noqa: E402
 
 # Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
-# benchmarks/results/ change only when asked: --out benchmarks/results.
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
-OUT_HELP = ("directory for the results (default benchmarks/out/, git-ignored; "
-            "--out benchmarks/results updates the tracked ones)")
 
 PEAK_BF16 = (  # dense bf16 FLOP/s per device, matched in order against device_kind
     ("H200", 989e12),
@@ -87,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="without a GPU, run on the CPU (kernels in interpret mode, tiny sizes): "
                         "checks the script, measures nothing meaningful")
     p.add_argument("--batch", type=int, default=8, help="(c) GPT batch (default 8)")
-    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=OUT_HELP)
+    add_out_argument(p)
     p.add_argument("--name", default="gpu_check", help="output file names (without suffix)")
     return p.parse_args(argv)
 

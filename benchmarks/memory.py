@@ -24,12 +24,9 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.cli import add_out_argument  # noqa: E402
 
 # Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
-# benchmarks/results/ change only when asked: --out benchmarks/results.
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
-OUT_HELP = ("directory for the results (default benchmarks/out/, git-ignored; "
-            "--out benchmarks/results updates the tracked ones)")
 
 
 def main() -> None:
@@ -37,7 +34,7 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--local", type=int, default=4)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=OUT_HELP)
+    add_out_argument(p)
     args = p.parse_args()
     import zeropp_jax as zpp
 

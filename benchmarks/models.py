@@ -20,8 +20,8 @@ import sys
 import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.cli import add_out_argument  # noqa: E402
 
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
 
 
 def main() -> None:
@@ -31,8 +31,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
-                   help="directory for models.json (default benchmarks/out/, git-ignored)")
+    add_out_argument(p)
     args = p.parse_args()
     import zeropp_jax as zpp
 

@@ -39,12 +39,9 @@ import time
 
 # Run as a script from anywhere: make the repository root importable.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.cli import add_out_argument  # noqa: E402
 
 # Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
-# benchmarks/results/ change only when asked: --out benchmarks/results.
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
-OUT_HELP = ("directory for the results (default benchmarks/out/, git-ignored; "
-            "--out benchmarks/results updates the tracked ones)")
 
 VARIANTS = ("plain", "plain_remat", "zero3_minimal", "zero3_full")
 # (variant, baseline, target ratio)
@@ -68,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ZeRO-3 with skip_nonfinite=True (the library default: a finite check "
                         "over the gradient each step; the plain step has none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=OUT_HELP)
+    add_out_argument(p)
     p.add_argument("--name", default="overhead", help="JSON file name (without .json)")
     args = p.parse_args(argv)
     for name in ("layers", "d_model", "heads", "seq_len", "batch", "rounds", "steps_per_round"):

@@ -22,12 +22,9 @@ import time
 
 # Run as a script from anywhere: make the repository root importable (benchmarks.common).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.cli import add_out_argument  # noqa: E402
 
 # Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
-# benchmarks/results/ change only when asked: --out benchmarks/results.
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
-OUT_HELP = ("directory for the results (default benchmarks/out/, git-ignored; "
-            "--out benchmarks/results updates the tracked ones)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,7 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--block-sizes", default="32,64,128,256,512,1024,2048,4096")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=OUT_HELP)
+    add_out_argument(p)
     return p.parse_args()
 
 

@@ -29,12 +29,9 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.cli import add_out_argument  # noqa: E402
 
 # Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
-# benchmarks/results/ change only when asked: --out benchmarks/results.
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "out"
-OUT_HELP = ("directory for the results (default benchmarks/out/, git-ignored; "
-            "--out benchmarks/results updates the tracked ones)")
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-seq", type=int, default=16384, help="largest length (b) tries")
     p.add_argument("--time-seq", type=int, default=1024, help="sequence length of timing")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
-    p.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help=OUT_HELP)
+    add_out_argument(p)
     return p.parse_args()
 
 

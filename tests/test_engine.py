@@ -15,7 +15,6 @@ from zeropp_jax.comm.placement import REPLICATED, SHARDED
 from helpers import (
     adam_trajectory_tolerance,
     assert_leaves_within,
-    assert_updates_close,
     fp32_gradient_rounding,
     SMALL,
     assert_leaves_rel_close,
@@ -76,11 +75,14 @@ def test_three_adam_steps_equal_single_device():
         losses.append(float(out["loss"]))
     ref_params, ref_losses = reference_train(model, params, tx, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    # Compare what training changed, not the parameters themselves: the gradients agree to
-    # ~1e-5 relative (reduction order differs between 8 devices and one), Adam with eps=1e-3
-    # is Lipschitz in them, so the 3-step updates agree to ~1e-5 of their own size (about
-    # 3 lr); against the parameters' size this is ~1e-6 and sits at fp32's noise level.
-    assert_updates_close(state.consolidate(), ref_params, params, rel=1e-5)
+    # The runs differ only in fp32 summation order (8 partial means vs one mean); the bound
+    # on how far that moves 3 Adam steps is derived from this CPU's measured fp32 gradient
+    # rounding and Adam's sensitivity (helpers.adam_trajectory_tolerance), and stays far
+    # below the update itself (about 3 lr), which a wrong reduction would move whole.
+    rho, g = fp32_gradient_rounding(model, params, batches[0])
+    tols = adam_trajectory_tolerance(ref_params, g, lr=1e-2, eps=1e-3, steps=3, rho=rho)
+    assert max(tols) < 1e-3 * 3 * 1e-2
+    assert_leaves_within(state.consolidate(), ref_params, tols)
     assert int(state.step) == 3
 
 

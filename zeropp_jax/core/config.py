@@ -68,7 +68,7 @@ class ZeroPPConfig:
         bound), in two collectives instead of one. Measured on the emulated cluster
         (ZeRO-3, 2 nodes x 2): 1.18x faster at 100 Mbit/s, equal at 1 Gbit/s, 0.93x at
         10 Gbit/s; and on XLA CPU the compiled step's temp memory grows by 0.50 of a
-        layer's weights per added layer against 0.33 for flat (tests/test_units.py), so it
+        layer's weights per added layer against 0.33 for flat (tests/units/test_units.py), so it
         is not the default. Same weights bit for bit; on one node both are one all-gather.
       blockwise: True (default): one quantization scale per ``block_size`` elements. False:
         the paper's *non-blocked* baseline, one scale per quantized message — a device's

@@ -184,7 +184,7 @@ def zero_unit(
 
     # prevent_cse=False: the replay in backward runs on the regathered weights, which XLA
     # cannot identify with the forward's, so no matmul is merged away (the compiled step of
-    # remat="full" recomputes them: tests/test_units.py), and without the barriers XLA may
+    # remat="full" recomputes them: tests/units/test_units.py), and without the barriers XLA may
     # fuse across the replay.
     def pullback_of(policy: Any, weights: tuple, frozen: tuple, arrays: tuple) -> tuple:
         f = run if policy is None else jax.checkpoint(run, policy=policy, prevent_cse=False)

@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks import gpu_check, overhead
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_without_a_gpu_says_so_and_exits_2(tmp_path):

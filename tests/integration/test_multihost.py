@@ -29,7 +29,7 @@ import pytest
 import zeropp_jax as zpp
 from helpers import subprocess_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PY = sys.executable
 TIMEOUT_S = 300
 MODEL = ["--steps", "4", "--batch", "8", "--seq-len", "32", "--layers", "2", "--d-model", "32",

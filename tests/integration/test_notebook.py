@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOK = pathlib.Path(__file__).parents[1] / "examples" / "mesh_layouts.ipynb"
+NOTEBOOK = pathlib.Path(__file__).parents[2] / "examples" / "mesh_layouts.ipynb"
 
 
 @pytest.mark.slow  # 40 s; the notebook's code is viz/analysis, tested in test_viz.py

@@ -291,8 +291,8 @@ def test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups():
 def test_pallas_inside_shard_map_on_cpu_is_a_clear_error():
     """On CPU the kernels would run in Pallas interpret mode, which JAX 0.10 cannot trace
     inside shard_map; the error names the fix. (Kernels equal the references bit for bit
-    outside shard_map: tests/test_pallas_*.py; the shard_map'd GPU path is lowered for CUDA
-    in tests/test_gpu_lowering.py.)"""
+    outside shard_map: tests/quant/test_pallas_*.py; the shard_map'd GPU path is lowered for CUDA
+    in tests/quant/test_gpu_lowering.py.)"""
     mesh = zpp.make_mesh(2, 4)
     x = np.ones((8, 8 * 64), np.float32)
     with pytest.raises(NotImplementedError, match="implementation='xla'"):

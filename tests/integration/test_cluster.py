@@ -15,7 +15,7 @@ import pytest
 
 from helpers import subprocess_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PREFIX = "zppcl-"
 
 

@@ -60,7 +60,7 @@ GLOBAL_BATCH = 16  # 2 examples per device on the 2x4 mesh
 # * eps=1e-3: some gradients are exactly zero in exact arithmetic (attention key biases:
 #   softmax is shift invariant) and come out as ~1e-10 rounding noise. Adam with eps=1e-8
 #   turns that noise into +-lr steps of random sign, which no tolerance can compare (the
-#   same reasoning as tests/test_engine.py); with eps=1e-3 they move by ~1e-9.
+#   same reasoning as tests/train/test_engine.py); with eps=1e-3 they move by ~1e-9.
 RTOL_LOSS = 1e-5
 RTOL_UPDATE = 5e-5
 LR = 1e-2

@@ -10,7 +10,7 @@ import sys
 
 from helpers import subprocess_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "quickstart.py"
 
 

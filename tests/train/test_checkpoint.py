@@ -20,7 +20,7 @@ from zeropp_demo.gpt import GPT, loss_fn
 
 from helpers import SMALL, init_params, make_step, tokens
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FP32 = dict(compute_dtype="float32")
 TX = optax.adamw(1e-2, weight_decay=0.1)
 

@@ -69,10 +69,7 @@ def _check(state: Any) -> Engine:
 def _gather_program(engine: Engine) -> Any:
     """The jitted program that builds every unit's secondary slice; kept in the engine's
     memo (built once per engine, freed with it)."""
-    key = ("generate", "gather")
-    if key not in engine.memo:
-        engine.memo[key] = _build_gather_program(engine)
-    return engine.memo[key]
+    return engine.remembered(("generate", "gather"), lambda: _build_gather_program(engine))
 
 
 def _build_gather_program(engine: Engine) -> Any:
@@ -124,10 +121,8 @@ gather_secondary.lower = _lower_gather  # type: ignore[attr-defined]
 
 def _decode_program(engine: Engine, method: Any) -> Any:
     """The jitted one-token step for ``method``; kept in the engine's memo."""
-    key = ("generate", "decode", method)
-    if key not in engine.memo:
-        engine.memo[key] = _build_decode_program(engine, method)
-    return engine.memo[key]
+    return engine.remembered(("generate", "decode", method),
+                             lambda: _build_decode_program(engine, method))
 
 
 def _build_decode_program(engine: Engine, method: Any) -> Any:

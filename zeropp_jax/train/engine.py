@@ -141,6 +141,12 @@ class Engine:
     # outside the engine holds these, so dropping the state frees them with the model.
     memo: dict = dataclasses.field(default_factory=dict, repr=False)
 
+    def remembered(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``memo[key]``, built by ``build()`` the first time it is asked for."""
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
+
     @property
     def has_frozen(self) -> bool:
         """True if some parameters are frozen (kept outside ``params`` and ``opt_state``)."""

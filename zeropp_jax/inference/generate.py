@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.train.engine import Engine
 from zeropp_jax.train.state import TrainState
-from zeropp_jax.units.adapters.linen import run_units
+
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST
 from zeropp_jax.comm.transports import value_transport
@@ -149,7 +149,7 @@ def _build_decode_program(engine: Engine, method: Any) -> Any:
             for n in names if n != REST
         }
         rest = unit_tree(secondary, REST) if REST in names else {}
-        logits = run_units(engine.model, units, rest, buffer, method=method)
+        logits = engine.adapter.run_units(units, rest, buffer, method=method)
         last = jax.lax.dynamic_index_in_dim(logits, pos - 1, axis=1, keepdims=False)
         nxt = jnp.argmax(last, axis=-1).astype(buffer.dtype)
         return jax.lax.dynamic_update_slice_in_dim(buffer, nxt[:, None], pos, axis=1)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.comm import collectives
 from zeropp_jax.core import processes
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.units.adapters.linen import apply_units
-from zeropp_jax.units.adapters.transformers import hf_call
+from zeropp_jax.units.adapters import ModelAdapter
+from zeropp_jax.units.apply import apply_units
 from zeropp_jax.comm.frozen import FrozenShards, dequantize_frozen_flat, merge_trees
 from zeropp_jax.core.mesh import AXES, mesh_shape
 from zeropp_jax.comm.partition import REST, UnitLayout, merge_units
@@ -112,13 +111,14 @@ def _per_device_rngs(rngs: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Engine:
-    """Everything static about a ZeRO run: model, optimizer, mesh, config and unit layouts.
+    """Everything static about a ZeRO run: the model's adapter, optimizer, mesh, config
+    and unit layouts.
 
     Compared and hashed by identity: a train state carries its engine as static data, so
     one engine means one compiled step.
     """
 
-    model: nn.Module
+    adapter: ModelAdapter
     tx: optax.GradientTransformation
     mesh: Mesh
     config: ZeroPPConfig
@@ -128,9 +128,6 @@ class Engine:
     # unit name like ``layouts``; a unit may appear in both (LoRA adapters beside frozen
     # weights) or only here (a wholly frozen unit).
     frozen_layouts: dict[str, UnitLayout] = dataclasses.field(default_factory=dict)
-    # A transformers FlaxPreTrainedModel the model came from (``model`` is its module), so
-    # ``apply_fn`` also takes its call style; None for a plain linen model.
-    wrapper: Any = None
     # True when the user chose the units (units=...): then units the call reads outside
     # their own calls are reported (the default policy's leftovers are silently resident).
     explicit_units: bool = False
@@ -140,6 +137,12 @@ class Engine:
     # process agreed on (``"agreed_batches"``), generation's compiled programs. Nothing
     # outside the engine holds these, so dropping the state frees them with the model.
     memo: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def model(self) -> Any:
+        """What runs: the linen module (a transformers model's ``module``), or the NNX
+        model's split form."""
+        return self.adapter.module
 
     def remembered(self, key: Any, build: Callable[[], Any]) -> Any:
         """``memo[key]``, built by ``build()`` the first time it is asked for."""
@@ -184,13 +187,11 @@ class Engine:
         return self.apply_step(StepState(), variables, *args, method=method, **kwargs)
 
     def call(self, step: "StepState", *args: Any, **kwargs: Any) -> Any:
-        """``state.apply_fn``: ``apply_step`` for ``({"params": ...}, *args)``; for a
-        transformers model called its own way (``**batch, params=..., train=...``), the
-        model's ``__call__`` with its module applied on the shards."""
-        if self.wrapper is not None and not (args and isinstance(args[0], Mapping)):
-            return hf_call(self.wrapper, lambda v, *a, **k: self.apply_step(step, v, *a, **k),
-                           *args, **kwargs)
-        return self.apply_step(step, *args, **kwargs)
+        """``state.apply_fn``: ``apply_step`` in the model's own call style (the adapter's
+        ``call``: ``({"params": ...}, *args)``, or a transformers model's
+        ``(**batch, params=..., train=...)``)."""
+        return self.adapter.call(lambda v, *a, **k: self.apply_step(step, v, *a, **k),
+                                 *args, **kwargs)
 
     def apply_step(
         self,
@@ -222,16 +223,14 @@ class Engine:
         if self.config.stage == 3:
             frozen = variables.get("frozen", step.frozen) if self.has_frozen else None
             out = apply_units(
-                self.model, self.layouts, params.units, self.config, *args, method=method,
+                self.adapter, self.layouts, params.units, self.config, *args, method=method,
                 frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
                 collections=collections, warn_resident=self.explicit_units,
                 memo=self.memo.setdefault("resident", {}), **kwargs,
             )
         else:
             tree = {"params": self.unflatten_full(params.units), **collections}
-            if method is not None:
-                kwargs["method"] = method
-            out = self.model.apply(tree, *args, **kwargs)
+            out = self.adapter.apply(tree, *args, method=method, **kwargs)
         if kwargs.get("mutable") not in (None, False):
             # Each device updated the collections from its own batch shard (BatchNorm's
             # running averages): the replicated state keeps their mean over all devices.

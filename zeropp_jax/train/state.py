@@ -27,8 +27,7 @@ from zeropp_jax.comm.frozen import (
     quantize_frozen_flat,
     split_frozen,
 )
-from zeropp_jax.units.adapters.transformers import is_hf_model
-from zeropp_jax.units.adapters.nnx import NNXModel, is_nnx
+from zeropp_jax.units.adapters import adapt
 from zeropp_jax.comm.hpz import group_nodes
 from zeropp_jax.core.mesh import mesh_shape
 from zeropp_jax.train.optim import check_elementwise
@@ -151,8 +150,7 @@ class TrainState:
         processes.rendezvous("state.consolidate")  # a collective: every process calls it
         tree = self.engine.consolidate(self.params if self.master is None else self.master,
                                        self.frozen)
-        return self.engine.model.to_pure_dict(tree) if isinstance(
-            self.engine.model, NNXModel) else tree
+        return self.engine.adapter.to_pure_dict(tree)
 
     @classmethod
     def create(
@@ -206,20 +204,12 @@ class TrainState:
             ``collections={"batch_stats": ...}``), kept full and replicated.
         """
         config = ZeroPPConfig.zero3() if config is None else config
-        wrapper = None
-        if is_hf_model(model):  # a transformers FlaxPreTrainedModel: its module and params
-            wrapper, model = model, model.module
-            params = wrapper.params if params is None else params
-        if is_nnx(model):  # an nnx.Module: its Params and its other state, as trees
-            if stacked:
-                raise NotImplementedError("stacked= is for linen nn.scan stacks; an NNX "
-                                          "model's layers are units by the default policy")
-            model, nnx_params, nnx_collections = NNXModel.from_module(model)
-            # params=None: the module's own nnx.Param values; else an nnx.State or pure
-            # dict of the same parameters (e.g. trained elsewhere), checked path by path.
-            params = nnx_params if params is None else model.params_from(params, nnx_params)
-            collections = {**nnx_collections, **(collections or {})}
-        elif params is None:
+        # The model's kind is decided here, once: everything after asks the adapter.
+        adapter, params, collections = adapt(model, params, collections)
+        if adapter.kind == "nnx" and stacked:
+            raise NotImplementedError("stacked= is for linen nn.scan stacks; an NNX "
+                                      "model's layers are units by the default policy")
+        if params is None:
             raise TypeError("TrainState.create needs params= (model.init(...)['params'])")
         if not isinstance(config, ZeroPPConfig):
             raise TypeError(f"config must be a ZeroPPConfig, got {type(config).__name__}")
@@ -251,7 +241,7 @@ class TrainState:
             stacked += tuple(p for p in scan_stacks(params) if p not in stacked)
         # A scanned stack is a unit per layer by construction: no policy looks inside it.
         unit_paths = tuple(
-            p for p in resolve_units(units, params, model)
+            p for p in resolve_units(units, params, adapter)
             if not any(p[: len(s)] == s or s[: len(p)] == p for s in stacked))
         unit_paths += stacked
         unit_trees, rest = split_units(params, unit_paths)
@@ -315,7 +305,7 @@ class TrainState:
             jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
         )(master)
 
-        engine = Engine(model, tx, mesh, config, layouts, opt_specs, frozen_layouts, wrapper,
+        engine = Engine(adapter, tx, mesh, config, layouts, opt_specs, frozen_layouts,
                         explicit_units=units is not None and units != "auto")
         warn_if_unbalanced(*engine.unit_table(), params)
         step = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))

@@ -41,3 +41,30 @@ def after(x: jax.Array, dep: Any) -> jax.Array:
     if jnp.issubdtype(x.dtype, jnp.floating):
         return x + (0.0 * s).astype(x.dtype)
     return x + (s * 0.0).astype(jnp.int32).astype(x.dtype)
+
+
+class GatherOrder:
+    """Orders the units' forward gathers after earlier units' outputs (bounded live weights).
+
+    Unit ``i``'s primary shard is made to depend on the output of the unit called
+    ``prefetch + 1`` calls before it (``ordering.after``), so XLA cannot start that gather
+    earlier: at most ``prefetch`` units' gathers run ahead of the computation, and
+    only about ``prefetch + 1`` units' full weights are live at once. (A data dependency,
+    not a scheduling hint: the CPU scheduler otherwise issues every gather at the start.)
+    One instance per traced ``apply``; it holds tracers of that trace only.
+    """
+
+    def __init__(self, prefetch: int):
+        self.prefetch = prefetch
+        self.outputs: list[jax.Array] = []
+
+    def record(self, out: Any) -> None:
+        leaves = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
+        if leaves:
+            self.outputs.append(leaves[0])
+
+    def tie(self, shard: Any) -> Any:
+        """``shard`` unchanged, but available only once the output it waits for is."""
+        if len(self.outputs) <= self.prefetch:
+            return shard
+        return after(shard, self.outputs[-1 - self.prefetch])

@@ -35,6 +35,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from zeropp_jax.units.adapters import as_adapter
+
 PyTree = Any
 Path = tuple[str, ...]
 
@@ -71,30 +73,14 @@ def _subtree(params: Mapping[str, Any], path: Path) -> Any:
 def module_classes(model: Any, params: Mapping[str, Any]) -> dict[Path, str]:
     """Module path -> class name, as far as it is known without calling the model.
 
-    Modules made in ``setup`` are found by binding the model to ``params`` and running the
-    setups; modules made inline (``nn.compact``) exist only during a call, so their class
-    is read from Flax's automatic name (``Dense_0`` -> ``"Dense"``). Paths of neither kind
-    are missing from the result.
+    ``model``: the model or its adapter (None: names only). The adapter knows what its
+    framework can tell without a call (linen: the modules made in ``setup``; NNX: every
+    submodule); modules made inline (``nn.compact``) exist only during a call, so their
+    class is read from Flax's automatic name (``Dense_0`` -> ``"Dense"``). Paths of
+    neither kind are missing from the result.
     """
-    classes: dict[Path, str] = {}
-    if hasattr(model, "modules") and hasattr(model, "graphdef"):  # an NNXModel
-        return {p: c for p, (_, c) in model.modules.items()}
-    try:
-        import flax.linen as nn
-
-        if isinstance(model, nn.Module):
-            bound = model.bind({"params": params})
-
-            def walk(mod: Any, path: Path) -> None:
-                mod._try_setup()
-                for name, child in mod._state.children.items():
-                    if isinstance(child, nn.Module):
-                        classes[path + (name,)] = type(child).__name__
-                        walk(child, path + (name,))
-
-            walk(bound, ())
-    except Exception:  # noqa: BLE001 - setup may need call-time state; fall back to names
-        pass
+    adapter = as_adapter(model)
+    classes = {} if adapter is None else dict(adapter.module_classes(params))
     for path in module_paths(params):
         if path not in classes:
             m = re.match(r"^([A-Z]\w*?)_\d+$", str(path[-1]))

@@ -23,6 +23,7 @@ from flax import nnx
 from zeropp_jax.comm import collectives
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.comm.placement import is_prng_key
+from zeropp_jax.units.adapters.base import call_with_variables
 
 PyTree = Any
 Path = tuple[str, ...]
@@ -71,7 +72,7 @@ def _value(var: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NNXModel:
-    """An ``nnx.Module`` as the engine's model (compared by identity).
+    """An ``nnx.Module`` as a ``ModelAdapter`` (compared by identity).
 
     Attributes:
       graphdef: the module's ``nnx`` graph definition.
@@ -86,6 +87,18 @@ class NNXModel:
     others: Any
     keys: dict[Path, tuple]
     modules: dict[Path, tuple[tuple, str]]
+    kind: str = "nnx"
+
+    @property
+    def module(self) -> "NNXModel":
+        """What runs: this split form (``merge`` rebuilds the module from trees)."""
+        return self
+
+    call = staticmethod(call_with_variables)
+
+    def module_classes(self, params: Mapping[str, Any]) -> dict[Path, str]:
+        """Every submodule's class, from the graph (no call needed)."""
+        return {p: c for p, (_, c) in self.modules.items()}
 
     @classmethod
     def from_module(cls, module: nnx.Module) -> tuple["NNXModel", dict, dict]:
@@ -214,7 +227,7 @@ class NNXModel:
                   collections: Mapping[str, Any] | None = None, mutable: Any = False,
                   rngs: Any = None, **kwargs: Any) -> Any:
         """The module's call with every call of a unit submodule's methods routed through
-        ``units[path](fn)(*arrays)`` (see ``flax.run_units``). ``rest`` holds the weights
+        ``units[path](fn)(*arrays)`` (see ``base.ModelAdapter.run_units``). ``rest`` holds the weights
         outside the routed units (string-keyed, partial)."""
         del rngs, externals
         collections = dict(collections or {})

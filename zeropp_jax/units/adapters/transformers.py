@@ -1,4 +1,4 @@
-"""Hugging Face ``FlaxPreTrainedModel``s as models: their linen module, their call style.
+"""Hugging Face ``FlaxPreTrainedModel``s: the linen adapter of their module, their call style.
 
 ``transformers``' Flax models wrap a linen module (``model.module``) and its parameters
 (``model.params``); their ``__call__(input_ids, ..., params=, dropout_rng=, train=)`` builds
@@ -12,9 +12,12 @@ dropout_rng=rng, train=True)``) works unchanged. transformers is not imported he
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Mapping
 
 import flax.linen as nn
+
+from zeropp_jax.units.adapters.linen import LinenAdapter
 
 PyTree = Any
 
@@ -55,3 +58,26 @@ def hf_call(wrapper: Any, apply: Callable[..., Any], *args: Any, **kwargs: Any) 
     # FlaxPreTrainedModel.module is a property returning _module.
     object.__setattr__(shallow, "_module", _ShardedModule(wrapper.module, apply))
     return type(wrapper).__call__(shallow, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TransformersAdapter(LinenAdapter):
+    """A ``FlaxPreTrainedModel`` as a ``ModelAdapter``: its ``module`` runs as any linen
+    module; ``call`` also takes the model's own call style
+    (``apply_fn(**batch, params=params, dropout_rng=rng, train=True)``).
+
+    Attributes:
+      wrapper: the ``FlaxPreTrainedModel`` (its ``__call__`` builds default inputs).
+    """
+
+    wrapper: Any = None
+    kind: str = "transformers"
+
+    @classmethod
+    def of(cls, wrapper: Any) -> "TransformersAdapter":
+        return cls(wrapper.module, wrapper=wrapper)
+
+    def call(self, apply: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], Mapping):  # apply_fn({"params": ...}, ...): as linen
+            return apply(*args, **kwargs)
+        return hf_call(self.wrapper, apply, *args, **kwargs)

@@ -15,7 +15,7 @@ Needs root (network namespaces, veth, tc). What it builds, all of it its own:
 * ``/etc/netns/zppcl-n<i>/hosts`` maps this machine's hostname to the node's address, so
   gloo (which binds to what the hostname resolves to) uses the shaped link; ranks inside
   one node talk over loopback, as GPUs of one node would over NVLink.
-* per row (mode), one ``examples/multihost.py`` process per node (``ip netns exec``),
+* per row (mode), one ``benchmarks/cluster_node.py`` process per node (``ip netns exec``),
   coordinator on node 0, one port per row. All rows start (and compile) one after the
   other and stay up; then for every bandwidth the script reshapes the links and runs
   ``--rounds`` rounds, each giving every row in turn ``--warmup`` untimed and ``--steps``
@@ -427,7 +427,7 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
                  reduce_scatter: str | None, total_steps: int, port: int,
                  trace_dir: pathlib.Path | None) -> tuple[list[str], dict[str, str]]:
     """Node ``i``'s command line (inside its namespace) and extra environment for the row
-    ``spec`` (``MODE[@opt+opt]``): ``examples/multihost.py`` for a plain zeropp_jax mode,
+    ``spec`` (``MODE[@opt+opt]``): ``benchmarks/cluster_node.py`` for a plain zeropp_jax mode,
     ``benchmarks/cluster_peers.py`` for the peers and the instrumented variants."""
     base, opts = split_row(spec)
     common = ["--coordinator", f"{cluster.addr(0)}:{port}",
@@ -454,7 +454,7 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
         if "t2" in opts:
             cmd += ["--torch-threads", "2"]
     else:
-        cmd = [sys.executable, str(ROOT / "examples/multihost.py"), "--mode", base] + common
+        cmd = [sys.executable, str(ROOT / "benchmarks/cluster_node.py"), "--mode", base] + common
         cmd += ["--no-progress", "--control", "stdin"]
     if reduce_scatter is not None and base in MODES:
         cmd += ["--reduce-scatter", reduce_scatter]
@@ -475,7 +475,7 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
 
 
 class NodeGroup:
-    """One node process per node namespace (``examples/multihost.py``, or
+    """One node process per node namespace (``benchmarks/cluster_node.py``, or
     ``benchmarks/cluster_peers.py`` for peers and variants), driven over stdin/stdout."""
 
     def __init__(self, cluster: Cluster, args: argparse.Namespace, spec: str,

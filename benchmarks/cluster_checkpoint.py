@@ -3,7 +3,8 @@
     sudo .venv/bin/python benchmarks/cluster_checkpoint.py [--out DIR]   # ~3 min on 2 cores
 
 Builds the cluster of ``benchmarks/cluster.py`` (2 node namespaces, tc-shaped links, gloo)
-and runs ``examples/multihost.py`` (fp32, so runs on different meshes agree to rounding):
+and runs its node worker ``benchmarks/cluster_node.py`` (fp32, so runs on different meshes
+agree to rounding):
 
 1. on the cluster, 6 steps straight (the reference);
 2. on the cluster, the same 6-step schedule stopped after 4 steps with ``--save``: each
@@ -42,7 +43,8 @@ def run_on_cluster(cluster: cl.Cluster, port: int, steps: int, extra: list[str],
     procs = []
     for i in range(cluster.nodes):
         cmd = ["ip", "netns", "exec", cl.node_ns(i), sys.executable,
-               str(ROOT / "examples/multihost.py"), "--coordinator", f"{cluster.addr(0)}:{port}",
+               str(ROOT / "benchmarks/cluster_node.py"), "--coordinator",
+               f"{cluster.addr(0)}:{port}",
                "--num-processes", str(cluster.nodes), "--process-id", str(i),
                "--local-devices", "2", "--steps", str(steps), *MODEL, *extra]
         if i == 0:
@@ -57,7 +59,7 @@ def run_on_cluster(cluster: cl.Cluster, port: int, steps: int, extra: list[str],
 
 
 def run_alone(port: int, steps: int, extra: list[str], out: pathlib.Path) -> dict:
-    cmd = [sys.executable, str(ROOT / "examples/multihost.py"), "--coordinator",
+    cmd = [sys.executable, str(ROOT / "benchmarks/cluster_node.py"), "--coordinator",
            f"127.0.0.1:{port}", "--num-processes", "1", "--process-id", "0",
            "--local-devices", "2", "--steps", str(steps), *MODEL, *extra, "--json", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -1,10 +1,10 @@
 """Peer rows for ``benchmarks/cluster.py``: the same GPT trained by what a user would pick
 instead of zeropp_jax, plus an instrumented zeropp_jax step for profiling.
 
-One process per node (``ip netns exec``, as ``examples/multihost.py``), same stdin/stdout
-protocol: after the compiling step it prints ``ZPP-READY {json}``, then every stdin line
-``{"steps": k, "warmup": w, "label": ...}`` runs ``w`` untimed and ``k`` timed steps and
-prints one ``ZPP-PHASE {json}`` line (``times``, ``tx_bytes``/``rx_bytes`` on
+One process per node (``ip netns exec``), speaking the stdin/stdout protocol of the node
+worker of the zeropp_jax rows, ``benchmarks/cluster_node.py``: after the compiling step it
+prints ``ZPP-READY {json}``, then every stdin line ``{"steps": k, "warmup": w, "label":
+...}`` runs ``w`` untimed and ``k`` timed steps and prints one ``ZPP-PHASE {json}`` line (``times``, ``tx_bytes``/``rx_bytes`` on
 ``--net-iface`` between the phase's start and end barriers, ``losses``); ``quit`` stops.
 
 ``--impl``:
@@ -25,14 +25,14 @@ prints one ``ZPP-PHASE {json}`` line (``times``, ``tx_bytes``/``rx_bytes`` on
   ``f32[--probe-elems]`` over all devices (each depends on the previous one), so the step
   time / k is the latency of one cross-process collective on this cluster (gloo, 2
   processes sharing the cores), the fixed cost every collective of a train step pays.
-* ``zpp``: zeropp_jax exactly as ``examples/multihost.py`` builds it (``--mode``,
-  ``--reduce-scatter``), with the profiling hooks below.
+* ``zpp``: zeropp_jax exactly as ``cluster_node.py`` builds it (``--mode``,
+  ``--reduce-scatter``, ``--all-gather``), with the profiling hooks below.
 
 Model, data and optimizer (AdamW, weight decay 0.01, ``lr_schedule``) are
-``examples/multihost.py``'s, so every JAX row starts from the same parameters and batches.
+``cluster_node.py``'s, so every JAX row starts from the same parameters and batches.
 
 Profiling hooks (JAX impls): ``--sync float`` (default: ``float(loss)`` after every step, as
-``examples/multihost.py``), ``block`` (``jax.block_until_ready`` on the loss), ``none`` (no
+``cluster_node.py``), ``block`` (``jax.block_until_ready`` on the loss), ``none`` (no
 per-step sync: the phase's wall time / steps, steps dispatched back to back);
 every phase also reports per step the host time to build the batch, the time until the step
 call returned (dispatch) and the time until its result was ready. ``--trace-dir DIR``: the
@@ -42,7 +42,6 @@ first phase whose label is ``--trace-label`` runs under ``jax.profiler.trace(DIR
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -51,40 +50,22 @@ import time
 from typing import Any, Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import cluster_node  # noqa: E402
+from benchmarks.cluster_node import commands, net_counters  # noqa: E402
+
 IMPLS = ["jax_fsdp", "jax_dp", "torch_fsdp2", "zpp", "probe_psum"]
-
-
-def _commands() -> Any:
-    """The protocol's stdin commands (``{"steps": k, ...}`` dicts) until ``quit``."""
-    for line in sys.stdin:
-        line = line.strip()
-        if line == "quit":
-            return
-        if line:
-            yield json.loads(line)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--impl", required=True, choices=IMPLS)
-    p.add_argument("--coordinator", required=True, help="host:port on node 0")
-    p.add_argument("--num-processes", type=int, required=True, help="nodes")
-    p.add_argument("--process-id", type=int, required=True, help="this node")
-    p.add_argument("--local-devices", type=int, default=2, help="devices (torch: ranks) per node")
-    p.add_argument("--init-timeout", type=int, default=120)
+    cluster_node.add_cluster_arguments(p)
     p.add_argument("--mode", default="zero3", help="zeropp_jax mode (--impl zpp)")
     p.add_argument("--reduce-scatter", default=None, choices=["flat", "hierarchical"])
     p.add_argument("--all-gather", default=None, choices=["flat", "hierarchical"],
-                   help="zpp: ZeroPPConfig.all_gather (as examples/multihost.py --all-gather)")
-    p.add_argument("--steps", type=int, default=200, help="total steps (the lr schedule's length)")
-    p.add_argument("--batch", type=int, default=32, help="global batch")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--seed", type=int, default=0)
+                   help="zpp: ZeroPPConfig.all_gather (as cluster_node.py --all-gather)")
+    cluster_node.add_model_arguments(p)
     p.add_argument("--net-iface", default=None)
     p.add_argument("--comm-report", action="store_true",
                    help="node 0 reports the compiled program's cross-node bytes (JAX impls) or "
@@ -108,30 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def net_counters(iface: str | None) -> tuple[int, int] | None:
-    if iface is None:
-        return None
-    base = pathlib.Path("/sys/class/net") / iface / "statistics"
-    return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
-
-
 def safe_label(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
 
 
-def multihost_module() -> Any:
-    """``examples/multihost.py`` as a module (its ``build``, ``init_distributed``,
-    ``lm_train_step``), so the peers use exactly its model, data and optimizer."""
-    spec = importlib.util.spec_from_file_location("zpp_multihost",
-                                                  ROOT / "examples" / "multihost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def build_args(args: argparse.Namespace) -> argparse.Namespace:
-    """``examples/multihost.py``'s own arguments for these settings (its parser, so options
-    it gains later get their defaults)."""
+    """``cluster_node.py``'s own arguments for these settings (its parser, so options it
+    gains later get their defaults)."""
     argv = ["--coordinator", args.coordinator, "--num-processes", str(args.num_processes),
             "--process-id", str(args.process_id), "--local-devices", str(args.local_devices),
             "--init-timeout", str(args.init_timeout),
@@ -144,7 +108,7 @@ def build_args(args: argparse.Namespace) -> argparse.Namespace:
         argv += ["--reduce-scatter", args.reduce_scatter]
     if args.all_gather is not None:
         argv += ["--all-gather", args.all_gather]
-    return multihost_module().parse_args(argv)
+    return cluster_node.parse_args(argv)
 
 
 def flax_param_count(args: argparse.Namespace) -> int:
@@ -184,8 +148,7 @@ def jax_peer(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
 
     from zeropp_demo.gpt import loss_fn
 
-    mh = multihost_module()
-    parts = mh.build(build_args(args))
+    parts = cluster_node.build(build_args(args))
     model, tx = parts["model"], parts["tx"]
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = len(devices)
@@ -241,16 +204,9 @@ def jax_peer(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
     predicted = None
     if args.comm_report:
         t0 = time.perf_counter()
-        from zeropp_jax.measure.comm_report import comm_report
-
-        lowered = jitted.lower(params, opt_state, place(parts["first"]))
-        nodes, local = args.num_processes, args.local_devices
-        compiled = lowered.compile()
-        moved = comm_report(compiled, (nodes, local))
-        predicted = {"lowered_cross_node_bytes_per_node": None,  # GSPMD: none before compile
-                     "compiled_cross_node_bytes_per_node": moved.cross_node_bytes_per_node,
-                     "compiled_by_kind": moved.by_kind(),
-                     "lower_and_compile_s": time.perf_counter() - t0}
+        predicted = cluster_node.comm_prediction(
+            jitted.lower(params, opt_state, place(parts["first"])),
+            (args.num_processes, args.local_devices), t0, from_lowered=False)
 
     def step(batch_np: np.ndarray) -> Any:
         state["params"], state["opt"], loss = jitted(state["params"], state["opt"], place(batch_np))
@@ -293,27 +249,20 @@ def probe_step(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
 
 
 def zpp_step(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
-    """zeropp_jax's step exactly as ``examples/multihost.py`` runs it."""
+    """zeropp_jax's step exactly as ``cluster_node.py`` runs it."""
     import zeropp_jax as zpp
+    from zeropp_demo.gpt import lm_train_step
 
-    mh = multihost_module()
-    parts = mh.build(build_args(args))
+    parts = cluster_node.build(build_args(args))
     mesh = zpp.make_mesh()
-    state = zpp.TrainState.create(model=parts["model"], params=parts["params"], tx=parts["tx"],
-                                  mesh=mesh, config=parts["config"])
-    train_step = mh.lm_train_step()
+    state = cluster_node.train_state(parts, mesh)
+    train_step = lm_train_step()
     box = {"state": state}
     predicted = None
     if args.comm_report:
         t0 = time.perf_counter()
-        from zeropp_jax.measure.comm_report import comm_report
-
-        lowered = train_step.lower(state, parts["first"])
-        asked, moved = comm_report(lowered, mesh), comm_report(lowered.compile(), mesh)
-        predicted = {"lowered_cross_node_bytes_per_node": asked.cross_node_bytes_per_node,
-                     "compiled_cross_node_bytes_per_node": moved.cross_node_bytes_per_node,
-                     "compiled_by_kind": moved.by_kind(),
-                     "lower_and_compile_s": time.perf_counter() - t0}
+        predicted = cluster_node.comm_prediction(train_step.lower(state, parts["first"]), mesh,
+                                                 t0)
 
     def step(batch_np: Any) -> Any:
         box["state"], metrics = train_step(box["state"], batch_np)
@@ -325,7 +274,6 @@ def zpp_step(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
 
 
 def jax_main(args: argparse.Namespace) -> None:
-    mh = multihost_module()
     if args.standalone:
         import zeropp_jax as zpp
 
@@ -333,7 +281,7 @@ def jax_main(args: argparse.Namespace) -> None:
         args.batch //= args.num_processes
         args.num_processes, args.process_id, args.comm_report = 1, 0, False
     else:
-        mh.init_distributed(build_args(args))
+        cluster_node.init_distributed(args)
     import jax
     from jax.experimental import multihost_utils
 
@@ -407,7 +355,7 @@ def jax_main(args: argparse.Namespace) -> None:
             out["tx_bytes"], out["rx_bytes"] = c1[0] - c0[0], c1[1] - c0[1]
         return out
 
-    for cmd in _commands():
+    for cmd in commands():
         res = phase(int(cmd["steps"]), int(cmd.get("warmup", 0)), cmd.get("label"))
         res["label"] = cmd.get("label")
         print("ZPP-PHASE " + json.dumps(res), flush=True)
@@ -581,7 +529,7 @@ def torch_main(args: argparse.Namespace) -> None:
     print(f"torch GPT params {info['params']:,} vs zeropp_jax GPT params {jax_count:,}",
           file=sys.stderr, flush=True)
     print("ZPP-READY " + json.dumps(info), flush=True)
-    for cmd in _commands():
+    for cmd in commands():
         for c in conns:
             c.send(cmd)
         res = [c.recv() for c in conns]

@@ -15,11 +15,13 @@ from zeropp_demo.gpt import GPT, GPTConfig, lm_train_step  # noqa: F401 (re-expo
 EXAMPLE_GPT = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=128, layers=4, d_model=128, heads=4)
 
 
-def example_model_and_data(seed: int, batch: int) -> tuple[GPT, Any, np.ndarray, np.ndarray]:
-    """(model, initial params, training corpus, first batch ``[batch, seq + 1]``)."""
-    model = GPT(EXAMPLE_GPT)
+def example_model_and_data(seed: int, batch: int, config: GPTConfig = EXAMPLE_GPT
+                           ) -> tuple[GPT, Any, np.ndarray, np.ndarray]:
+    """(model, initial params, training corpus, first batch ``[batch, seq + 1]``) of the
+    example GPT (``config``: another size of it)."""
+    model = GPT(config)
     data, _ = train_val_split(stdlib_corpus())
-    first = sample_batch(data, batch, EXAMPLE_GPT.seq_len, seed=seed, step=0)
+    first = sample_batch(data, batch, config.seq_len, seed=seed, step=0)
     params = jax.jit(model.init)(jax.random.PRNGKey(seed), first[:, :-1])["params"]
     return model, params, data, first
 

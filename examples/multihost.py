@@ -16,15 +16,17 @@ data are those of ``examples/train_gpt.py``; every process builds the same globa
 from (seed, step) and places only its own devices' rows, so the losses equal a one-process
 ``train_gpt.py --nodes N --local L`` run. Process 0 prints the summary and writes ``--json``.
 
+``--save DIR`` checkpoints at the end (every process writes its own shards), ``--resume``
+continues from the latest checkpoint there (written by any process count or mesh) and
+``--stop-after K`` stops after K steps of the ``--steps`` schedule.
+
 Gloo binds to the address this machine's hostname resolves to; on a real cluster that is
 the node's address. (``benchmarks/cluster.py`` runs each process in a network namespace
 whose ``/etc/hosts`` maps the hostname to that namespace's address.)
 
-For ``benchmarks/cluster.py``: ``--net-iface IF`` counts the bytes this node sends and
-receives on IF (``/sys/class/net/IF/statistics``) during the timed steps, and
-``--control stdin`` runs timed phases on command after the first (compiling) step: each
-stdin line ``{"steps": k, "warmup": w, "label": ...}`` runs w untimed then k timed steps
-and prints one ``ZPP-PHASE {json}`` line per process; ``quit`` or end of input stops.
+``--net-iface``, ``--control`` and ``--comm-report`` are the emulated cluster's measuring
+hooks: with any of them this script hands the run to the cluster's node worker,
+``benchmarks/cluster_node.py``, which describes them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import pathlib
 import statistics
 import sys
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 MODES = ["zero3", "qwz", "hpz", "qgz", "zeropp"]
 
@@ -90,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--stop-after", type=int, default=None,
                    help="stop (and --save) after this many steps of the --steps schedule, "
                         "as if interrupted; --resume continues it")
-    b = p.add_argument_group("benchmark hooks (benchmarks/cluster.py)")
+    b = p.add_argument_group("benchmark hooks (run by benchmarks/cluster_node.py)")
     b.add_argument("--net-iface", default=None,
                    help="count this node's tx/rx bytes on this interface over the timed steps")
     b.add_argument("--control", choices=["none", "stdin"], default="none",
@@ -110,30 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.local_devices < 1:
         p.error("--local-devices must be >= 1")
     return args
-
-
-def net_counters(iface: str | None) -> tuple[int, int] | None:
-    """(tx_bytes, rx_bytes) of ``iface`` in this process's network namespace."""
-    if iface is None:
-        return None
-    base = pathlib.Path("/sys/class/net") / iface / "statistics"
-    return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
-
-
-def init_distributed(args: argparse.Namespace) -> None:
-    """CPU devices, gloo collectives and jax.distributed, before JAX touches its backend."""
-    import jax
-
-    import zeropp_jax as zpp
-
-    zpp.simulate_cpu_devices(args.local_devices)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=args.init_timeout,
-    )
 
 
 def build(args: argparse.Namespace) -> dict:
@@ -175,44 +155,39 @@ def build(args: argparse.Namespace) -> dict:
             "first": first, "n_params": n_params}
 
 
-def lm_train_step():
-    """The example's train step (next-byte cross-entropy), decorated for zeropp_jax."""
-    import jax
-
-    import zeropp_jax as zpp
-    from zeropp_demo.gpt import loss_fn
-
-    @zpp.train_step
-    def train_step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-    return train_step
-
-
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
-    init_distributed(args)
+    if args.net_iface or args.control != "none" or args.comm_report:
+        # The benchmark hooks: the cluster's node worker runs them (it takes every flag here).
+        sys.path.insert(0, str(ROOT))
+        from benchmarks import cluster_node
 
+        return cluster_node.run(args)
+
+    # Before JAX touches its backend: this process's CPU devices, gloo CPU collectives, and
+    # jax.distributed (waits until all --num-processes processes have joined).
+    import zeropp_jax as zpp
+
+    zpp.simulate_cpu_devices(args.local_devices)
     import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id,
+                               initialization_timeout=args.init_timeout)
+
     import numpy as np
-    from jax.experimental import multihost_utils
     from tqdm import tqdm
 
-    import zeropp_jax as zpp
     from zeropp_demo.data import sample_batch
+    from zeropp_demo.gpt import lm_train_step
 
     lead = jax.process_index() == 0
     mesh = zpp.make_mesh()  # nodes = processes, local = devices per process
     nodes, local = mesh.shape["node"], mesh.shape["local"]
     parts = build(args)
-    config, train_data, first = parts["config"], parts["data"], parts["first"]
-    n_params = parts["n_params"]
     state = zpp.TrainState.create(model=parts["model"], params=parts["params"], tx=parts["tx"],
-                                  mesh=mesh, config=config)
+                                  mesh=mesh, config=parts["config"])
     train_step = lm_train_step()
     if args.resume:
         if args.save is None:
@@ -225,111 +200,50 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit(f"nothing to train: the state is at step {first_step} and this run "
                          f"stops at {last} (--steps/--stop-after)")
 
-    predicted = None
-    if args.comm_report:
-        t0 = time.perf_counter()
-        try:
-            from zeropp_jax.measure.analysis import comm_report
-        except ImportError as e:  # an older zeropp_jax without the report
-            predicted = {"error": f"zeropp_jax.measure.analysis.comm_report unavailable: {e}"}
-        else:
-            # Compiling here fills the cache the first step then uses.
-            lowered = train_step.lower(state, first)
-            asked, moved = comm_report(lowered, mesh), comm_report(lowered.compile(), mesh)
-            predicted = {
-                "lowered_cross_node_bytes_per_node": asked.cross_node_bytes_per_node,
-                "compiled_cross_node_bytes_per_node": moved.cross_node_bytes_per_node,
-                "compiled_by_kind": moved.by_kind(),
-                "lower_and_compile_s": time.perf_counter() - t0,
-            }
-
-    step_no = first_step  # batches continue where a resumed run left off
-    losses: list[float] = []
-
-    def one_step() -> tuple[float, float]:
-        nonlocal state, step_no
-        batch = sample_batch(train_data, args.batch, args.seq_len, seed=args.seed, step=step_no)
+    losses, times = [], []
+    bar = tqdm(range(first_step, last), disable=not lead or args.no_progress,
+               desc=f"{args.mode} {nodes}x{local}")
+    for step in bar:
+        # Every process builds the same global batch; the step places its own devices' rows.
+        batch = sample_batch(parts["data"], args.batch, args.seq_len, seed=args.seed, step=step)
         t0 = time.perf_counter()
         state, metrics = train_step(state, batch)
-        loss = float(metrics["loss"])  # replicated on every device; blocks until done
-        dt = time.perf_counter() - t0
-        step_no += 1
-        losses.append(loss)
-        return loss, dt
+        losses.append(float(metrics["loss"]))  # replicated on every device; blocks until done
+        times.append(time.perf_counter() - t0)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
 
-    def phase(steps: int, warmup: int = 0, progress: bool = False) -> dict:
-        for _ in range(warmup):
-            one_step()
-        multihost_utils.sync_global_devices(f"zpp-phase-start-{step_no}")
-        c0 = net_counters(args.net_iface)
-        times = []
-        bar = tqdm(range(steps), disable=not progress, desc=f"{args.mode} {nodes}x{local}")
-        for _ in bar:
-            loss, dt = one_step()
-            times.append(dt)
-            bar.set_postfix(loss=f"{loss:.3f}")
-        bar.close()
-        c1 = net_counters(args.net_iface)
-        multihost_utils.sync_global_devices(f"zpp-phase-end-{step_no}")
-        out = {"process": jax.process_index(), "steps": steps, "times": times,
-               "step_time_median_s": statistics.median(times) if times else None,
-               "losses": losses[-steps:] if steps else []}
-        if c0 is not None:
-            out["iface"] = args.net_iface
-            out["tx_bytes"] = c1[0] - c0[0]
-            out["rx_bytes"] = c1[1] - c0[1]
-        return out
-
-    # Step 0 compiles the step (every process compiles its own copy).
-    _, compile_s = one_step()
-    info = {"mode": args.mode, "stage": args.stage, "nodes": nodes, "local": local, "params": n_params,
-            "compute_dtype": args.compute_dtype, "reduce_scatter": config.reduce_scatter,
-            "all_gather": config.all_gather,
-            "batch": args.batch, "seq_len": args.seq_len,
-            "compile_and_first_step_s": compile_s, "predicted": predicted}
-
-    if args.control == "stdin":
-        print("ZPP-READY " + json.dumps({**info, "process": jax.process_index()}), flush=True)
-        for line in sys.stdin:
-            line = line.strip()
-            if not line:
-                continue
-            if line == "quit":
-                break
-            cmd = json.loads(line)
-            result = phase(int(cmd["steps"]), int(cmd.get("warmup", 0)))
-            result["label"] = cmd.get("label")
-            print("ZPP-PHASE " + json.dumps(result), flush=True)
-        jax.distributed.shutdown()
-        return None
-
-    timed = phase(last - first_step - 1, progress=lead and not args.no_progress)
-    summary = {**info, "steps": args.steps, "first_step": first_step, "losses": losses,
-               "step_time_median_s": timed["step_time_median_s"] or compile_s,
-               "processes": jax.process_count(), "coordinator": args.coordinator}
+    # The first step includes compilation; the median of the rest is the step time.
+    step_time = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    summary = {"mode": args.mode, "stage": args.stage, "nodes": nodes, "local": local,
+               "processes": jax.process_count(), "coordinator": args.coordinator,
+               "params": parts["n_params"], "compute_dtype": args.compute_dtype,
+               "reduce_scatter": parts["config"].reduce_scatter,
+               "all_gather": parts["config"].all_gather, "batch": args.batch,
+               "seq_len": args.seq_len, "steps": args.steps, "first_step": first_step,
+               "losses": losses, "step_time_median_s": step_time,
+               "compile_and_first_step_s": times[0]}
     if args.save is not None:
         summary["saved"] = str(zpp.checkpoint.save(args.save, state))  # collective
     if args.save_params is not None:
-        full = state.consolidate()  # every process takes part and gets the full params
+        full = state.consolidate()  # collective: every process gets the full params
         if lead:
             flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
                     for path, v in jax.tree_util.tree_leaves_with_path(full)}
             args.save_params.parent.mkdir(parents=True, exist_ok=True)
             np.savez(args.save_params, **flat)
-    if "tx_bytes" in timed:
-        summary["net"] = {"iface": args.net_iface, "timed_steps": last - first_step - 1,
-                          "tx_bytes": timed["tx_bytes"], "rx_bytes": timed["rx_bytes"]}
     if lead:
         k = max(1, min(10, len(losses) // 5))
         print()
         print(f"zeropp_jax multihost — {args.mode} on {nodes} process(es) x {local} "
               f"device(s), {jax.devices()[0].platform}, gloo collectives")
-        print(f"  model      {n_params / 1e6:.2f}M params, {args.layers} layers, d_model "
-              f"{args.d_model}, {args.heads} heads, seq {args.seq_len}, {args.compute_dtype}")
+        print(f"  model      {parts['n_params'] / 1e6:.2f}M params, {args.layers} layers, "
+              f"d_model {args.d_model}, {args.heads} heads, seq {args.seq_len}, "
+              f"{args.compute_dtype}")
         print(f"  loss       {statistics.mean(losses[:k]):.3f} (first {k} steps) -> "
               f"{statistics.mean(losses[-k:]):.3f} (last {k} steps)")
-        print(f"  step time  {summary['step_time_median_s'] * 1e3:.1f} ms median (first step "
-              f"incl. compile {compile_s:.1f} s)")
+        print(f"  step time  {step_time * 1e3:.1f} ms median (first step incl. compile "
+              f"{times[0]:.1f} s)")
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(summary, indent=1))

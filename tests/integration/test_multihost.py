@@ -135,8 +135,10 @@ def test_two_processes_match_one_process(tmp_path, mode):
     mesh = zpp.make_mesh(2, 2, devices=jax.devices()[:4])
     state = zpp.TrainState.create(model=parts["model"], params=parts["params"],
                                   tx=parts["tx"], mesh=mesh, config=parts["config"])
-    step = ex.lm_train_step()
     from zeropp_demo.data import sample_batch
+    from zeropp_demo.gpt import lm_train_step
+
+    step = lm_train_step()
 
     for i in range(4):
         state, _ = step(state, sample_batch(parts["data"], args.batch, args.seq_len,
@@ -174,6 +176,27 @@ def test_missing_cluster_arguments_named():
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "--coordinator" in r.stderr and "ZEROPP_COORDINATOR" in r.stderr
+
+
+def test_benchmark_hooks_hand_the_run_to_the_cluster_node_worker():
+    """examples/multihost.py --control stdin --comm-report --net-iface lo runs the emulated
+    cluster's node worker (benchmarks/cluster_node.py; the cluster itself is test_cluster's):
+    one process with 2 devices speaking the cluster's stdin protocol."""
+    r = subprocess.run(
+        [PY, str(ROOT / "examples/multihost.py"), "--coordinator", f"127.0.0.1:{_free_port()}",
+         "--num-processes", "1", "--process-id", "0", "--local-devices", "2", *MODEL,
+         "--control", "stdin", "--comm-report", "--net-iface", "lo"],
+        input='{"steps": 2, "warmup": 1, "label": "a"}\nquit\n', cwd=ROOT, env=_env(),
+        capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    tagged = dict(line.split(" ", 1) for line in r.stdout.splitlines()
+                  if line.startswith("ZPP-"))
+    ready, phase = json.loads(tagged["ZPP-READY"]), json.loads(tagged["ZPP-PHASE"])
+    assert (ready["nodes"], ready["local"], ready["process"]) == (1, 2, 0)
+    assert ready["predicted"]["compiled_cross_node_bytes_per_node"] == 0  # a single node
+    assert (phase["label"], phase["steps"], len(phase["times"]), len(phase["losses"])) == (
+        "a", 2, 2, 2)
+    assert phase["iface"] == "lo" and phase["tx_bytes"] >= 0 and phase["rx_bytes"] >= 0
 
 
 # Two workers (2 CPU devices each, gloo on loopback) holding a tiny GPT state on 2x2.

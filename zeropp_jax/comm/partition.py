@@ -131,9 +131,14 @@ def make_unit_layout(
             )
     shapes = tuple(tuple(int(d) for d in jnp.shape(x)) for x in leaves)
     n = sum(math.prod(s) for s in shapes)
+    return UnitLayout(name, path, treedef, shapes, n, padded_length(n, num_shards, align),
+                      num_shards, layer)
+
+
+def padded_length(n: int, num_shards: int, align: int = 1) -> int:
+    """``n`` elements padded to a (nonzero) multiple of ``num_shards * align``."""
     quantum = num_shards * align
-    n_pad = max(quantum, -(-n // quantum) * quantum)
-    return UnitLayout(name, path, treedef, shapes, n, n_pad, num_shards, layer)
+    return max(quantum, -(-n // quantum) * quantum)
 
 
 # -- splitting a model's params tree into units -----------------------------------------------

@@ -30,8 +30,7 @@ from zeropp_jax.train.state import TrainState
 
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST
-from zeropp_jax.comm.transports import value_transport
-from zeropp_jax.comm.transports.hpz import SecondaryRegather
+from zeropp_jax.comm.transports.hpz import SecondaryRegather, secondary_of
 from zeropp_jax.core.mesh import AXES
 
 PyTree = Any
@@ -39,14 +38,14 @@ SHARDED = P(AXES)
 
 
 def _transports(engine: Engine) -> dict[str, SecondaryRegather]:
-    """Per unit part (``"params/<unit>"``, ``"frozen/<unit>"``): its forward transport
-    wrapped in hpZ's secondary regather, over one node unless ``config.hpz`` sets a
-    larger group."""
-    cfg = engine.config
-    group = cfg.hpz_group_size if cfg.hpz else None
-    out = {"params/" + n: SecondaryRegather(value_transport(cfg), group) for n in engine.layouts}
-    for n, lay in engine.frozen_layouts.items():
-        out["frozen/" + n] = SecondaryRegather(value_transport(cfg, lay), group)
+    """Per unit part (``"params/<unit>"``, ``"frozen/<unit>"``): the plan's transport,
+    rebuilding from hpZ's secondary (over one node unless ``config.hpz`` sets a larger
+    group)."""
+    out = {}
+    for name, t in engine.transports.items():
+        for part, transport in (("params/", t.weights), ("frozen/", t.frozen)):
+            if transport is not None:
+                out[part + name] = secondary_of(transport)
     return out
 
 

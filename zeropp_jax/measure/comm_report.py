@@ -5,16 +5,9 @@ its kind, element dtype, bytes, replica groups, and the bytes it moves inside no
 across nodes. Device ``i`` of a group is the program's logical device ``i``, which for a
 ``("node", "local")`` mesh is ``node * L + local`` (node-major).
 
-Counting model (bytes summed over all devices, for one execution of the program):
-
-* all-to-all: exactly the chunks whose sender and receiver sit on different nodes (cross)
-  or on the same node (intra).
-* all-gather / reduce-scatter of total size ``T`` over a group: a node holding ``c`` of the
-  group's ``g`` devices must receive (all-gather) or send (reduce-scatter) ``(g - c) / g * T``
-  across nodes — the lower bound a hierarchical algorithm meets, ``(n-1)/n * T`` per node
-  for ``n`` nodes with equal devices. Intra-node: ``(c - 1) / g * T`` per device.
-* all-reduce: a reduce-scatter plus an all-gather of its size.
-* collective-permute: each (source, target) pair moves the whole operand.
+Bytes follow the one counting model of ``zeropp_jax.comm.wire`` (``count_bytes``; the
+transports report their bytes with the same model), summed over all devices for one
+execution of the program.
 
 A lowered program reports what the program asks for. A compiled program reports what XLA
 actually moves: on the CPU backend XLA widens bf16 reduce-scatters and all-reduces to f32,
@@ -31,6 +24,8 @@ import re
 from typing import Any, Sequence
 
 import numpy as np
+
+from zeropp_jax.comm.wire import count_bytes
 
 KINDS = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
 
@@ -132,43 +127,6 @@ class CommReport:
 
 
 # -- byte counting ----------------------------------------------------------------------------
-
-
-def _count_bytes(kind: str, nbytes: int, groups: Sequence[Sequence[int]], local: int
-                 ) -> tuple[float, float]:
-    """(intra, cross) bytes of one collective whose per-device result is ``nbytes``."""
-    node_of = lambda d: d // local  # noqa: E731
-    intra = cross = 0.0
-    if kind == "collective-permute":
-        for src, dst in groups:
-            if src == dst:
-                continue
-            if node_of(src) == node_of(dst):
-                intra += nbytes
-            else:
-                cross += nbytes
-        return intra, cross
-    for group in groups:
-        g = len(group)
-        if g <= 1:
-            continue
-        per_node: dict[int, int] = {}
-        for d in group:
-            per_node[node_of(d)] = per_node.get(node_of(d), 0) + 1
-        if kind == "all-to-all":
-            chunk = nbytes / g
-            for d in group:
-                c = per_node[node_of(d)]
-                intra += (c - 1) * chunk
-                cross += (g - c) * chunk
-            continue
-        # all-gather / reduce-scatter / all-reduce: T is the full (gathered) size.
-        total = {"all-gather": nbytes, "reduce-scatter": nbytes * g, "all-reduce": nbytes}[kind]
-        factor = 2 if kind == "all-reduce" else 1
-        for c in per_node.values():
-            cross += factor * (g - c) / g * total
-            intra += factor * c * (c - 1) / g * total
-    return intra, cross
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -599,7 +557,7 @@ def comm_report(program: Any, mesh: Any) -> CommReport:
     nodes, local = tuple(mesh) if isinstance(mesh, tuple) else mesh_shape(mesh)
     rows = []
     for c in collectives(program, nodes * local):
-        intra, cross = _count_bytes(c.kind, c.bytes, c.groups, local)
+        intra, cross = count_bytes(c.kind, c.bytes, c.groups, local)
         rows.append(CollectiveRow(c.kind, c.dtype, c.shape, c.bytes, c.groups, intra, cross,
                                   c.widened, c.count))
     return CommReport(tuple(rows), nodes, local)

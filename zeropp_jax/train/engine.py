@@ -27,9 +27,14 @@ from zeropp_jax.core import processes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.units.adapters import ModelAdapter
 from zeropp_jax.units.apply import apply_units
-from zeropp_jax.comm.frozen import FrozenShards, dequantize_frozen_flat, merge_trees
+from zeropp_jax.comm.frozen import (
+    FrozenShards,
+    dequantize_frozen_flat,
+    frozen_alignment,
+    merge_trees,
+)
 from zeropp_jax.core.mesh import AXES, mesh_shape
-from zeropp_jax.comm.partition import REST, UnitLayout, merge_units
+from zeropp_jax.comm.partition import REST, UnitLayout, merge_units, padded_length
 from zeropp_jax.comm.placement import (
     REPLICATED,
     SHARDED,
@@ -38,7 +43,9 @@ from zeropp_jax.comm.placement import (
     place,
     to_host,
 )
-from zeropp_jax.comm.transports import reduce_gradient
+from zeropp_jax.comm.transports import UnitTransports, plan_transports, reduce_gradient
+from zeropp_jax.comm.transports.base import gradient_bytes, weight_bytes
+from zeropp_jax.comm.wire import WireBytes
 from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
 
 PyTree = Any
@@ -128,6 +135,9 @@ class Engine:
     # unit name like ``layouts``; a unit may appear in both (LoRA adapters beside frozen
     # weights) or only here (a wholly frozen unit).
     frozen_layouts: dict[str, UnitLayout] = dataclasses.field(default_factory=dict)
+    # How each unit's weights arrive and its gradient leaves (``comm.transports``), resolved
+    # from the config once for the run; given empty, resolved here from the layouts.
+    transports: Mapping[str, UnitTransports] = dataclasses.field(default_factory=dict)
     # True when the user chose the units (units=...): then units the call reads outside
     # their own calls are reported (the default policy's leftovers are silently resident).
     explicit_units: bool = False
@@ -143,6 +153,11 @@ class Engine:
         """What runs: the linen module (a transformers model's ``module``), or the NNX
         model's split form."""
         return self.adapter.module
+
+    def __post_init__(self) -> None:
+        if not self.transports:
+            object.__setattr__(self, "transports", plan_transports(
+                self.config, self.layouts, self.frozen_layouts))
 
     def remembered(self, key: Any, build: Callable[[], Any]) -> Any:
         """``memo[key]``, built by ``build()`` the first time it is asked for."""
@@ -166,6 +181,36 @@ class Engine:
                 row[1] += lay.shard_len
         table = [(name, n, shard) for name, (n, shard) in rows.items()]
         return table, sum(r[1] for r in table)
+
+    def wire_bytes(self, nodes: int | None = None, local: int | None = None
+                   ) -> dict[str, dict[str, WireBytes]]:
+        """Per unit, the bytes its transports move on a ``nodes x local`` mesh (default:
+        this run's): ``"forward"`` (the gather), ``"backward"`` (the regather, from the
+        primary shard or hpZ's secondary) and ``"gradient"`` (the reduce-scatter; absent
+        for a wholly frozen unit); trainable and frozen parts added. Counted from each
+        transport's own collectives (``comm.wire``), so it holds at any mesh size: layouts
+        are re-padded for ``nodes * local`` devices."""
+        this_nodes, this_local = mesh_shape(self.mesh)
+        nodes, local = nodes or this_nodes, local or this_local
+        devices = nodes * local
+        cfg = self.config
+        out: dict[str, dict[str, WireBytes]] = {}
+        for name, t in self.transports.items():
+            row: dict[str, WireBytes] = {}
+            parts = [(t.weights, self.layouts.get(name), cfg.flat_alignment),
+                     (t.frozen, self.frozen_layouts.get(name), frozen_alignment(cfg))]
+            for transport, lay, align in parts:
+                if transport is None:
+                    continue
+                n_pad = padded_length(lay.n, devices, align)
+                for k, v in weight_bytes(transport, n_pad, cfg.param_jnp_dtype, nodes,
+                                         local).items():
+                    row[k] = row.get(k, WireBytes()) + v
+                if transport is t.weights:
+                    row["gradient"] = gradient_bytes(t.gradients, n_pad, cfg.compute_jnp_dtype,
+                                                     nodes, local)
+            out[name] = row
+        return out
 
     @property
     def num_devices(self) -> int:
@@ -226,7 +271,8 @@ class Engine:
                 self.adapter, self.layouts, params.units, self.config, *args, method=method,
                 frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
                 collections=collections, warn_resident=self.explicit_units,
-                memo=self.memo.setdefault("resident", {}), **kwargs,
+                memo=self.memo.setdefault("resident", {}), transports=self.transports,
+                **kwargs,
             )
         else:
             tree = {"params": self.unflatten_full(params.units), **collections}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST, STACKED_SHARD, UnitLayout, merge_units
+from zeropp_jax.comm.transports import UnitTransports
 from zeropp_jax.core import compat
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.units import unit as unit_policies
@@ -42,6 +43,7 @@ def apply_units(
     collections: Mapping[str, PyTree] | None = None,
     warn_resident: bool = False,
     memo: dict | None = None,
+    transports: Mapping[str, UnitTransports] | None = None,
     **kwargs: Any,
 ) -> Any:
     """The model's call with ZeRO-3 parameters. Runs inside ``shard_map``.
@@ -61,6 +63,8 @@ def apply_units(
         replicated; with ``mutable=`` the call returns ``(output, updated collections)``.
       warn_resident: warn when units must stay gathered for the whole step (the user
         chose them; the default policy's leftovers are resident without a word).
+      transports: unit name -> its transports (the plan's); None: resolved from
+        ``config`` per unit.
       memo: where ``find_resident`` keeps its answers for this model (the engine's), so
         a second trace of the same call does not trace the model again; None: no reuse.
       *args, method, **kwargs: as for ``model.apply``.
@@ -78,7 +82,8 @@ def apply_units(
         stored = () if flayout is None else frozen_local_shards(frozen, name)
         shard = shards[name] if layout is not None else None
         def make(fn: Callable) -> Callable:
-            unit = zero_unit(fn, layout, config, flayout, keep=keep)
+            unit = zero_unit(fn, layout, config, flayout, keep=keep,
+                             transports=None if transports is None else transports[name])
             return lambda *arrays: unit(order.tie(shard) if shard is not None else None,
                                         stored, *arrays, qgz_on=qgz_on)
 
@@ -110,7 +115,8 @@ def apply_units(
         rest = merge_units(rest, {path: {STACKED_SHARD: stacked}})
 
         def make(fn: Callable, shard: jax.Array, layout: UnitLayout = lays[0]) -> Callable:
-            unit = zero_unit(fn, layout, stack_config)
+            unit = zero_unit(fn, layout, stack_config, transports=None if transports is None
+                             else transports[layout.name])
             return lambda *arrays: unit(shard, (), *arrays, qgz_on=qgz_on)
 
         stacked_units[path] = Stacked(make)

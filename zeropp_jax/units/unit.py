@@ -34,7 +34,7 @@ from zeropp_jax.comm.frozen import merge_trees
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.units.ordering import after
 from zeropp_jax.comm.partition import UnitLayout
-from zeropp_jax.comm.transports import gradient_transport, reduce_gradient, weight_transport
+from zeropp_jax.comm.transports import UnitTransports, reduce_gradient, unit_transports
 
 PyTree = Any
 
@@ -131,6 +131,7 @@ def zero_unit(
     config: ZeroPPConfig,
     frozen_layout: UnitLayout | None = None,
     keep: bool = False,
+    transports: UnitTransports | None = None,
 ) -> Callable[..., Any]:
     """Wraps ``fn(params_tree, *arrays)`` into ``unit(shard, frozen, *arrays)``.
 
@@ -143,6 +144,8 @@ def zero_unit(
       keep: keep the forward's gathered weights for backward instead of regathering them
         (``config.keep_last_unit``: the unit called last in forward, whose backward runs
         next). Same weights bit for bit (gathers are deterministic); one all-gather less.
+      transports: how the unit's weights arrive and its gradient leaves (the plan's,
+        ``Engine.transports[name]``); None: resolved from ``config``.
 
     Returns:
       ``unit(shard, frozen, *arrays)`` with the outputs of ``fn``, to be called inside
@@ -154,10 +157,10 @@ def zero_unit(
       over all devices; frozen storage gets none.
     """
     policy = remat_policy(config.remat)
-    # Chosen once per unit: how its trainable and frozen weights travel, and its gradient.
-    weights = weight_transport(config)
-    frozen_weights = None if frozen_layout is None else weight_transport(config, frozen_layout)
-    grads = gradient_transport(config)
+    # Chosen once per run, by the plan: how the weights travel, and the gradient.
+    if transports is None:
+        transports = unit_transports(config, layout, frozen_layout)
+    weights, frozen_weights, grads = transports.weights, transports.frozen, transports.gradients
     # Frozen storage: (values, scales) when stored quantized, else (values,).
     n_stored = 0 if frozen_layout is None else (2 if config.quantize_frozen else 1)
 
@@ -195,7 +198,8 @@ def zero_unit(
         """-> (trainable full weights, frozen full weights, what backward keeps): the full
         flat buffers themselves with ``keep``, else what rebuilds them."""
         full = tuple(weights.gather((s,))[0] for s in shard)
-        kept = full if keep else weights.keep(shard, full)
+        # A wholly frozen unit has no trainable shard (and no trainable transport).
+        kept = full if keep or not shard else weights.keep(shard, full)
         if not frozen:
             return full, (), (kept, ())
         ffull, moved = frozen_weights.gather(frozen)

@@ -20,7 +20,8 @@ Adding a transport: a file with a frozen dataclass implementing the interface an
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Mapping
 
 from zeropp_jax.comm.transports import hpz, plain, qgz, qwz, reduce_scatter, stored_quantized
 from zeropp_jax.comm.transports import hierarchical_reduce_scatter as hierarchical
@@ -81,6 +82,39 @@ def gradient_transport(config: Any) -> GradientTransport:
         config.qgz_pipeline_stages, config.quantization_impl, plain_rs)
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitTransports:
+    """How one unit's bytes travel for the whole run; the plan holds one per unit.
+
+    Attributes:
+      weights: its trainable part's transport (hpZ-wrapped when configured), or None if
+        the unit has no trainable part.
+      frozen: its frozen part's transport, or None if it has none.
+      gradients: how its trainable part's gradient leaves.
+    """
+
+    weights: WeightTransport | None
+    frozen: WeightTransport | None
+    gradients: GradientTransport
+
+
+def unit_transports(config: Any, layout: Any = None, frozen_layout: Any = None
+                    ) -> UnitTransports:
+    """The transports of a unit with trainable part ``layout`` and frozen part
+    ``frozen_layout`` (either may be None)."""
+    return UnitTransports(
+        None if layout is None else weight_transport(config),
+        None if frozen_layout is None else weight_transport(config, frozen_layout),
+        gradient_transport(config))
+
+
+def plan_transports(config: Any, layouts: Mapping[str, Any],
+                    frozen_layouts: Mapping[str, Any]) -> dict[str, UnitTransports]:
+    """Unit name -> its transports, for every unit of a run (trainable, frozen or both)."""
+    return {name: unit_transports(config, layouts.get(name), frozen_layouts.get(name))
+            for name in (*layouts, *(n for n in frozen_layouts if n not in layouts))}
+
+
 __all__ = [
     "FROZEN",
     "GRADIENTS",
@@ -88,7 +122,10 @@ __all__ = [
     "WEIGHTS",
     "WeightTransport",
     "frozen_format",
+    "UnitTransports",
     "gradient_transport",
+    "plan_transports",
+    "unit_transports",
     "reduce_gradient",
     "value_transport",
     "weight_format",

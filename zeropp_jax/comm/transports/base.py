@@ -16,10 +16,12 @@ the config.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
+from zeropp_jax.comm.wire import WireBytes, traced_bytes
 from zeropp_jax.core.mesh import AXES
 
 Buffers = tuple[jax.Array, ...]
@@ -46,6 +48,11 @@ class WeightTransport(Protocol):
         """``keep``'s result -> the full flat compute-dtype weights, in backward."""
         ...
 
+    def stored_specs(self, n_pad: int, param_dtype: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The global shapes and dtypes of the stored buffers of a unit of padded length
+        ``n_pad`` (each split over all devices on its first dimension)."""
+        ...
+
 
 class GradientTransport(Protocol):
     """How a unit's full flat gradient leaves: a reduce-scatter of its sum."""
@@ -68,6 +75,10 @@ class DirectGather:
     def regather(self, kept: Buffers) -> jax.Array:
         return self.gather(kept, backward=True)[0]  # type: ignore[attr-defined]
 
+    def stored_specs(self, n_pad: int, param_dtype: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """``(shard,)``: the primary shard in the param dtype."""
+        return (jax.ShapeDtypeStruct((n_pad,), jnp.dtype(param_dtype)),)
+
 
 def reduce_gradient(transport: GradientTransport, g_full: jax.Array, shard_dtype,
                     on: jax.Array | None = None) -> jax.Array:
@@ -76,3 +87,31 @@ def reduce_gradient(transport: GradientTransport, g_full: jax.Array, shard_dtype
     num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
     summed = transport.reduce_sum(g_full, on)
     return (summed / num_devices).astype(shard_dtype)
+
+
+def weight_bytes(transport: WeightTransport, n_pad: int, param_dtype: Any, nodes: int,
+                 local: int) -> dict[str, WireBytes]:
+    """What ``transport`` moves for one unit of padded length ``n_pad`` on a
+    ``nodes x local`` mesh: ``{"forward": the gather, "backward": the regather}``.
+
+    Counted from the transport's own collectives, traced on an abstract mesh
+    (``wire.traced_bytes``), so it is what the transport does, at any mesh size."""
+    specs = transport.stored_specs(n_pad, param_dtype)
+
+    def forward(*stored: jax.Array) -> jax.Array:
+        return transport.gather(stored)[0]
+
+    def both(*stored: jax.Array) -> jax.Array:
+        _, moved = transport.gather(stored)
+        return transport.regather(transport.keep(stored, moved))
+
+    fwd = traced_bytes(forward, specs, nodes, local)
+    return {"forward": fwd, "backward": traced_bytes(both, specs, nodes, local) - fwd}
+
+
+def gradient_bytes(transport: GradientTransport, n_pad: int, grad_dtype: Any, nodes: int,
+                   local: int) -> WireBytes:
+    """What ``transport`` moves to reduce-scatter one unit's ``[n_pad]`` gradient of
+    ``grad_dtype`` on a ``nodes x local`` mesh (traced, as ``weight_bytes``)."""
+    full = jax.ShapeDtypeStruct((n_pad * nodes * local,), jnp.dtype(grad_dtype))
+    return traced_bytes(lambda g: transport.reduce_sum(g), (full,), nodes, local)

@@ -38,6 +38,9 @@ class SecondaryRegather:
     def decode(self, moved: Buffers) -> jax.Array:
         return self.inner.decode(moved)
 
+    def stored_specs(self, n_pad: int, param_dtype: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return self.inner.stored_specs(n_pad, param_dtype)
+
     def keep(self, stored: Buffers, moved: Buffers) -> Buffers:
         k = self.nodes()
         return tuple(secondary_slice(m, k) for m in moved)
@@ -49,3 +52,10 @@ class SecondaryRegather:
 
 def wrap(inner: Any, config: Any) -> SecondaryRegather:
     return SecondaryRegather(inner, config.hpz_group_size)
+
+
+def secondary_of(transport: Any) -> SecondaryRegather:
+    """``transport`` if it already rebuilds from a secondary (hpZ on: its configured
+    group), else ``transport`` wrapped to rebuild from one inside the node. Generation
+    reads every unit from a secondary this way, whether training used hpZ or not."""
+    return transport if isinstance(transport, SecondaryRegather) else SecondaryRegather(transport)

@@ -68,6 +68,13 @@ class StoredQuantizedGather(DirectGather):
                                      hierarchical=self.hierarchical)
         return self.decode(moved), moved
 
+    def stored_specs(self, n_pad: int, param_dtype: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """``(values, scales)``: int8 values (INT4: pairs packed in uint8) and one fp32
+        scale per block."""
+        values = (jax.ShapeDtypeStruct((n_pad,), jnp.int8) if self.bits == 8
+                  else jax.ShapeDtypeStruct((n_pad // 2,), jnp.uint8))
+        return values, jax.ShapeDtypeStruct((n_pad // self.block_size,), jnp.float32)
+
     def decode(self, moved: Buffers) -> jax.Array:
         values, scales = moved
         return dequantize_flat(values, scales, bits=self.bits, block_size=self.block_size,

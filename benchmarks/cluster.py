@@ -94,6 +94,9 @@ import time
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.cli import pyplot  # noqa: E402
+
 PREFIX = "zppcl-"
 HUB = PREFIX + "hub"
 BRIDGE = "zclbr"
@@ -676,11 +679,9 @@ def verdict(cells: list[dict], bandwidths: list[str]) -> list[str]:
 
 def plot(cells: list[dict], bandwidths: list[str], row_names: list[str],
          path: pathlib.Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     xs = [rate_bits(b) / 1e9 for b in bandwidths]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     by = {(c["bandwidth"], c["row"]): c for c in cells}
@@ -837,7 +838,6 @@ def main(argv: list[str] | None = None) -> int:
         cleanup_leftovers()
         log("cleanup done")
         return 0
-    sys.path.insert(0, str(ROOT))
     cluster = Cluster(args.nodes, args.subnet, args.delay_ms)
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -30,9 +30,10 @@ import tempfile
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
-import cluster as cl  # noqa: E402  (the cluster's namespaces and links)
+from benchmarks import cluster as cl  # noqa: E402  (the cluster's namespaces and links)
+from benchmarks.cli import add_out_argument, write_json  # noqa: E402
 
 MODEL = ["--batch", "8", "--seq-len", "32", "--layers", "2", "--d-model", "64", "--heads", "2",
          "--compute-dtype", "float32", "--seed", "0", "--no-progress", "--init-timeout", "120"]
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--bandwidth", default="1gbit", help="tc rate of every node's link")
-    p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks/out")
+    add_out_argument(p)
     args = p.parse_args(argv)
     cl.check_environment()
     work = pathlib.Path(tempfile.mkdtemp(prefix="zpp-ckpt-"))
@@ -104,11 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, losses in rows:
         print(f"{name:42s} {losses[0]:.7f}    {losses[1]:.7f}")
     print("equal to the reference (rtol 1e-5):", ok)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cluster_checkpoint.json").write_text(json.dumps({
+    write_json(args.out, "cluster_checkpoint.json", {
         "bandwidth": args.bandwidth, "written_on": meta["written_on"]["processes"],
-        "stores": stores, "rows": [{"run": n, "losses": r} for n, r in rows], "equal": ok},
-        indent=1))
+        "stores": stores, "rows": [{"run": n, "losses": r} for n, r in rows], "equal": ok})
     shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
 

@@ -14,14 +14,11 @@ gradients once), ZeRO++ 0.5M + 0.25M (+ block scales) x (n-1)/n: 0.25x. Writes J
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.cli import add_out_argument  # noqa: E402
-
-# Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
+from benchmarks.cli import mesh_parser, simulate_mesh_devices, write_json  # noqa: E402
 
 MODES = {
     "zero3": {},
@@ -38,24 +35,20 @@ MODES = {
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=4)
+    p = mesh_parser(__doc__)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    add_out_argument(p)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    import zeropp_jax as zpp
-
-    zpp.simulate_cpu_devices(args.nodes * args.local)
+    simulate_mesh_devices(args)
     import jax
     import numpy as np
     import optax
 
+    import zeropp_jax as zpp
     from benchmarks.common import example_model_and_data, lm_train_step
     from zeropp_jax.measure.analysis import comm_report
 
@@ -102,10 +95,7 @@ def main() -> None:
     results["vs_regather_all"] = {"zeropp": zpp_b / every, "zeropp_int4": int4_b / every}
     print(f"against zero3 regathering every unit (the paper's ZeRO-3): zeropp "
           f"{zpp_b / every:.3f}, INT4 {int4_b / every:.3f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"comm_volume_{args.nodes}x{args.local}.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, f"comm_volume_{args.nodes}x{args.local}.json", results)
 
 
 if __name__ == "__main__":

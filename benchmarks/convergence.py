@@ -24,6 +24,9 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.cli import pyplot  # noqa: E402
+
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 DEFAULT_OUT = ROOT / "benchmarks" / "out"  # git-ignored; benchmarks/results only when asked
 
@@ -104,11 +107,11 @@ def table(rows: dict, steps: int) -> str:
 
 
 def plot(rows: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, run in rows.items():

@@ -540,8 +540,8 @@ def train_step_check(device, quick: bool, batch_size: int) -> dict:
     import optax
 
     import zeropp_jax as zpp
-    from benchmarks.overhead import count_matmuls
-    from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
+    from benchmarks.overhead import count_matmuls, plain_step, zero3_step
+    from zeropp_demo.gpt import GPT, GPTConfig
 
     warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
     on_gpu = device.platform == "gpu"
@@ -566,22 +566,8 @@ def train_step_check(device, quick: bool, batch_size: int) -> dict:
           f"{cfg.heads} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}), batch {batch_size}, "
           f"bf16 compute, fp32 params, AdamW; {rounds} interleaved rounds of {steps} steps")
 
-    def plain(params, opt_state, batch):
-        def loss_of(p):
-            return loss_fn(model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    @zpp.train_step(donate_state=True)
-    def zero_step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
+    # The steps of benchmarks/overhead.py: plain jax.jit and @zpp.train_step, state donated.
+    plain, zero_step = plain_step(model, tx), zero3_step()
     mesh = zpp.make_mesh(1, 1, devices=[device])
     # On CPU the Pallas kernels run in interpret mode, which JAX cannot trace inside
     # shard_map: the dry run uses the (bit-identical) jnp reference there.
@@ -608,7 +594,7 @@ def train_step_check(device, quick: bool, batch_size: int) -> dict:
     # Each variant: (zero?, its jitted step, state, batch placed as the step wants it).
     try:
         state = jax.device_put((params, tx.init(params)), device)
-        runners["plain"] = [False, jax.jit(plain, donate_argnums=(0, 1)), list(state),
+        runners["plain"] = [False, plain, list(state),
                             jax.device_put(tokens, device)]
     except Exception as e:  # noqa: BLE001
         results["variants"]["plain"] = {"error": _short(e)}

@@ -18,31 +18,23 @@ Writes JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.cli import add_out_argument  # noqa: E402
-
-# Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
+from benchmarks.cli import mesh_parser, simulate_mesh_devices, write_json  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=4)
+    p = mesh_parser(__doc__)
     p.add_argument("--batch", type=int, default=32)
-    add_out_argument(p)
     args = p.parse_args()
-    import zeropp_jax as zpp
-
-    zpp.simulate_cpu_devices(args.nodes * args.local)
+    simulate_mesh_devices(args)
     import jax
     import numpy as np
     import optax
 
+    import zeropp_jax as zpp
     from benchmarks.common import example_model_and_data, lm_train_step
     from zeropp_jax.measure.analysis import memory_model, secondary_bytes
 
@@ -82,10 +74,7 @@ def main() -> None:
     results["paper_example"] = {"data_parallel": paper.data_parallel, "zero3": paper.zero3,
                                 "hpz": paper.hpz}
     results["depth"] = depth_growth(args.nodes, args.local)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "memory.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, "memory.json", results)
 
 
 def depth_growth(nodes: int, local: int) -> dict:

@@ -13,37 +13,32 @@ largest unit's share of the parameters. Writes ``models.json`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import sys
 import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.cli import add_out_argument  # noqa: E402
+from benchmarks.cli import mesh_parser, simulate_mesh_devices, write_json  # noqa: E402
 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=4)
+    p = mesh_parser(__doc__)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=64)
-    add_out_argument(p)
     args = p.parse_args()
-    import zeropp_jax as zpp
-
-    n = args.nodes * args.local
-    zpp.simulate_cpu_devices(n)
+    simulate_mesh_devices(args)
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
 
+    import zeropp_jax as zpp
+
     warnings.filterwarnings("ignore")
+    n = args.nodes * args.local
     L, D, S, V = args.layers, args.d_model, args.seq_len, 4096
     B = n  # one sequence per device: weights, not activations, dominate
 
@@ -149,9 +144,7 @@ def main() -> None:
         results["models"][name] = {k: {"units": c, "largest_share": s, "argument_bytes": a,
                                        "temp_bytes": t}
                                    for k, (c, s, a, t) in rows.items()}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "models.json").write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out / 'models.json'}")
+    write_json(args.out, "models.json", results)
 
 
 if __name__ == "__main__":

@@ -21,39 +21,32 @@ scheme must come out well ahead of the ring. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
 # Run as a script from anywhere: make the repository root importable (benchmarks.common).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.cli import add_out_argument  # noqa: E402
-
-# Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
+from benchmarks.cli import mesh_parser, simulate_mesh_devices, write_json  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=4)
+    p = mesh_parser(__doc__)
     p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    add_out_argument(p)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    import zeropp_jax as zpp
-
-    zpp.simulate_cpu_devices(args.nodes * args.local)
+    simulate_mesh_devices(args)
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    import zeropp_jax as zpp
     from benchmarks.common import brief_training, example_model_and_data
     from pallas_kernels.quantize import dequantize_reference, quantize_reference
     from zeropp_demo.gpt import loss_fn
@@ -143,10 +136,7 @@ def main() -> None:
               f"{row['single_node_fallback']:.5f}")
         results["errors"][name] = row
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "qgz_accuracy.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, "qgz_accuracy.json", results)
 
 
 if __name__ == "__main__":

@@ -15,38 +15,31 @@ Writes JSON (and a PNG of the sweep when matplotlib is installed).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
 
 # Run as a script from anywhere: make the repository root importable (benchmarks.common).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.cli import add_out_argument  # noqa: E402
-
-# Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
+from benchmarks.cli import mesh_parser, pyplot, simulate_mesh_devices, write_json  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=4)
+    p = mesh_parser(__doc__)
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--block-sizes", default="32,64,128,256,512,1024,2048,4096")
     p.add_argument("--seed", type=int, default=0)
-    add_out_argument(p)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    import zeropp_jax as zpp
-
-    zpp.simulate_cpu_devices(args.nodes * args.local)
+    simulate_mesh_devices(args)
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    import zeropp_jax as zpp
     from benchmarks.common import brief_training, example_model_and_data
     from zeropp_jax.quant.quantization import dequantize_blockwise, quantize_blockwise
 
@@ -110,17 +103,10 @@ def main() -> None:
         results["sweep"][bs] = row
         print(line)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "quantization.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"\nwrote {path}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG (pip install matplotlib)")
+    print()
+    write_json(args.out, "quantization.json", results)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in sources:

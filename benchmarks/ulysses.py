@@ -22,22 +22,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import statistics
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.cli import add_out_argument  # noqa: E402
-
-# Results go to --out: by default benchmarks/out/ (git-ignored). The tracked copies in
+from benchmarks.cli import mesh_parser, simulate_mesh_devices, write_json  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=4, help="P: sequence-parallel degree")
+    p = mesh_parser(__doc__, local_help="P: sequence-parallel degree")
     p.add_argument("--batch", type=int, default=8, help="global batch for (a) and timing")
     p.add_argument("--seq", type=int, default=512, help="sequence length for (a)")
     p.add_argument("--budget-mib", type=float, default=512.0, help="per-device memory budget")
@@ -45,21 +40,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-seq", type=int, default=16384, help="largest length (b) tries")
     p.add_argument("--time-seq", type=int, default=1024, help="sequence length of timing")
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
-    add_out_argument(p)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    import zeropp_jax as zpp
-
-    zpp.simulate_cpu_devices(args.nodes * args.local)
+    simulate_mesh_devices(args)
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.sharding import PartitionSpec as P
 
+    import zeropp_jax as zpp
     from zeropp_jax.measure.analysis import comm_report
     from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
     from zeropp_jax.parallel.ulysses import all_to_all_bytes_per_layer
@@ -213,10 +206,7 @@ def main() -> None:
           "devices share this machine's cores, so this is total work, not parallel time)")
     results["step_time"] = {"seq": t, "batch": args.batch, "seconds": times,
                             "ratio_sp_over_no_sp": step_ratio}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "ulysses.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, "ulysses.json", results)
 
 
 if __name__ == "__main__":

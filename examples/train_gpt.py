@@ -19,7 +19,6 @@ import json
 import math
 import pathlib
 import statistics
-import sys
 import time
 
 MODES = ["zero3", "qwz", "hpz", "qgz", "qwz_hpz", "zeropp"]

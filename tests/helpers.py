@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -113,128 +116,74 @@ def reference_loss_and_grads(model, params, batch):
         return _loss_and_grads(model, params, batch)
 
 
-def reference_train(model, params, tx, batches):
-    """Plain single-device training: params after ``len(batches)`` steps and the losses."""
+def reference_train(model, params, tx, batches, *, with_grads: bool = False):
+    """Plain single-device training: params after ``len(batches)`` steps and the losses (and,
+    with ``with_grads``, each step's gradients, for ``loss_trajectory_tolerance``)."""
     with jax.default_device(jax.devices()[0]):
         state = tx.init(params)
-        losses = []
+        losses, grads = [], []
         for b in batches:
             loss, g = reference_loss_and_grads(model, params, b)
             u, state = tx.update(g, state, params)
             params = optax.apply_updates(params, u)
             losses.append(float(loss))
-    return params, losses
+            grads.append(g)
+    return (params, losses, grads) if with_grads else (params, losses)
 
 
-def assert_trees_close(actual, expected, *, rtol: float, atol: float = 0.0) -> None:
-    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
-    flat_e = jax.tree_util.tree_leaves(expected)
-    assert len(flat_a) == len(flat_e)
-    for (path, a), e in zip(flat_a, flat_e):
-        np.testing.assert_allclose(
-            np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
-        )
+def dequantized_params(state, block: int, bits: int) -> dict:
+    """The weights a qwZ step computes with: every unit's flat buffer through Q and Q^-1."""
+    from pallas_kernels.quantize import dequantize_reference, quantize_reference
+    from zeropp_jax.comm.partition import REST, merge_units
+
+    engine = state.engine
+    units, rest = {}, {}
+    for name, lay in engine.layouts.items():
+        flat = jnp.asarray(np.asarray(state.params.units[name]))
+        v, s = quantize_reference(flat, bits=bits, block_size=block)
+        deq = dequantize_reference(v, s, bits=bits, block_size=block, dtype=jnp.float32)
+        tree = jax.tree_util.tree_map(np.asarray, lay.unflatten(deq))
+        if name == REST:
+            rest = tree
+        else:
+            units[lay.path] = tree
+    return merge_units(rest, units)
+
+
+def leaf_scales(tree) -> list[float]:
+    """Per leaf, the magnitude a relative error is taken against: its largest element, or,
+    for a leaf that vanishes next to the rest (below 1e-6 of the tree's largest element:
+    the gradient of a bias before a normalization, which cancels exactly, and that bias),
+    the tree's largest element, the size of the values its rounding comes from."""
+    sizes = [float(np.max(np.abs(np.asarray(x, np.float64)), initial=0.0))
+             for x in jax.tree_util.tree_leaves(tree)]
+    top = max(sizes, default=0.0)
+    return [size if size > 1e-6 * top else top for size in sizes]
 
 
 def assert_leaves_rel_close(actual, expected, rel: float) -> None:
     """Per leaf: max |a - e| <= rel * max |e| (a relative error that does not blow up on
-    elements that happen to be near zero)."""
+    elements that happen to be near zero; ``leaf_scales`` for a leaf that vanishes)."""
+    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+    flat_e = jax.tree_util.tree_leaves(expected)
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e, scale in zip(flat_a, flat_e, leaf_scales(expected)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, jax.tree_util.keystr(path)
+        err = np.max(np.abs(a - e), initial=0.0)
+        assert err <= rel * scale, (
+            f"{jax.tree_util.keystr(path)}: {err:.3g} > {rel:.3g} * {scale:.3g}")
+
+
+def assert_leaves_equal(actual, expected) -> None:
+    """Bit for bit, leaf by leaf (for runs that do the same arithmetic and only move data
+    differently)."""
     flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
     flat_e = jax.tree_util.tree_leaves(expected)
     assert len(flat_a) == len(flat_e)
     for (path, a), e in zip(flat_a, flat_e):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        assert a.shape == e.shape, jax.tree_util.keystr(path)
-        err, scale = np.max(np.abs(a - e)), np.max(np.abs(e))
-        assert err <= rel * scale, f"{jax.tree_util.keystr(path)}: {err:.3g} > {rel} * {scale:.3g}"
-
-
-def relative_error(actual, expected) -> float:
-    """max |a - e| / max |e| over a whole tree (scale-free, robust to tiny elements)."""
-    a = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(actual)])
-    e = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(expected)])
-    return float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
-
-
-def assert_updates_close(actual, expected, start, rel: float, steps: int = 3) -> None:
-    """Per leaf: what training changed (``actual - start`` vs ``expected - start``) agrees to
-    ``rel`` of the largest change, plus the fp32 rounding of the stored parameters
-    themselves: each step rounds a parameter to half an ulp of its magnitude, so ``steps``
-    steps in two runs may differ by up to ``steps`` ulps (2^-23 relative) of max |param|."""
-    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
-    flat_e = jax.tree_util.tree_leaves(expected)
-    flat_s = jax.tree_util.tree_leaves(start)
-    assert len(flat_a) == len(flat_e) == len(flat_s)
-    for (path, a), e, s in zip(flat_a, flat_e, flat_s):
-        a, e, s = (np.asarray(x, np.float64) for x in (a, e, s))
-        err = np.max(np.abs(a - e))
-        limit = rel * np.max(np.abs(e - s)) + steps * 2.0**-23 * np.max(np.abs(e))
-        assert err <= limit, f"{jax.tree_util.keystr(path)}: {err:.3g} > {limit:.3g}"
-
-
-# fp32's unit roundoff: half an ulp of 1.0.
-U32 = 2.0**-24
-
-
-def fp32_gradient_rounding(model, params, batch) -> float:
-    """How far an fp32 gradient of this model lies from the exact one, on this CPU.
-
-    Returns ``(rho, g64)``: ``rho = max over leaves of max|g32 - g64| / max|g64|``, the
-    single-device fp32 gradient against the same gradient in float64 (exact to fp32's
-    resolution), and the float64 gradients. It is measured rather than assumed because it
-    depends on the CPU's kernels (FMA, vector width, the blocking of XLA's dot and reduce
-    emitters): a fixed ``1e-6`` that held on one x86 CPU failed on an AMD EPYC without
-    AVX-512 (rho ~7.5e-7 there on the small test GPT). A sharded gradient is another fp32
-    evaluation of the same sums in another order (plus one more level: the mean of the
-    device partials), so its error has the same size; tolerances use ``rho`` for each run.
-    """
-    _, g32 = reference_loss_and_grads(model, params, batch)
-    with jax.enable_x64(True):
-        p64 = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), params)
-        _, g64 = reference_loss_and_grads(model, p64, batch)
-        g64 = jax.tree_util.tree_map(np.asarray, g64)
-    rho = max(
-        float(np.max(np.abs(np.asarray(a, np.float64) - e)) / np.max(np.abs(e)))
-        for a, e in zip(jax.tree_util.tree_leaves(g32), jax.tree_util.tree_leaves(g64))
-    )
-    # Floor at a few roundoffs: a CPU that happens to round this batch exactly must not
-    # make the bound tighter than fp32 can promise for another summation order.
-    return max(rho, 4 * U32), g64
-
-
-def adam_trajectory_tolerance(params, grads, *, lr: float, eps: float, steps: int,
-                              rho: float) -> list:
-    """Per leaf: how far two fp32 Adam trajectories of ``steps`` steps may drift apart when
-    their gradients differ only by fp32 rounding (each within ``rho * max|g|`` of the exact
-    gradient, see ``fp32_gradient_rounding``). ``grads`` are the first step's exact
-    gradients, ``params`` the parameters (for their storage rounding).
-
-    Derivation, per element and step ``t``:
-    - Adam's update ``u = m_hat / (sqrt(v_hat) + eps)`` moves by at most
-      ``1.25 d / (sqrt(v_hat) + eps)`` when every gradient moves by ``d``: ``m_hat`` is a
-      weighted mean of the gradients (weights summing to 1), ``sqrt(v_hat)`` a weighted L2
-      norm (1-Lipschitz), and ``|m_hat| <= sqrt(v_hat)`` (Cauchy-Schwarz; beta1^2 <= beta2)
-      bounds the second term by a quarter of the first.
-    - ``sqrt(v_hat_t) >= |g_1| / sqrt(t)``: the first gradient's weight in ``v_hat_t`` is
-      ``beta2^(t-1) (1-beta2) / (1-beta2^t) >= 1/t`` to within 1e-3 for beta2 = 0.999.
-    - The two runs' gradients differ by at most ``d = 2 rho max|g|`` (each is that close
-      to the exact one); the parameter moves by ``lr * du``.
-    - Each run rounds the stored parameter once per step: half an ulp of ``max|p|`` each.
-    - A difference carried from earlier steps changes later gradients through the loss's
-      curvature; weighting step ``t``'s term by ``t`` bounds that growth (the terms are ~1e-6
-      of the parameters, far inside the quadratic region).
-    Per leaf: ``tol = sum_t t * (max_i 1.25 lr d / (|g_1,i|/sqrt(t) + eps) + 2 U32 max|p|)``.
-    """
-    tols = []
-    for p, g in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(grads)):
-        g = np.abs(np.asarray(g, np.float64))
-        d = 2 * rho * float(np.max(g))
-        tol = 0.0
-        for t in range(1, steps + 1):
-            du = float(np.max(1.25 * d / (g / np.sqrt(t) + eps)))
-            tol += t * (lr * du + 2 * U32 * float(np.max(np.abs(p))))
-        tols.append(tol)
-    return tols
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e),
+                                      err_msg=jax.tree_util.keystr(path))
 
 
 def assert_leaves_within(actual, expected, tols) -> None:
@@ -247,3 +196,298 @@ def assert_leaves_within(actual, expected, tols) -> None:
         assert a.shape == e.shape, jax.tree_util.keystr(path)
         err = np.max(np.abs(a - e))
         assert err <= tol, f"{jax.tree_util.keystr(path)}: {err:.3g} > {tol:.3g}"
+
+
+# -- Tolerances derived from fp32 rounding ---------------------------------------------------
+#
+# Two fp32 evaluations of one quantity in different summation orders (sharded vs one device,
+# stage 1 vs 3, micro-batches vs one batch) differ by their rounding, and how large that is
+# depends on the CPU's kernels (FMA, vector width, the blocking of XLA's dot and reduce
+# emitters): a fixed 1e-6 that held on one x86 CPU failed on an AMD EPYC without AVX-512.
+# So tolerances start from the rounding measured on this CPU against float64
+# (``rounding_of``) and carry it through what the test computes: one evaluation
+# (``assert_loss_and_grads_close``), or an optimizer's steps (``trajectory_tolerances``,
+# ``loss_trajectory_tolerance``).
+
+U32 = 2.0**-24  # fp32's unit roundoff: half an ulp of 1.0
+
+# What the parity tests guard against: a wrong reduction (a device's share missing or counted
+# twice, a mean taken twice, a slice sent to the wrong device) moves a gradient by at least
+# one device's share, 1/8 of it on 8 devices. A derived bound is checked to stay 1000x below.
+GUARDED = 1 / 8
+
+
+class Rounding(NamedTuple):
+    """``rho``: the largest relative rounding error of fp32 evaluations of some outputs
+    (per output leaf, ``max|y32 - y64|`` over its ``leaf_scales``); ``exact``: the float64
+    outputs."""
+
+    rho: float
+    exact: Any
+
+
+@contextlib.contextmanager
+def _float32_reads_as_float64(modules):
+    """Inside, ``jnp.float32`` in ``modules`` is float64, so the explicit casts to fp32 they
+    make (the demo GPT's logits, attention's fp32 softmax) stay float64 in a reference."""
+
+    class Wide:
+        def __getattr__(self, name):
+            return jnp.float64 if name == "float32" else getattr(jnp, name)
+
+    saved = [m.jnp for m in modules]
+    try:
+        for m in modules:
+            m.jnp = Wide()
+        yield
+    finally:
+        for m, j in zip(modules, saved):
+            m.jnp = j
+
+
+def float64_outputs(fn, *args, widen=()):
+    """``fn(*args)`` in float64: every floating leaf of ``args`` widened, x64 on, the explicit
+    fp32 casts of the modules in ``widen`` kept float64. Fails if the program still holds an
+    fp32 value (a model that fixes its dtype would round the reference as well)."""
+    def wide(x):
+        x = np.asarray(x)
+        return x.astype(np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    with jax.enable_x64(True), _float32_reads_as_float64(widen):
+        args = jax.tree_util.tree_map(wide, args)
+        lowered = jax.jit(fn).lower(*args)
+        assert "f32" not in lowered.as_text(), "the float64 reference still computes in fp32"
+        return jax.tree_util.tree_map(np.asarray, lowered.compile()(*args))
+
+
+def _leaf_errors(actual, exact) -> list[float]:
+    """Per leaf, ``max|a - e|`` relative to its ``leaf_scales``."""
+    out = []
+    for a, e, scale in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(exact),
+                           leaf_scales(exact)):
+        err = float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64)),
+                           initial=0.0))
+        out.append(err / scale if scale else (np.inf if err else 0.0))
+    return out
+
+
+def rounding_of(fn, *args, fn64=None, widen=(), orders=()) -> Rounding:
+    """How far evaluations of ``fn(*args)`` lie from the exact values, on this CPU.
+
+    ``fn(*args)`` runs jitted in the dtype of ``args`` (fp32 in the parity tests; bf16
+    arguments measure bf16 rounding), as the tests' references do; ``orders`` are more
+    evaluations of the same outputs (callables of no arguments) that sum in other orders;
+    ``fn64`` (default ``fn``) is evaluated by ``float64_outputs``. ``rho`` is the largest
+    relative error of any of them, over the output leaves, floored at 4 unit roundoffs of
+    the outputs' narrowest float dtype: a CPU that happens to round one case exactly must
+    not make the bound tighter than the format promises for another order. A tolerance
+    then allows rho for each of two runs (``assert_rounding_close``).
+    """
+    exact = float64_outputs(fn if fn64 is None else fn64, *args, widen=widen)
+    evaluations = [jax.jit(fn)(*args)] + [order() for order in orders]
+    rho = max(max(_leaf_errors(y, exact)) for y in evaluations)
+    unit = max(float(jnp.finfo(x.dtype).eps) / 2 for x in jax.tree_util.tree_leaves(evaluations[0])
+               if jnp.issubdtype(x.dtype, jnp.floating))
+    return Rounding(max(rho, 4 * unit), exact)
+
+
+def loss_and_grads_rounding(loss_of, params, batch, *, shards=(8,), loss_of64=None,
+                            widen=()) -> Rounding:
+    """``rounding_of`` of ``jax.value_and_grad(loss_of)(params, batch)`` (``exact`` is
+    ``(loss, grads)``), counting also the order a data-parallel step sums in: for each ``s``
+    in ``shards``, the batch cut into ``s`` equal row slices and the mean of their losses
+    and gradients (``loss_of`` must be a mean over rows). On the test GPT a sharded run's
+    own rounding stayed within 1.1x of this rho over 12 seeds, where the whole-batch order
+    alone missed it by up to 1.8x: a maximum over leaves is a noisy statistic, and the
+    sliced order computes the same per-device sums as the sharded step."""
+    value_and_grad = jax.jit(jax.value_and_grad(loss_of))
+
+    def sliced(s):
+        def run():
+            n = jax.tree_util.tree_leaves(batch)[0].shape[0] // s
+            parts = [value_and_grad(params, jax.tree_util.tree_map(
+                lambda x: x[i * n:(i + 1) * n], batch)) for i in range(s)]
+            return jax.tree_util.tree_map(
+                lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0,
+                                    dtype=np.float32), *parts)
+        return run
+
+    fn64 = jax.value_and_grad(loss_of if loss_of64 is None else loss_of64)
+    return rounding_of(jax.value_and_grad(loss_of), params, batch, fn64=fn64, widen=widen,
+                         orders=[sliced(s) for s in shards])
+
+
+def fp32_gradient_rounding(model, params, batch, *, shards=(8,)) -> Rounding:
+    """``loss_and_grads_rounding`` of the demo GPT's loss: the float64 reference is the model
+    with ``dtype="float64"`` and its fp32 casts (logits, softmax) widened."""
+    import dataclasses
+
+    import zeropp_demo.gpt as gpt
+
+    def loss_with(m):
+        return lambda p, b: loss_fn(m.apply({"params": p}, b[:, :-1]), b[:, 1:])
+
+    wide = GPT(dataclasses.replace(model.config, dtype="float64"))
+    return loss_and_grads_rounding(loss_with(model), params, batch, shards=shards,
+                                   loss_of64=loss_with(wide), widen=(gpt,))
+
+
+def assert_rounding_close(actual, expected, rho: float) -> None:
+    """Two evaluations of the same outputs that round differently (summation order): each
+    within ``rho`` (``rounding_of``) of the exact values, so per leaf they differ by at most
+    ``2 rho`` of the leaf's largest element (a scalar: of itself). The bound stays 1000x
+    below a wrong reduction's error (``GUARDED``)."""
+    assert 2 * rho < 1e-3 * GUARDED, rho
+    assert_leaves_rel_close(actual, expected, 2 * rho)
+
+
+def assert_loss_and_grads_close(loss, grads, ref_loss, ref_grads, rho: float) -> None:
+    """``assert_rounding_close`` of a loss and its gradients: two fp32 evaluations that sum
+    in different orders (``rho`` from ``fp32_gradient_rounding``)."""
+    assert_rounding_close((loss, grads), (ref_loss, ref_grads), rho)
+
+
+def global_norm_rtol(grads, rho: float, *, shards: int = 8) -> float:
+    """Relative tolerance between two fp32 runs' global gradient norms, ``grads`` the exact
+    gradients. The gradients differ by at most ``2 rho max|g|`` per leaf (each within rho of
+    the exact ones), which moves the norm by at most that difference's own L2 norm (triangle
+    inequality). Each run also rounds its sum of squares: measured here against float64 in
+    the two orders the runs use (one flat sum; ``shards`` partial sums, as the shards do),
+    and allowed for each run, floored at 4 U32 like rho."""
+    leaves = [np.asarray(g, np.float64) for g in jax.tree_util.tree_leaves(grads)]
+    norm = float(np.sqrt(sum(np.sum(g**2) for g in leaves)))
+    moved = 2 * rho * float(np.sqrt(sum(g.size * np.max(np.abs(g))**2 for g in leaves)))
+    flat = np.concatenate([g.ravel() for g in leaves]).astype(np.float32)
+    parts = np.array_split(flat, shards)
+    orders = [jax.jit(lambda x: jnp.sqrt(jnp.sum(x * x)))(flat),
+              np.sqrt(np.sum([jax.jit(lambda x: jnp.sum(x * x))(p) for p in parts],
+                             dtype=np.float32))]
+    rounding = max(max(abs(float(n) - norm) / norm for n in orders), 4 * U32)
+    return moved / norm + 2 * rounding
+
+
+def clipped(grads, rho: float, max_norm: float):
+    """The exact first gradients after ``clip_by_global_norm(max_norm)`` and the rho that
+    bounds the clipped gradients' rounding, for ``trajectory_tolerances``. Clipping scales
+    the gradient by ``s = max_norm / ||g||`` (when below 1), from each run's own norm: the
+    clipped element moves by ``s (d + |g| delta)`` for a gradient difference ``d = 2 rho
+    max|g|`` and a relative norm difference ``delta`` (``global_norm_rtol``), i.e. by
+    ``2 (rho + delta / 2) max|s g|``."""
+    norm = float(np.sqrt(sum(np.sum(np.asarray(g, np.float64)**2)
+                             for g in jax.tree_util.tree_leaves(grads))))
+    s = min(1.0, max_norm / norm)
+    scaled = jax.tree_util.tree_map(lambda g: s * np.asarray(g, np.float64), grads)
+    return scaled, rho + global_norm_rtol(grads, rho) / 2
+
+
+def adam_sensitivity(eps: float):
+    """For ``trajectory_tolerances``: how far Adam's update ``m_hat / (sqrt(v_hat) + eps)``
+    moves (in units of lr) per unit change of every gradient, at step ``t``, given the first
+    step's exact gradient ``g`` (elementwise magnitudes).
+
+    It moves by at most ``1.25 / (sqrt(v_hat) + eps)``: ``m_hat`` is a weighted mean of the
+    gradients (weights summing to 1), ``sqrt(v_hat)`` a weighted L2 norm (1-Lipschitz), and
+    ``|m_hat| <= sqrt(v_hat)`` (Cauchy-Schwarz; beta1^2 <= beta2) bounds the second term by a
+    quarter of the first. And ``sqrt(v_hat_t) >= |g_1| / sqrt(t)``: the first gradient's
+    weight in ``v_hat_t`` is ``beta2^(t-1) (1-beta2) / (1-beta2^t) >= 1/t`` to within 1e-3
+    for beta2 = 0.999. Decoupled weight decay (AdamW) only contracts a difference of the
+    parameters, so the bound holds for it too."""
+    return lambda t, g: 1.25 / (g / np.sqrt(t) + eps)
+
+
+def momentum_sensitivity(beta: float = 0.0):
+    """For ``trajectory_tolerances``: SGD with momentum ``beta`` (0: plain SGD) steps by lr
+    times a sum of the gradients so far weighted ``beta^k``, so its update at step ``t``
+    moves by at most ``(1 - beta^t) / (1 - beta)`` per unit change of every gradient."""
+    return lambda t, g: np.full(np.shape(g), (1 - beta**t) / (1 - beta))
+
+
+def sign_sensitivity():
+    """For ``trajectory_tolerances``: Lion steps by ``sign()`` of a moment, which rounding
+    cannot flip unless the moment is within rounding of zero (elements that are zero in
+    exact arithmetic: see tests/train/test_mesh_optimizers.py); elsewhere the update does
+    not move at all, and weight decay only contracts a difference of the parameters."""
+    return lambda t, g: np.zeros(np.shape(g))
+
+
+def trajectory_tolerances(params, grads, *, rho: float, lr: float, steps: int,
+                          sensitivity, seen=None) -> list[list[float]]:
+    """How far two fp32 training runs may drift apart, per leaf, after ``s`` steps
+    (``tols[s]``, ``s = 0 .. steps``), when their gradients differ only by fp32 rounding
+    (each within ``rho * max|g|`` of the exact gradient, see ``rounding_of``). ``grads``
+    are the first step's exact gradients, ``params`` the parameters (for their storage
+    rounding), ``lr`` the largest learning rate of the schedule, ``sensitivity(t, |g|)`` how
+    far the optimizer's update moves per unit change of every gradient (``adam_sensitivity``,
+    ``momentum_sensitivity``, ``sign_sensitivity``), evaluated at ``seen`` (default
+    ``grads``): the first gradients as the optimizer sees them, after an elementwise
+    transform such as ``optax.clip``, which moves no element by more than its input moved.
+
+    Per element and step ``t``:
+    - The two runs' gradients differ by at most ``d = 2 rho max|g|`` (each is that close
+      to the exact one); the parameter moves by ``lr * sensitivity * d``.
+    - Each run computes the new parameter ``p - lr u`` in fp32: the update's own arithmetic
+      (Adam: moments, bias corrections, square root, eps, division) and the scaling by lr
+      round ``lr u`` by at most 6 U32 of itself, the store by U32 of the new parameter, and
+      ``|lr u| <= |p| + |p_new|``: at most ``13 U32 max|p|`` per run and step (``max|p|``
+      over the leaf's final values, which stand for every step's: parameters move by a few
+      lr).
+    - A difference carried from earlier steps changes later gradients through the loss's
+      curvature; weighting step ``t``'s term by ``t`` bounds that growth (the terms are ~1e-6
+      of the parameters, far inside the quadratic region).
+    Per leaf: ``tols[s] = sum_{t <= s} t * (lr d max_i sensitivity(t, |g_i|) + 26 U32 max|p|)``.
+    """
+    per_leaf = []
+    seen = grads if seen is None else seen
+    for p, g, g_seen in zip(*map(jax.tree_util.tree_leaves, (params, grads, seen))):
+        d = 2 * rho * float(np.max(np.abs(np.asarray(g, np.float64))))
+        g_seen = np.abs(np.asarray(g_seen, np.float64))
+        storage = 2 * 13 * U32 * float(np.max(np.abs(np.asarray(p, np.float64))))
+        tol, tols = 0.0, [0.0]
+        for t in range(1, steps + 1):
+            tol += t * (lr * d * float(np.max(sensitivity(t, g_seen))) + storage)
+            tols.append(tol)
+        per_leaf.append(tols)
+    return [list(step) for step in zip(*per_leaf)]
+
+
+def loss_trajectory_tolerance(ref_losses, ref_grads, tols, rho: float) -> np.ndarray:
+    """Per step ``t``: how far two fp32 runs' losses may differ, when their parameters
+    before the step differ by at most ``tols[t]`` per leaf (``trajectory_tolerances``) and
+    ``ref_grads[t]`` is the reference gradient there (``reference_train(with_grads=True)``).
+    Each loss lies within ``rho`` of the exact loss at its own parameters (``2 rho |L_t|``),
+    and the parameters move it by ``sum_leaf ||g_t||_1 tols[t]`` to first order (the second
+    order, ~``tol^2`` times the curvature with tol ~1e-7, is far below)."""
+    out = []
+    for t, (loss, g) in enumerate(zip(ref_losses, ref_grads)):
+        moved = sum(float(np.sum(np.abs(np.asarray(x, np.float64)))) * tol
+                    for x, tol in zip(jax.tree_util.tree_leaves(g), tols[t]))
+        out.append(2 * rho * abs(float(loss)) + moved)
+    return np.asarray(out)
+
+
+def assert_far_below_updates(tols, ref_params, start) -> None:
+    """A wrong reduction moves parameters by a whole update (Adam normalizes a wrong or
+    missing share into any direction): each leaf's trajectory bound must stay 100x below
+    that leaf's update (Adam's eps-limited elements put it near 1e-3 of the update on the
+    test GPT; 100x leaves room for CPUs that round more). A leaf that does not move (its
+    gradient cancels exactly: a bias before a normalization) has no update to guard."""
+    updates = [np.asarray(e, np.float64) - np.asarray(s, np.float64)
+               for e, s in zip(*map(jax.tree_util.tree_leaves, (ref_params, start)))]
+    for tol, update, scale in zip(tols, updates, leaf_scales(updates)):
+        update = float(np.max(np.abs(update)))
+        if update < scale:  # it vanishes next to the others: its gradient cancels exactly
+            continue
+        assert tol < 1e-2 * update, (tol, update)
+
+
+def assert_training_close(losses, params, ref_losses, ref_params, ref_grads, tols,
+                          rho: float, *, start) -> None:
+    """Two fp32 training runs from ``start``: the losses of every step within
+    ``loss_trajectory_tolerance``, the final parameters within ``tols[-1]`` per leaf
+    (``trajectory_tolerances``), a bound far below a wrong update
+    (``assert_far_below_updates``)."""
+    assert_far_below_updates(tols[-1], ref_params, start)
+    bound = loss_trajectory_tolerance(ref_losses, ref_grads, tols, rho)
+    err = np.abs(np.asarray(losses, np.float64) - np.asarray(ref_losses, np.float64))
+    assert np.all(err <= bound), (err, bound)
+    assert_leaves_within(params, ref_params, tols[-1])

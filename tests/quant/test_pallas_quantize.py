@@ -7,19 +7,18 @@ references bit for bit, and are lowered (not run) for CUDA through the Triton ba
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import quantize as Q
-from zeropp_jax.core import compat
-from helpers import all_pairs, pairs_covered
 
-DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+from helpers import all_pairs, pairs_covered
+from kernel_testing import (DTYPES, TRITON_CALL, TRITON_PARAMS, assert_bitwise_equal, call_with,
+                            lower_for_cuda, sample_blocks, seed_of, to_np)
+
 BITS = (8, 4)
 # (block_size, nb, blocks_per_program): nb a multiple of blocks_per_program or not, one tile
 # or several, and nb below blocks_per_program (the tile shrinks to a power of 2 >= nb).
@@ -29,46 +28,12 @@ SIZES = [(32, 13, 8), (64, 3, 8), (256, 1, 8), (64, 16, 8), (32, 7, 2)]
 # ------------------------------------------------------------------------------ helpers
 
 
-def _seed(*parts: object) -> list[int]:
-    """A stable per-case seed (``hash`` of a str is salted per process)."""
-    return [int(b) for b in repr(parts).encode()]
-
-
-def _sample(rng: np.random.Generator, nb: int, block_size: int, dtype) -> jax.Array:
-    """Heavy-tailed ``[nb * block_size]`` data whose blocks have scales 1e-3..1e1 apart.
-
-    Student-t with df=2 has infinite variance, so blocks hold rare large outliers. The clip at
-    1e3 keeps fp16 (max 65504) finite; non-finite blocks are tested separately.
-    """
-    t = np.clip(rng.standard_t(df=2, size=(nb, block_size)), -1e3, 1e3)
-    block_scale = 10.0 ** rng.uniform(-3.0, 1.0, size=(nb, 1))
-    return jnp.asarray((t * block_scale).astype(np.float32).reshape(-1)).astype(dtype)
-
-
-def _to_np(a: jax.Array) -> np.ndarray:
-    return np.asarray(jax.device_get(a))
-
-
-def assert_bitwise_equal(actual: jax.Array, expected: jax.Array) -> None:
-    """Same dtype, shape, NaN positions, and bit patterns everywhere else (so -0 != +0)."""
-    a, e = _to_np(actual), _to_np(expected)
-    assert a.dtype == e.dtype and a.shape == e.shape, (a.dtype, a.shape, e.dtype, e.shape)
-    if np.issubdtype(a.dtype, np.integer):
-        np.testing.assert_array_equal(a, e)
-        return
-    a32, e32 = a.astype(np.float32), e.astype(np.float32)  # exact for bf16/fp16
-    np.testing.assert_array_equal(np.isnan(a32), np.isnan(e32))
-    bits = np.dtype(f"uint{8 * a.dtype.itemsize}")
-    keep = ~np.isnan(a32)
-    np.testing.assert_array_equal(a.view(bits)[keep], e.view(bits)[keep])
-
-
 @functools.lru_cache(maxsize=None)
 def _run(dtype_name: str, bits: int, block_size: int, nb: int, bpp: int):
     """Kernel (interpret) and reference outputs for one case; shared by several tests."""
     dtype = DTYPES[dtype_name]
-    rng = np.random.default_rng(_seed(dtype_name, bits, block_size, nb))
-    x = _sample(rng, nb, block_size, dtype)
+    rng = np.random.default_rng(seed_of(dtype_name, bits, block_size, nb))
+    x = sample_blocks(rng, nb, block_size, dtype)
     kw = dict(bits=bits, block_size=block_size)
     values, scales = Q.quantize(x, **kw, interpret=True, blocks_per_program=bpp)
     ref_values, ref_scales = Q.quantize_reference(x, **kw)
@@ -97,7 +62,7 @@ def test_kernels_match_reference_bit_for_bit(size, dtype_name, bits):
     assert values.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
     assert scales.shape == (nb,) and scales.dtype == jnp.float32
     assert out.shape == (n,) and out.dtype == x.dtype
-    assert np.all(_to_np(scales) > 0)  # random data: no degenerate blocks hiding in the check
+    assert np.all(to_np(scales) > 0)  # random data: no degenerate blocks hiding in the check
     assert_bitwise_equal(values, ref_values)
     assert_bitwise_equal(scales, ref_scales)
     assert_bitwise_equal(out, ref_out)
@@ -110,7 +75,7 @@ def test_kernels_match_reference_at_extreme_magnitudes(bits):
     Subnormals follow the backend's denormal mode (XLA:CPU flushes them to zero); interpret
     mode runs on the same backend as the reference, so they still agree bit for bit.
     """
-    rng = np.random.default_rng(_seed("extreme", bits))
+    rng = np.random.default_rng(seed_of("extreme", bits))
     block_size, nb = 32, 6
     exponents = np.array([127, 100, -100, -126, -140, -149], np.float64)[:, None]
     x = rng.uniform(-1.5, 1.5, size=(nb, block_size)) * 2.0**exponents
@@ -153,9 +118,9 @@ def test_round_trip_error_bounded_by_scale(dtype_name, bits, block_size, nb, bpp
     # |d| <= |x| + (the fp32 bound), so half an ulp at |x| + bound covers it (ulp grows
     # with magnitude; taking it at |x| alone would be wrong just below a power of 2).
     x, (values, scales, out), _ = _run(dtype_name, bits, block_size, nb, bpp)
-    x64 = _to_np(x).astype(np.float64).reshape(nb, block_size)
-    out64 = _to_np(out).astype(np.float64).reshape(nb, block_size)
-    s = _to_np(scales).astype(np.float64)[:, None]
+    x64 = to_np(x).astype(np.float64).reshape(nb, block_size)
+    out64 = to_np(out).astype(np.float64).reshape(nb, block_size)
+    s = to_np(scales).astype(np.float64)[:, None]
     assert np.all(np.isfinite(s)) and np.all(s >= 2.0**-126)  # the derivation's premise
     fp32_bound = s / 2 + 2.0**-22 * Q.qmax(bits) * s
     bound = fp32_bound + _half_ulp(np.abs(x64) + fp32_bound, x.dtype)
@@ -175,8 +140,8 @@ def test_round_trip_error_bounded_by_scale(dtype_name, bits, block_size, nb, bpp
 def test_zero_and_non_finite_blocks(dtype_name, bits):
     dtype = DTYPES[dtype_name]
     block_size, nb = 32, 7
-    rng = np.random.default_rng(_seed("special", dtype_name, bits))
-    clean = _to_np(_sample(rng, nb, block_size, jnp.float32)).reshape(nb, block_size)
+    rng = np.random.default_rng(seed_of("special", dtype_name, bits))
+    clean = to_np(sample_blocks(rng, nb, block_size, jnp.float32)).reshape(nb, block_size)
     x = clean.copy()
     x[1] = 0.0
     x[2, rng.integers(block_size)] = np.inf
@@ -190,9 +155,9 @@ def test_zero_and_non_finite_blocks(dtype_name, bits):
     assert_bitwise_equal(values, Q.quantize_reference(x, **kw)[0])
     assert_bitwise_equal(scales, Q.quantize_reference(x, **kw)[1])
 
-    s = _to_np(scales)
-    v = _to_np(values).reshape(nb, -1)
-    o = _to_np(out).astype(np.float32).reshape(nb, block_size)
+    s = to_np(scales)
+    v = to_np(values).reshape(nb, -1)
+    o = to_np(out).astype(np.float32).reshape(nb, block_size)
     # All-zero block: scale exactly 0, values 0, exact (+)zeros back.
     assert s[1] == 0.0 and np.all(v[1] == 0)
     assert_bitwise_equal(out.reshape(nb, block_size)[1], jnp.zeros(block_size, dtype))
@@ -203,7 +168,7 @@ def test_zero_and_non_finite_blocks(dtype_name, bits):
     for b in (0, 4, 6):
         alone = jnp.asarray(clean[b]).astype(dtype)
         alone_values, alone_scales = Q.quantize_reference(alone, **kw)
-        assert s[b] == _to_np(alone_scales)[0] and np.array_equal(v[b], _to_np(alone_values))
+        assert s[b] == to_np(alone_scales)[0] and np.array_equal(v[b], to_np(alone_values))
         assert np.all(np.isfinite(o[b]))
 
 
@@ -214,14 +179,14 @@ def test_zero_and_non_finite_blocks(dtype_name, bits):
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_int4_layout_and_nibble_range(dtype_name, block_size, nb, bpp):
     x, (values, scales, _), _ = _run(dtype_name, 4, block_size, nb, bpp)
-    packed = _to_np(values).reshape(nb, block_size // 2)
+    packed = to_np(values).reshape(nb, block_size // 2)
     lo, hi = packed & 0x0F, packed >> 4
     # Quantized values lie in [-7, 7]: the nibble 0b1000 (-8) never occurs.
     assert not np.any(lo == 8) and not np.any(hi == 8)
     # Independent numpy recomputation of q from the kernel's scales, then the documented
     # layout: byte j of a block = q[j] (low nibble) | q[j + block_size/2] (high nibble).
-    xf = _to_np(x).astype(np.float32).reshape(nb, block_size)
-    y = xf / _to_np(scales)[:, None]  # numpy fp32 division is IEEE, like the kernel's
+    xf = to_np(x).astype(np.float32).reshape(nb, block_size)
+    y = xf / to_np(scales)[:, None]  # numpy fp32 division is IEEE, like the kernel's
     q = np.clip(np.sign(y) * np.floor(np.abs(y) + np.float32(0.5)), -7, 7).astype(np.int8)
     half = block_size // 2
     expected = (q[:, :half].view(np.uint8) & 0x0F) | ((q[:, half:].view(np.uint8) & 0x0F) << 4)
@@ -229,30 +194,21 @@ def test_int4_layout_and_nibble_range(dtype_name, block_size, nb, bpp):
 
 
 def test_int4_pack_unpack_round_trip():
-    rng = np.random.default_rng(_seed("pack"))
+    rng = np.random.default_rng(seed_of("pack"))
     nb, block_size = 5, 64
     q = rng.integers(-8, 8, size=(nb, block_size), dtype=np.int8)  # the full nibble range
     packed = Q.pack_int4_reference(jnp.asarray(q), block_size)
     assert packed.dtype == jnp.uint8 and packed.shape == (nb, block_size // 2)
-    np.testing.assert_array_equal(_to_np(Q.unpack_int4_reference(packed)), q)
+    np.testing.assert_array_equal(to_np(Q.unpack_int4_reference(packed)), q)
     # The dequantize kernel unpacks every byte the same way (scale 1: out == q exactly).
     out = Q.dequantize(
         packed.reshape(-1), jnp.ones(nb, jnp.float32), bits=4, block_size=block_size,
         dtype=jnp.float32, interpret=True,
     )
-    np.testing.assert_array_equal(_to_np(out).reshape(nb, block_size), q.astype(np.float32))
+    np.testing.assert_array_equal(to_np(out).reshape(nb, block_size), q.astype(np.float32))
 
 
 # -------------------------------------------------------------- 5. Triton lowering for CUDA
-
-TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=1)
-TRITON_CALL = re.compile(r"stablehlo\.custom_call @" + re.escape(compat.TRITON_CALL_TARGET))
-
-
-def _lower_for_cuda(f, *args: jax.ShapeDtypeStruct) -> str:
-    # Works on a host without a GPU on every supported JAX (see zeropp_jax.core.compat).
-    return compat.lower_for_cuda(jax.jit(f), *args).as_text()
-
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
@@ -262,14 +218,14 @@ def test_lowers_for_cuda_via_triton(kernel, dtype_name, bits):
     block_size, nb = 64, 13  # nb not a multiple of the 8-block tile: exercises the padding
     kw = dict(bits=bits, block_size=block_size, compiler_params=TRITON_PARAMS)
     if kernel == "quantize":
-        text = _lower_for_cuda(
+        text = lower_for_cuda(
             lambda x: Q.quantize(x, **kw), jax.ShapeDtypeStruct((nb * block_size,), dtype)
         )
         # The IEEE division survived into the Triton module (see the module docstring).
         assert "div.rn.f32" in text
     else:
         width = block_size if bits == 8 else block_size // 2
-        text = _lower_for_cuda(
+        text = lower_for_cuda(
             lambda v, s: Q.dequantize(v, s, **kw, dtype=dtype),
             jax.ShapeDtypeStruct((nb * width,), jnp.int8 if bits == 8 else jnp.uint8),
             jax.ShapeDtypeStruct((nb,), jnp.float32),
@@ -281,7 +237,7 @@ def test_lowers_for_cuda_via_triton(kernel, dtype_name, bits):
 
 def test_default_compiler_params_use_triton_on_cuda():
     # JAX 0.10 would pick Mosaic GPU for a pallas_call without params; the wrapper doesn't.
-    text = _lower_for_cuda(
+    text = lower_for_cuda(
         lambda x: Q.quantize(x, bits=8, block_size=64), jax.ShapeDtypeStruct((128,), jnp.bfloat16)
     )
     assert len(TRITON_CALL.findall(text)) == 1 and "mosaic" not in text.lower()
@@ -293,13 +249,9 @@ _X = jnp.ones(64, jnp.float32)
 _V8, _V4, _S = jnp.zeros(64, jnp.int8), jnp.zeros(32, jnp.uint8), jnp.ones(2, jnp.float32)
 
 
-def _q(x=_X, **kw):
-    return lambda: Q.quantize(x, **{"bits": 8, "block_size": 32, "interpret": True, **kw})
-
-
-def _dq(values=_V8, scales=_S, **kw):
-    kw = {"bits": 8, "block_size": 32, "dtype": jnp.float32, "interpret": True, **kw}
-    return lambda: Q.dequantize(values, scales, **kw)
+_q = call_with(Q.quantize, x=_X, bits=8, block_size=32, interpret=True)
+_dq = call_with(Q.dequantize, values=_V8, scales=_S, bits=8, block_size=32, dtype=jnp.float32,
+                interpret=True)
 
 
 @pytest.mark.parametrize(
@@ -320,7 +272,7 @@ def _dq(values=_V8, scales=_S, **kw):
         (_q(blocks_per_program=0), ValueError, r"blocks_per_program must be a positive int"),
         (_dq(bits=5), ValueError, r"bits=5 is invalid"),
         (_dq(block_size=0), ValueError, r"must be positive"),
-        (_dq(_V4, bits=4, block_size=31), ValueError, r"must be even"),
+        (_dq(values=_V4, bits=4, block_size=31), ValueError, r"must be even"),
         (_dq(dtype=jnp.int32), TypeError, r"dtype must be bf16, fp16 or fp32"),
         (_dq(scales=jnp.ones(2, jnp.int32)), TypeError, r"scales must be fp32"),
         (_dq(scales=jnp.ones(0, jnp.float32)), ValueError, r"empty"),

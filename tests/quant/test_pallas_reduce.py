@@ -15,19 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_pallas_quantize import (
-    TRITON_CALL,
-    TRITON_PARAMS,
-    _lower_for_cuda,
-    _sample,
-    _seed,
-    _to_np,
-    assert_bitwise_equal,
-)
-from test_pallas_reorder import _strip_kernel_ir
 
 from pallas_kernels import reduce as D
 from pallas_kernels.quantize import quantize_reference
+
+from kernel_testing import (TRITON_CALL, TRITON_PARAMS, assert_bitwise_equal, call_with,
+                            lower_for_cuda, sample_blocks, seed_of, strip_kernel_ir, to_np)
 
 BITS = (8, 4)
 GROUPS = (1, 2, 3, 4, 8)
@@ -43,7 +36,7 @@ def _chunks(rng: np.random.Generator, groups: int, nb: int, bits: int
     """``G`` chunks as qgZ receives them: ``values [G, M]`` (or ``[G, M/2]``), ``scales
     [G, nb]``, each chunk the quantization of a fresh heavy-tailed gradient whose blocks have
     scales 1e-3..1e1 apart."""
-    x = _sample(rng, groups * nb, BLOCK, jnp.float32)
+    x = sample_blocks(rng, groups * nb, BLOCK, jnp.float32)
     values, scales = jax.jit(lambda x: quantize_reference(x, bits=bits, block_size=BLOCK))(x)
     return values.reshape(groups, -1), scales.reshape(groups, nb)
 
@@ -86,7 +79,7 @@ def _check_case(values, scales, *, bits: int, out_bits: int) -> tuple[jax.Array,
 def _numpy_sum(values: jax.Array, scales: jax.Array, *, bits: int) -> np.ndarray:
     """Independent spec: unpack, multiply (one fp32 rounding), add in g order (one rounding
     each). numpy runs each ufunc separately, so nothing is contracted into an FMA."""
-    v, s = _to_np(values), _to_np(scales)
+    v, s = to_np(values), to_np(scales)
     groups, nb = s.shape
     if bits == 8:
         q = v.reshape(groups, nb, BLOCK).astype(np.float32)
@@ -111,18 +104,18 @@ def _numpy_sum(values: jax.Array, scales: jax.Array, *, bits: int) -> np.ndarray
 def test_kernels_match_reference_bit_for_bit(groups, bits):
     case = GROUPS.index(groups) * len(BITS) + BITS.index(bits)
     nb = BLOCKS[case % len(BLOCKS)]
-    rng = np.random.default_rng(_seed("reduce", groups, bits))
+    rng = np.random.default_rng(seed_of("reduce", groups, bits))
     values, scales = _chunks(rng, groups, nb, bits)
     total, out_scales = _check_case(values, scales, bits=bits, out_bits=bits)
     # Random data: no zero or NaN blocks hiding in the comparison.
-    assert np.all(np.isfinite(_to_np(total))) and np.all(_to_np(out_scales) > 0)
+    assert np.all(np.isfinite(to_np(total))) and np.all(to_np(out_scales) > 0)
 
 
 @pytest.mark.parametrize("bits,out_bits", [(4, 8), (8, 4)])
 @pytest.mark.parametrize("groups", [3, 4])
 def test_requantize_to_the_other_width(groups, bits, out_bits):
     # INT4 in -> INT8 out joins the half-block tile in registers; INT8 -> INT4 splits it.
-    rng = np.random.default_rng(_seed("cross", groups, bits, out_bits))
+    rng = np.random.default_rng(seed_of("cross", groups, bits, out_bits))
     values, scales = _chunks(rng, groups, 13, bits)
     _check_case(values, scales, bits=bits, out_bits=out_bits)
 
@@ -130,7 +123,7 @@ def test_requantize_to_the_other_width(groups, bits, out_bits):
 @pytest.mark.parametrize("bits", BITS)
 def test_full_int_range_inputs(bits):
     """Values quantize never makes (-128; the INT4 nibble 0b1000 = -8) still reduce exactly."""
-    rng = np.random.default_rng(_seed("range", bits))
+    rng = np.random.default_rng(seed_of("range", bits))
     groups, nb = 3, 13
     width = BLOCK if bits == 8 else BLOCK // 2
     values = rng.integers(0, 256, size=(groups, nb * width), dtype=np.uint8)
@@ -151,7 +144,7 @@ def test_sum_matches_independent_numpy_eager_and_under_jit(bits):
     (LLVM ``AllowFPOpFusion=Fast``) fused each product into the running sum as an FMA,
     changing hundreds of elements of a 2048-element sum relative to the eager reference.
     """
-    rng = np.random.default_rng(_seed("numpy", bits))
+    rng = np.random.default_rng(seed_of("numpy", bits))
     values, scales = _chunks(rng, 4, 64, bits)
     expected = _numpy_sum(values, scales, bits=bits)
     kw = dict(bits=bits, block_size=BLOCK)
@@ -164,7 +157,7 @@ def test_sum_matches_independent_numpy_eager_and_under_jit(bits):
 def test_dequantize_product_is_the_rounded_product():
     """``_dequantize_product(q, s) == fl(q * s)`` bit for bit for every int8 ``q`` and scales
     from 2**-100 to 2**100, zero, the largest fp32 (overflowing to inf), inf and NaNs."""
-    rng = np.random.default_rng(_seed("product"))
+    rng = np.random.default_rng(seed_of("product"))
     q = np.arange(-128, 128, dtype=np.float32)[:, None]
     random_scales = rng.uniform(1.0, 2.0, 500) * 2.0 ** rng.integers(-100, 101, 500)
     special = np.array([0.0, 1.0, 2.0**-100, np.finfo(np.float32).max, np.inf, np.nan],
@@ -185,22 +178,22 @@ def test_dequantize_product_is_the_rounded_product():
 def test_zero_and_nan_blocks(bits):
     """A block that is zero in every chunk sums to +0 (requantized: scale 0, values 0); a
     NaN scale in any one chunk makes its block NaN (requantized: NaN scale, values 0)."""
-    rng = np.random.default_rng(_seed("special", bits))
+    rng = np.random.default_rng(seed_of("special", bits))
     groups, nb = 3, 13
     values, scales = _chunks(rng, groups, nb, bits)
     width = BLOCK if bits == 8 else BLOCK // 2
-    values = _to_np(values).reshape(groups, nb, width).copy()
-    scales = _to_np(scales).copy()
+    values = to_np(values).reshape(groups, nb, width).copy()
+    scales = to_np(scales).copy()
     values[:, 2], scales[:, 2] = 0, 0.0
     scales[1, 9] = np.nan
     values = jnp.asarray(values.reshape(groups, nb * width))
     total, out_scales = _check_case(values, jnp.asarray(scales), bits=bits, out_bits=bits)
-    total = _to_np(total).reshape(nb, BLOCK)
+    total = to_np(total).reshape(nb, BLOCK)
     assert np.all(total[2].view(np.uint32) == 0)  # +0.0
     assert np.all(np.isnan(total[9]))
     others = [b for b in range(nb) if b not in (2, 9)]
     assert np.all(np.isfinite(total[others]))
-    out_scales = _to_np(out_scales)
+    out_scales = to_np(out_scales)
     assert out_scales[2] == 0.0 and np.isnan(out_scales[9])
     assert np.all(out_scales[others] > 0)
 
@@ -219,8 +212,8 @@ def _lower_case(bits: int, out_bits: int | None, compiler_params=TRITON_PARAMS) 
     )
     kw = dict(bits=bits, block_size=block, compiler_params=compiler_params)
     if out_bits is None:
-        return _lower_for_cuda(lambda v, s: D.dequantize_reduce(v, s, **kw), *args)
-    return _lower_for_cuda(
+        return lower_for_cuda(lambda v, s: D.dequantize_reduce(v, s, **kw), *args)
+    return lower_for_cuda(
         lambda v, s: D.dequantize_reduce_requantize(v, s, **kw, out_bits=out_bits), *args
     )
 
@@ -233,7 +226,7 @@ def test_lowers_for_cuda_via_triton(bits, out_bits):
     assert "num_warps = 4" in text and "num_stages = 1" in text
     assert "mosaic" not in text.lower()
     # No padded or sliced copies around the kernel: just free reshapes.
-    ops = set(re.findall(r"stablehlo\.(\w+)", _strip_kernel_ir(text)))
+    ops = set(re.findall(r"stablehlo\.(\w+)", strip_kernel_ir(text)))
     assert ops <= {"constant", "case", "return", "reshape", "custom_call"}, ops
     [call] = [line for line in text.splitlines() if TRITON_CALL.search(line)]
     results = re.findall(r"tensor<([\dx]+)x(\w+)>", call.rsplit(") -> ", 1)[1])
@@ -258,19 +251,10 @@ _V8, _V4 = jnp.zeros((2, 64), jnp.int8), jnp.zeros((2, 32), jnp.uint8)
 _S = jnp.ones((2, 2), jnp.float32)
 
 
-def _dr(values=_V8, scales=_S, **kw):
-    kw = {"bits": 8, "block_size": 32, "interpret": True, **kw}
-    return lambda: D.dequantize_reduce(values, scales, **kw)
-
-
-def _drr(values=_V8, scales=_S, **kw):
-    kw = {"bits": 8, "block_size": 32, "interpret": True, **kw}
-    return lambda: D.dequantize_reduce_requantize(values, scales, **kw)
-
-
-def _ref(values=_V8, scales=_S, **kw):
-    kw = {"bits": 8, "block_size": 32, **kw}
-    return lambda: D.dequantize_reduce_reference(values, scales, **kw)
+_KW = dict(values=_V8, scales=_S, bits=8, block_size=32)
+_dr = call_with(D.dequantize_reduce, **_KW, interpret=True)
+_drr = call_with(D.dequantize_reduce_requantize, **_KW, interpret=True)
+_ref = call_with(D.dequantize_reduce_reference, **_KW)
 
 
 @pytest.mark.parametrize(
@@ -282,27 +266,27 @@ def _ref(values=_V8, scales=_S, **kw):
         (_dr(block_size=0), ValueError, r"block_size=0 must be positive"),
         (_dr(block_size=-32), ValueError, r"must be positive"),
         (_dr(block_size=32.0), TypeError, r"block_size must be a Python int"),
-        (_dr(jnp.zeros((2, 7), jnp.uint8), bits=4, block_size=7), ValueError,
+        (_dr(values=jnp.zeros((2, 7), jnp.uint8), bits=4, block_size=7), ValueError,
          r"block_size=7 must be even"),
-        (_drr(jnp.zeros((2, 14), jnp.int8), out_bits=4, block_size=7), ValueError,
+        (_drr(values=jnp.zeros((2, 14), jnp.int8), out_bits=4, block_size=7), ValueError,
          r"INT4 packs two values per byte: block_size=7 must be even"),
-        (_dr(jnp.zeros((2, 100), jnp.int8)), ValueError,
+        (_dr(values=jnp.zeros((2, 100), jnp.int8)), ValueError,
          r"n=100 must be a multiple of block_size=32"),
-        (_dr(jnp.zeros((2, 50), jnp.uint8), bits=4), ValueError,
+        (_dr(values=jnp.zeros((2, 50), jnp.uint8), bits=4), ValueError,
          r"n=100 must be a multiple of block_size=32"),
-        (_dr(jnp.zeros(64, jnp.int8)), ValueError, r"values must be 2-D"),
-        (_dr(jnp.zeros((0, 64), jnp.int8)), ValueError, r"empty"),
-        (_dr(jnp.zeros((2, 0), jnp.int8)), ValueError, r"empty"),
-        (_dr(_V4), TypeError, r"INT8 values must be int8, got uint8"),
-        (_dr(_V8, bits=4), TypeError, r"INT4 values must be uint8, got int8"),
-        (_drr(_V8, bits=4, out_bits=8), TypeError, r"INT4 values must be uint8"),
+        (_dr(values=jnp.zeros(64, jnp.int8)), ValueError, r"values must be 2-D"),
+        (_dr(values=jnp.zeros((0, 64), jnp.int8)), ValueError, r"empty"),
+        (_dr(values=jnp.zeros((2, 0), jnp.int8)), ValueError, r"empty"),
+        (_dr(values=_V4), TypeError, r"INT8 values must be int8, got uint8"),
+        (_dr(values=_V8, bits=4), TypeError, r"INT4 values must be uint8, got int8"),
+        (_drr(values=_V8, bits=4, out_bits=8), TypeError, r"INT4 values must be uint8"),
         (_dr(scales=jnp.ones((2, 2), jnp.bfloat16)), TypeError, r"scales must be fp32"),
         (_dr(scales=jnp.ones((3, 2), jnp.float32)), ValueError, r"expected \(2, 2\)"),
         (_dr(scales=jnp.ones(4, jnp.float32)), ValueError, r"expected \(2, 2\)"),
-        (_drr(_V4, bits=4, block_size=16), ValueError, r"expected \(2, 4\)"),
+        (_drr(values=_V4, bits=4, block_size=16), ValueError, r"expected \(2, 4\)"),
         # The references validate the same way (they used to fail in a reshape, or not at all).
         (_ref(scales=jnp.ones((3, 2), jnp.float32)), ValueError, r"expected \(2, 2\)"),
-        (_ref(_V8, bits=4), TypeError, r"INT4 values must be uint8"),
+        (_ref(values=_V8, bits=4), TypeError, r"INT4 values must be uint8"),
     ],
 )
 def test_bad_input_raises(call, error, match):

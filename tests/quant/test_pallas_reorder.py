@@ -14,18 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_pallas_quantize import (
-    DTYPES,
-    TRITON_CALL,
-    TRITON_PARAMS,
-    _lower_for_cuda,
-    _sample,
-    _seed,
-    _to_np,
-    assert_bitwise_equal,
-)
 
 from pallas_kernels import reorder as R
+
+from kernel_testing import (DTYPES, TRITON_CALL, TRITON_PARAMS, assert_bitwise_equal,
+                            lower_for_cuda, sample_blocks, seed_of, strip_kernel_ir, to_np)
 
 BITS = (8, 4)
 LAYOUTS = [(2, 4), (4, 2), (3, 2), (1, 8), (8, 1)]  # (nodes, local)
@@ -43,7 +36,7 @@ FORMATS = list(itertools.product(BITS, DTYPES))
 def _x(rng: np.random.Generator, nodes: int, local: int, stages: int, nb_sub: int,
        dtype) -> jax.Array:
     """A fresh heavy-tailed gradient ``[P * stages * nb_sub * BLOCK]`` with mixed block scales."""
-    return _sample(rng, nodes * local * stages * nb_sub, BLOCK, dtype)
+    return sample_blocks(rng, nodes * local * stages * nb_sub, BLOCK, dtype)
 
 
 def _check_stages(x: jax.Array, stages_to_check: Sequence[int], **kw) -> list[np.ndarray]:
@@ -64,7 +57,7 @@ def _check_stages(x: jax.Array, stages_to_check: Sequence[int], **kw) -> list[np
         assert scales.shape == (n_out // BLOCK,) and scales.dtype == jnp.float32
         assert_bitwise_equal(values, ref_values)
         assert_bitwise_equal(scales, ref_scales)
-    return [_to_np(scales) for _, scales in outs]
+    return [to_np(scales) for _, scales in outs]
 
 
 # ------------------------------------------------------------------ 1. bit-for-bit parity
@@ -76,7 +69,7 @@ def test_kernel_matches_reference_every_stage(nodes, local, stages):
     case = LAYOUTS.index((nodes, local)) * len(STAGES) + STAGES.index(stages)
     nb_sub = BLOCKS_PER_SLOT[case % len(BLOCKS_PER_SLOT)]
     bits, dtype_name = FORMATS[case % len(FORMATS)]
-    rng = np.random.default_rng(_seed("reorder", nodes, local, stages))
+    rng = np.random.default_rng(seed_of("reorder", nodes, local, stages))
     x = _x(rng, nodes, local, stages, nb_sub, DTYPES[dtype_name])
     scales = _check_stages(x, range(stages), nodes=nodes, local=local, bits=bits,
                            block_size=BLOCK, stages=stages)
@@ -87,7 +80,7 @@ def test_kernel_matches_reference_every_stage(nodes, local, stages):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype_name", DTYPES)
 def test_kernel_matches_reference_every_format(dtype_name, bits):
-    rng = np.random.default_rng(_seed("format", dtype_name, bits))
+    rng = np.random.default_rng(seed_of("format", dtype_name, bits))
     x = _x(rng, 3, 2, 2, 13, DTYPES[dtype_name])
     [scales] = _check_stages(x, [1], nodes=3, local=2, bits=bits, block_size=BLOCK, stages=2)
     assert np.all(scales > 0)
@@ -97,8 +90,8 @@ def test_kernel_matches_reference_every_format(dtype_name, bits):
 def test_zero_and_non_finite_blocks_keep_their_slots(bits):
     """A zero block and NaN/inf blocks come out in their slots, as quantize would make them."""
     nodes, local, stages, nb_sub = 2, 2, 2, 3
-    rng = np.random.default_rng(_seed("special", bits))
-    x = _to_np(_x(rng, nodes, local, stages, nb_sub, jnp.float32)).reshape(-1, BLOCK).copy()
+    rng = np.random.default_rng(seed_of("special", bits))
+    x = to_np(_x(rng, nodes, local, stages, nb_sub, jnp.float32)).reshape(-1, BLOCK).copy()
     x[1] = 0.0
     x[4, 7] = np.nan
     x[9, 0] = np.inf
@@ -141,7 +134,7 @@ def test_reference_places_slice_i_local_plus_j_in_slot_j_nodes_plus_i(nodes, loc
     # Every element distinct and traceable: the value is its own input index.
     x = np.arange(num * m, dtype=np.float32)
     for stage in range(stages):
-        out = _to_np(R.reorder_reference(jnp.asarray(x), nodes=nodes, local=local,
+        out = to_np(R.reorder_reference(jnp.asarray(x), nodes=nodes, local=local,
                                          stages=stages, stage=stage))
         assert out.shape == (num * sub,)
         expected = np.empty(num * sub, np.float32)
@@ -154,7 +147,7 @@ def test_reference_places_slice_i_local_plus_j_in_slot_j_nodes_plus_i(nodes, loc
 
 
 def test_reference_reorder_then_quantize_is_quantize_of_the_placement():
-    rng = np.random.default_rng(_seed("compose"))
+    rng = np.random.default_rng(seed_of("compose"))
     x = _x(rng, 4, 2, 2, 3, jnp.bfloat16)
     kw = dict(nodes=4, local=2, stages=2, stage=1)
     values, scales = jax.jit(
@@ -171,17 +164,12 @@ def test_reference_reorder_then_quantize_is_quantize_of_the_placement():
 # -------------------------------------------------------------- 3. Triton lowering for CUDA
 
 
-def _strip_kernel_ir(text: str) -> str:
-    """The module text without the serialized Triton kernel (an escaped byte string)."""
-    return re.sub(r'ir = "(?:[^"\\]|\\.)*"', 'ir = "..."', text)
-
-
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_lowers_for_cuda_via_triton(dtype_name, bits):
     nodes, local, stages, nb_sub = 2, 4, 2, 13  # 13 blocks per slot: overlapping last tile
     n = nodes * local * stages * nb_sub * 64
-    text = _lower_for_cuda(
+    text = lower_for_cuda(
         lambda x: R.reorder_quantize(x, nodes=nodes, local=local, bits=bits, block_size=64,
                                      stages=stages, stage=1, compiler_params=TRITON_PARAMS),
         jax.ShapeDtypeStruct((n,), DTYPES[dtype_name]),
@@ -192,12 +180,12 @@ def test_lowers_for_cuda_via_triton(dtype_name, bits):
     assert "mosaic" not in text.lower()
     # The reorder happens inside the kernel (index maps): around it there are only free
     # reshapes, no transpose/slice/gather/pad materializing a reordered copy.
-    ops = set(re.findall(r"stablehlo\.(\w+)", _strip_kernel_ir(text)))
+    ops = set(re.findall(r"stablehlo\.(\w+)", strip_kernel_ir(text)))
     assert ops <= {"constant", "case", "return", "reshape", "custom_call"}, ops
 
 
 def test_default_compiler_params_use_triton_on_cuda():
-    text = _lower_for_cuda(
+    text = lower_for_cuda(
         lambda x: R.reorder_quantize(x, nodes=2, local=2, bits=4, block_size=64),
         jax.ShapeDtypeStruct((4 * 64,), jnp.bfloat16),
     )

@@ -18,7 +18,7 @@ import zeropp_jax as zpp
 from zeropp_jax.train import checkpoint as ckpt
 from zeropp_demo.gpt import GPT, loss_fn
 
-from helpers import SMALL, init_params, make_step, tokens
+from helpers import SMALL, U32, init_params, make_step, tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FP32 = dict(compute_dtype="float32")
@@ -98,8 +98,13 @@ def test_restore_across_mesh_shapes_and_device_counts(trained):
         d = pathlib.Path(tempfile.mkdtemp()) / shape.__repr__()
         ckpt.save(d, current)
         cont, m = step(current, b)
-        # fp32: same values, same data; only the order of per-device partial sums differs.
-        np.testing.assert_allclose(float(m["loss"]), float(m_exp["loss"]), rtol=1e-6)
+        # fp32, the same parameters (bit for bit) and rows per device: each device's loss is
+        # the same computation; only the order in which the mean over the 8 devices adds
+        # them may differ. Two fp32 sums of 8 positive terms differ by at most 2 gamma_7,
+        # gamma_k = k U32 / (1 - k U32) (any order); a device's loss missing from the mean
+        # moves it by an eighth.
+        rtol = 2 * 7 * U32 / (1 - 7 * U32)
+        assert abs(float(m["loss"]) - float(m_exp["loss"])) <= rtol * float(m_exp["loss"])
     four = ckpt.restore(d, _state((2, 2), devices=jax.devices()[:4]))
     _leaves_equal(four.consolidate(), state.consolidate())
     stage2 = ckpt.restore(d, _state((2, 4), cfg=zpp.ZeroPPConfig(stage=2, **FP32)))

@@ -3,10 +3,12 @@ units as attributes, mutable collections in checkpoints, exact token-weighted lo
 metrics, and the errors that replace silent wrong training.
 
 Models are tiny; parity is against a one-device fp32 step with SGD (exact arithmetic path:
-only the order of the sum over devices differs, so 1e-6 absolute on O(1) values)."""
+only the order of the sum over devices differs, so the runs agree to this CPU's measured
+fp32 rounding, carried through the SGD steps: tests/helpers.py)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -19,8 +21,11 @@ from flax import nnx
 
 import zeropp_jax as zpp
 
+from helpers import (assert_far_below_updates, assert_rounding_close, assert_training_close,
+                     leaf_scales, loss_and_grads_rounding, momentum_sensitivity, rounding_of,
+                     trajectory_tolerances)
+
 FP32 = zpp.ZeroPPConfig(compute_dtype="float32")
-TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +86,20 @@ def _ids(seed, shape=(8, 7)):
     return np.random.default_rng(seed).integers(0, 48, shape).astype(np.int32)
 
 
-def _lm_loss(apply, params, ids):
+def _token_losses(apply, params, ids):
+    """Next-token cross entropy of every position, ``[batch, seq]``."""
     logits = apply({"params": params}, ids[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
+
+
+def _lm_loss(apply, params, ids):
+    return _token_losses(apply, params, ids).mean()
 
 
 def _train_both(model, params, mesh, loss, batches, units=None, lr=0.1):
-    """Losses and final params of zeropp (SGD) and of one device, side by side."""
+    """Losses and final params of zeropp (SGD) and of one device, side by side; checks that
+    they agree to the fp32 rounding of ``loss`` measured on this CPU (``loss`` a mean over
+    rows), carried through the SGD steps (helpers.trajectory_tolerances)."""
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(lr), mesh=mesh,
                                   config=FP32, units=units)
 
@@ -98,13 +110,19 @@ def _train_both(model, params, mesh, loss, batches, units=None, lr=0.1):
         return state.apply_gradients(grads=grads), value
 
     ref_grad = jax.jit(jax.value_and_grad(lambda p, b: loss(model.apply, p, b)))
-    ours, theirs, p = [], [], params
+    ours, theirs, grads, p = [], [], [], params
     for batch in batches:
         state, value = step(state, batch)
         ours.append(float(value))
         value, g = ref_grad(p, batch)
         theirs.append(float(value))
+        grads.append(g)
         p = jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g)
+    rho, (_, g) = loss_and_grads_rounding(lambda p, b: loss(model.apply, p, b), params,
+                                          batches[0])
+    tols = trajectory_tolerances(p, g, rho=rho, lr=lr, steps=len(batches),
+                                 sensitivity=momentum_sensitivity())
+    assert_training_close(ours, state.consolidate(), theirs, p, grads, tols, rho, start=params)
     return state, ours, theirs, p
 
 
@@ -118,10 +136,7 @@ def test_weights_read_through_variables_stay_gathered_and_are_exact(mesh):
     params = model.init(jax.random.PRNGKey(0), _ids(0)[:, :-1])["params"]
     # wte as its own unit: the root reads it outside wte's call, so it must be resident.
     with pytest.warns(UserWarning, match=r"\['wte'\] are read outside their own calls"):
-        state, ours, theirs, ref = _train_both(
-            model, params, mesh, _lm_loss, [_ids(1), _ids(2)], units=["wte", "block_*"])
-    np.testing.assert_allclose(ours, theirs, atol=TOL)
-    assert _max_diff(state.consolidate(), ref) < TOL
+        _train_both(model, params, mesh, _lm_loss, [_ids(1), _ids(2)], units=["wte", "block_*"])
 
 
 def test_module_passed_to_units_as_attribute(mesh):
@@ -136,16 +151,13 @@ def test_module_passed_to_units_as_attribute(mesh):
     # encoder and decoder are units that use `shared` (owned by the root): the shared
     # weights come in as arguments, their gradient is the sum of three uses.
     with pytest.warns(UserWarning, match=r"\['shared'\] are read outside"):
-        state, ours, theirs, ref = _train_both(model, params, mesh, loss, [ids, _ids(4)],
-                                               units=["encoder", "decoder", "shared"])
-    np.testing.assert_allclose(ours, theirs, atol=TOL)
-    assert _max_diff(state.consolidate(), ref) < TOL
+        _train_both(model, params, mesh, loss, [ids, _ids(4)],
+                    units=["encoder", "decoder", "shared"])
     # The default policy: the Embed is its own unit, called (and attend-ed) from inside
     # the encoder and decoder; no warning, same result.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        state, ours, theirs, _ = _train_both(model, params, mesh, loss, [ids])
-    np.testing.assert_allclose(ours, theirs, atol=TOL)
+        _train_both(model, params, mesh, loss, [ids])
 
 
 def test_parameters_never_reached_is_an_error(mesh):
@@ -196,7 +208,7 @@ def test_batch_stats_sync_batchnorm_parity_and_checkpoint(mesh, tmp_path):
                                   mesh=mesh, config=FP32)
     assert set(state.collections) == {"batch_stats"}
 
-    def loss(apply, p, stats, train):
+    def loss(apply, p, stats, train, x=x):
         out, upd = apply({"params": p, "batch_stats": stats}, x, train=True,
                          mutable=["batch_stats"]) if train else (
             apply({"params": p, "batch_stats": stats}, x, train=False), None)
@@ -219,18 +231,36 @@ def test_batch_stats_sync_batchnorm_parity_and_checkpoint(mesh, tmp_path):
             return nn.Dense(3)(x)
 
     plain = Plain()
-    p, stats = variables["params"], variables["batch_stats"]
+
+    def reference(p, stats, x):
+        """Two SGD steps on one device (in the dtype of the arguments)."""
+        values = []
+        for _ in range(2):
+            (value, upd), g = jax.value_and_grad(
+                lambda p: loss(plain.apply, p, stats, True, x), has_aux=True)(p)
+            p = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g)
+            stats = upd["batch_stats"]
+            values.append(value)
+        return values, p, stats
+
+    values = []
     for _ in range(2):
         state, value = step(state, {"x": x})
-        (ref_value, upd), g = jax.value_and_grad(
-            lambda p: loss(plain.apply, p, stats, True), has_aux=True)(p)
-        p = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g)
-        stats = upd["batch_stats"]
-        assert abs(float(value) - float(ref_value)) < TOL
-    assert _max_diff(state.consolidate(), p) < TOL
-    assert _max_diff(state.batch_stats, stats) < TOL
-    # Running statistics moved away from their init (mean 0): the update was kept.
-    assert _max_diff(state.batch_stats, variables["batch_stats"]) > 1e-3
+        values.append(value)
+    # Both runs within this CPU's fp32 rounding of the whole two steps (losses, parameters,
+    # statistics), measured against them in float64.
+    start = (variables["params"], variables["batch_stats"], x)
+    rho = rounding_of(reference, *start).rho
+    ref_values, ref_params, ref_stats = jax.jit(reference)(*start)
+    assert_rounding_close((values, state.consolidate(), state.batch_stats),
+                          (ref_values, ref_params, ref_stats), rho)
+    # ... far below what a wrong gradient would move the parameters by.
+    assert_far_below_updates([2 * rho * s for s in leaf_scales(ref_params)], ref_params,
+                             variables["params"])
+    # Running statistics moved away from their init (mean 0), by far more than the bound:
+    # the update was kept.
+    moved = _max_diff(state.batch_stats, variables["batch_stats"])
+    assert moved > 100 * 2 * rho * max(leaf_scales(ref_stats))
 
     zpp.checkpoint.save(tmp_path, state)
     fresh = zpp.TrainState.create(model=model, params=variables, tx=optax.sgd(0.1),
@@ -249,10 +279,9 @@ def test_token_mean_is_the_global_token_mean_and_its_gradient(mesh):
     for row, n in enumerate([8, 1, 3, 8, 2, 5, 8, 4]):  # real tokens per sequence
         mask[row, :n] = 1.0
 
-    def exact(p):
-        logits = model.apply({"params": p}, ids[:, :-1])
-        v = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:])
-        return jnp.sum(v * mask) / jnp.sum(mask)
+    def masked_mean(apply, p, batch):
+        return jnp.sum(_token_losses(apply, p, batch["ids"]) * batch["mask"]) / jnp.sum(
+            batch["mask"])
 
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
                                   config=FP32)
@@ -260,25 +289,26 @@ def test_token_mean_is_the_global_token_mean_and_its_gradient(mesh):
     @zpp.train_step
     def step(state, batch):
         def loss(p):
-            logits = state.apply_fn({"params": p}, batch["ids"][:, :-1])
-            v = optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:])
-            return zpp.token_mean(v, batch["mask"])
-
-        def naive(p):
-            logits = state.apply_fn({"params": p}, batch["ids"][:, :-1])
-            v = optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:])
-            return jnp.sum(v * batch["mask"]) / jnp.sum(batch["mask"])
+            return zpp.token_mean(_token_losses(state.apply_fn, p, batch["ids"]), batch["mask"])
 
         value, g = jax.value_and_grad(loss)(state.params)
-        return state.apply_gradients(grads=g), {"loss": value, "naive": naive(state.params)}
+        naive = masked_mean(state.apply_fn, state.params, batch)  # each device's own mean
+        return state.apply_gradients(grads=g), {"loss": value, "naive": naive}
 
-    new, metrics = step(state, {"ids": ids, "mask": mask})
-    want, g = jax.value_and_grad(exact)(params)
-    assert abs(float(metrics["loss"]) - float(want)) < TOL
-    # The check can fail: the per-device mean differs by far more than the tolerance.
-    assert abs(float(metrics["naive"]) - float(want)) > 100 * TOL
+    batch = {"ids": ids, "mask": mask}
+    new, metrics = step(state, batch)
+    want, g = jax.value_and_grad(lambda p: masked_mean(model.apply, p, batch))(params)
     ref = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, params, g)
-    assert _max_diff(new.consolidate(), ref) < TOL
+    # One SGD step, agreeing to this CPU's measured fp32 rounding of the masked mean and its
+    # gradient (whole-batch order: the loss is no mean over rows to slice).
+    rho, (_, g64) = loss_and_grads_rounding(
+        lambda p, b: masked_mean(model.apply, p, b), params, batch, shards=())
+    tols = trajectory_tolerances(ref, g64, rho=rho, lr=0.1, steps=1,
+                                 sensitivity=momentum_sensitivity())
+    assert_training_close([metrics["loss"]], new.consolidate(), [want], ref, [g], tols, rho,
+                          start=params)
+    # The check can fail: the per-device mean differs by far more than the tolerance.
+    assert abs(float(metrics["naive"]) - float(want)) > 100 * 2 * rho * abs(float(want))
 
 
 def test_metrics_and_outputs_are_fp32_under_bf16_compute(mesh):
@@ -348,6 +378,7 @@ def test_nnx_state_updates_must_be_asked_for_and_match_nnx_training(mesh):
     # One device, NNX's own way, with the cross-device BatchNorm axis made local.
     for b in ref.blocks:
         b.bn.axis_name = None
+    graphdef, start = nnx.split(nnx.clone(ref))  # the state before training
     opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
 
     @nnx.jit
@@ -360,12 +391,40 @@ def test_nnx_state_updates_must_be_asked_for_and_match_nnx_training(mesh):
         opt.update(m, g)
         return value
 
+    values, ref_values = [], []
     for _ in range(2):
         state, value = step(state, ids)
-        assert abs(float(value) - float(ref_step(ref, opt, ids))) < TOL
+        values.append(value)
+        ref_values.append(ref_step(ref, opt, ids))
     pure = state.consolidate()
     assert list(pure["blocks"]) == [0, 1]  # NNX's own keys: list indices are ints
     ref_params = nnx.state(ref, nnx.Param)
     nnx.replace_by_pure_dict(ref_params, pure)  # the structure NNX expects
     ours = state.engine.model.merge(pure, jax.device_get(state.collections))
-    assert _max_diff(nnx.state(ours), nnx.state(ref)) < TOL
+    # Both runs within this CPU's fp32 rounding of the two steps (losses, the whole NNX
+    # state), measured against the same steps in float64.
+    rho = rounding_of(functools.partial(_nnx_sgd_steps, graphdef), start, ids).rho
+    assert_rounding_close((values, nnx.state(ours)), (ref_values, nnx.state(ref)), rho)
+    # ... far below what a wrong gradient would move the parameters by.
+    ref_params = nnx.state(ref, nnx.Param)
+    assert_far_below_updates([2 * rho * s for s in leaf_scales(ref_params)], ref_params,
+                             start.filter(nnx.Param))
+
+
+def _nnx_sgd_steps(graphdef, state, ids, steps=2, lr=0.1):
+    """Two SGD steps of an NNX language model as a pure function of its state, in the dtype
+    of the state (to measure their rounding against float64). nnx.Embed fixes its dtype at
+    construction; here it follows the parameters'."""
+    model = nnx.merge(graphdef, state)
+    model.embed.dtype = model.embed.embedding[...].dtype
+
+    def loss(m):
+        return optax.softmax_cross_entropy_with_integer_labels(m(ids[:, :-1]), ids[:, 1:]).mean()
+
+    values = []
+    for _ in range(steps):
+        value, g = nnx.value_and_grad(loss)(model)
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree_util.tree_map(lambda p, d: p - lr * d, params, g))
+        values.append(value)
+    return values, nnx.state(model)

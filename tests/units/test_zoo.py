@@ -1,23 +1,11 @@
 """Models we did not write, trained with zeropp_jax against one-device fp32 training.
 
 Every entry of ``tests/zoo.py`` is trained for 3 steps on a 2x4 mesh with fp32 compute and
-the DEFAULT units (no ``units=``/``stacked=``), through the contract a user writes::
-
-    state = zpp.TrainState.create(model=entry.model, params=entry.params, tx=tx,
-                                  mesh=mesh, config=cfg)
-
-    @zpp.train_step
-    def step(state, batch, rng):
-        def loss_of(params):
-            # linen / NNX:  state.apply_fn({"params": params}, *inputs)
-            # HF:           state.apply_fn(**inputs, params=params, dropout_rng=rng, train=True)
-            return entry.loss(state.apply_fn, params, batch, True, rng=rng)
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-and its per-step losses and ``state.consolidate()`` are compared with
-``zoo.reference_train`` (plain ``jax.jit`` + optax on one device, the same loss function
-applied with ``entry.apply``). Dropout is off for parity (HF configs use p=0.0, so
+the DEFAULT units (no ``units=``/``stacked=``), through the contract a user writes:
+``zpp.TrainState.create(model=entry.model, params=entry.params, tx=tx, mesh=mesh,
+config=cfg)`` and the ``train_step`` of ``_zero_step`` below. Its per-step losses and
+``state.consolidate()`` are compared with ``zoo.reference_train`` (plain ``jax.jit`` + optax
+on one device, the same loss function applied with ``entry.apply``). Dropout is off for parity (HF configs use p=0.0, so
 ``train=True`` still exercises the ``dropout_rng`` path); one GPT-2 test trains with dropout
 on and only checks that the loss goes down.
 """
@@ -139,9 +127,13 @@ def _keys(n: int = STEPS) -> list[jax.Array]:
 
 
 def _zero_step(entry: zoo.ZooEntry):
+    """The step a user writes for one device, as in the module docstring."""
+
     @zpp.train_step
     def step(state, batch, rng):
         def loss_of(params):
+            # linen / NNX:  state.apply_fn({"params": params}, *inputs)
+            # HF:           state.apply_fn(**inputs, params=params, dropout_rng=rng, train=True)
             return entry.loss(state.apply_fn, params, batch, True, rng=rng)
 
         loss, grads = jax.value_and_grad(loss_of)(state.params)

@@ -36,7 +36,6 @@ from zeropp_jax.comm.frozen import (
 from zeropp_jax.core.mesh import AXES, mesh_shape
 from zeropp_jax.comm.partition import REST, UnitLayout, merge_units, padded_length
 from zeropp_jax.comm.placement import (
-    REPLICATED,
     SHARDED,
     ShardedParams,
     global_norm,

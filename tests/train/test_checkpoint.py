@@ -336,7 +336,62 @@ def test_changed_array_contents_fail_the_checksum(trained, tmp_path):
 
         shutil.rmtree(arrays_dir)
         ocp.PyTreeCheckpointer().save(arrays_dir, arrays)
+        # The rewrite changes the files' sizes, which restore checks first (see
+        # test_missing_or_truncated_files_are_named); record the new ones so that only
+        # the contents differ, as after damage that keeps every file's size.
+        meta_path = arrays_dir.parent / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        meta["files"] = ckpt._file_sizes(arrays_dir)
+        meta_path.write_text(json.dumps(meta))
         with pytest.raises(ckpt.CheckpointError, match="params/u1 fails its checksum"):
             ckpt.restore(d, _state())
         with pytest.raises(ckpt.CheckpointError, match="params/u1 fails its checksum"):
             ckpt.load_params(d)
+
+
+def test_another_unit_split_is_named_with_the_units_to_pass(trained):
+    """The same parameters grouped into other units (another units=): the error says so and
+    names the checkpoint's units, not "another model"."""
+    _, d, _, _ = trained
+    template = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=31), tx=TX,
+                                     mesh=zpp.make_mesh(2, 4),
+                                     config=zpp.ZeroPPConfig.zero3(**FP32), units=["block_0"])
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.restore(d, template)
+    msg = str(e.value)
+    assert "another model" not in msg, msg
+    assert "same paths and shapes), but split into other units" in msg, msg
+    assert "written with 5 units ['block_0', 'block_1', 'head', 'wte', '<rest>']" in msg, msg
+    assert "units=['block_0', 'block_1', 'head', 'wte']" in msg, msg
+
+
+def test_missing_or_truncated_files_are_named_with_the_step_that_restores(trained, tmp_path):
+    """A shard file truncated or deleted in the newest checkpoint: restore and load_params
+    name the file and the older complete step, with the call that reads it. A checkpoint
+    without the file record (or damage the record cannot see) fails in the read, with the
+    reader's own text, cut before library internals (no "<bound method ...>")."""
+    import shutil
+
+    state, d, _, _ = trained
+    d = _copy(d, tmp_path)
+    ckpt.save(d, _at(state, 3))
+    data = sorted((d / "step_00000003" / "arrays" / "ocdbt.process_0" / "d").iterdir(),
+                  key=lambda p: p.stat().st_size)[-1]
+    data.write_bytes(data.read_bytes()[:100])
+    want = f"zpp.checkpoint.restore('{d.absolute()}', template, step=2) reads it"
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.restore(d, _state())
+    msg = str(e.value)
+    assert f"arrays/ocdbt.process_0/d/{data.name} (shard data written by process 0) has 100 " \
+           "bytes" in msg, msg
+    assert "Step 2 is complete in the same directory" in msg and want in msg, msg
+    with pytest.raises(ckpt.CheckpointError, match=r"load_params\(.*step=2\) reads it"):
+        ckpt.load_params(d)
+    shutil.rmtree(data.parent.parent)
+    meta_path = d / "step_00000003" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["files"]  # as written before files were recorded
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="arrays cannot be read") as e:
+        ckpt.restore(d, _state())
+    assert "bound method" not in str(e.value) and want in str(e.value), str(e.value)

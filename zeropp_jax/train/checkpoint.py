@@ -15,7 +15,8 @@ universal checkpoint; ``load_params`` is its ``zero_to_fp32``.
 Layout of ``directory``::
 
     step_00000100/          one finished checkpoint
-      meta.json             step, units and leaf shapes, optimizer-state leaves, checksums
+      meta.json             step, units and leaf shapes, optimizer-state leaves, checksums,
+                            the size of every file under arrays/
       arrays/               orbax PyTree checkpoint of the global arrays
     .tmp-step_00000200-…/   a save in progress (or one that was interrupted): ignored
     .lock                   taken by the saving job's process 0 (flock)
@@ -29,7 +30,11 @@ rename, so an interrupted save never leaves a ``step_N`` behind. Every array has
 in ``meta.json`` that does not depend on how it is split: two sums over its real elements'
 bits (plain and weighted by global index, mod 2^64). Each process sums the elements it
 holds, the processes add their sums, and restore does the same over what it read, so a
-damaged file is an error on every process, never silently different weights.
+damaged file is an error on every process, never silently different weights. Before
+reading, every process checks that each file under ``arrays/`` is there with the size
+``meta.json`` records, and the processes agree on the verdict: a truncated or deleted shard
+is an error naming the file on every process, never one process failing inside the read
+while the others wait for it.
 """
 
 from __future__ import annotations
@@ -347,6 +352,89 @@ def _flat(arrays: dict) -> dict[str, jax.Array]:
     return {f"{g}/{k}": x for g, d in arrays.items() for k, x in d.items()}
 
 
+def _same_arguments(name: str, args: dict) -> None:
+    """Every process must pass the same arguments to a collective checkpoint call (one
+    directory all of them see, one step): compared through the coordination service
+    before anything is written or read, so that each process raises naming the argument
+    that differs, instead of each writing its shards under another name (or reading
+    another checkpoint). With one process there is nothing to compare."""
+    every = [json.loads(v) for v in processes.allgather(name, json.dumps(args, default=str))]
+    diff = [k for k in args if len({json.dumps(e.get(k), default=str) for e in every}) > 1]
+    if diff:
+        detail = "; ".join(
+            f"{k}: " + ", ".join(f"process {p} {e.get(k)!s}" for p, e in enumerate(every))
+            for k in diff)
+        raise CheckpointError(
+            f"{name} was called with different arguments on different processes ({detail}). "
+            "Every process must pass the same directory (on a filesystem all of them see: "
+            "each writes and reads its own shards there) and the same step; build the path "
+            "from the same configuration on every process, not from a host name or process "
+            "index"
+        )
+
+
+def _file_sizes(arrays_dir: pathlib.Path) -> dict[str, int]:
+    """``relative path -> bytes`` of every file orbax wrote for a checkpoint."""
+    return {str(p.relative_to(arrays_dir)): p.stat().st_size
+            for p in sorted(arrays_dir.rglob("*")) if p.is_file()}
+
+
+def _damaged_files(path: pathlib.Path, meta: dict) -> list[str]:
+    """Files under ``path/arrays`` that are missing or not the size written, described
+    (``[]`` if all are intact, or the checkpoint predates the file record)."""
+    out = []
+    for rel, size in (meta.get("files") or {}).items():
+        m = re.match(r"^ocdbt\.process_(\d+)/", rel)
+        who = f" (shard data written by process {m.group(1)})" if m else ""
+        try:
+            have = (path / "arrays" / rel).stat().st_size
+        except OSError:
+            out.append(f"arrays/{rel}{who} is missing")
+            continue
+        if have != size:
+            out.append(f"arrays/{rel}{who} has {have:,} bytes, {size:,} were written")
+    return out
+
+
+def _intact_steps(directory: pathlib.Path, bad: int) -> list[int]:
+    """Other finished checkpoints in ``directory`` whose meta.json reads and whose files
+    are all there at their written sizes, newest written first (a damaged checkpoint's
+    error names them; their checksums are checked when one is restored)."""
+    out = []
+    for s in available_steps(directory):
+        if s == bad:
+            continue
+        try:
+            meta = json.loads((_step_dir(directory, s) / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if meta.get("format") == FORMAT and not _damaged_files(_step_dir(directory, s), meta):
+            out.append(s)
+    return sorted(out, key=lambda s: (_written(directory, s), s), reverse=True)
+
+
+def _fallback(path: pathlib.Path, fn: str = "restore") -> str:
+    """How to read an intact older checkpoint of the same directory, if there is one
+    (``fn``: the call that failed, ``restore`` or ``load_params``)."""
+    steps = _intact_steps(path.parent, int(_STEP_DIR.match(path.name).group(1)))
+    if not steps:
+        return " No other complete checkpoint is in this directory."
+    also = f" (also complete: steps {steps[1:]})" if steps[1:] else ""
+    args = f"{str(path.parent)!r}, template" if fn == "restore" else f"{str(path.parent)!r}"
+    return (f" Step {steps[0]} is complete in the same directory{also}: "
+            f"zpp.checkpoint.{fn}({args}, step={steps[0]}) reads it.")
+
+
+def _short(e: BaseException) -> str:
+    """An exception's text, cut before the library internals some of them append
+    (TensorStore's JSON spec, orbax's repr of a bound method)."""
+    text = str(e).strip()
+    for marker in (" See full TensorStore details", " [tensorstore_spec", "<bound method"):
+        if marker in text:
+            text = text[: text.index(marker)].rstrip()
+    return f"{type(e).__name__}: {text[:600]}"
+
+
 def _local_int(x: Any) -> int:
     """A replicated scalar's value from this process's own copy (no collective)."""
     if isinstance(x, jax.Array):
@@ -395,10 +483,12 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
         raise TypeError(f"save expects a zeropp_jax.TrainState, got {type(state).__name__}")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
-    processes.rendezvous("checkpoint.save")
     directory = pathlib.Path(directory).absolute()  # orbax wants absolute paths
     engine = state.engine
     step = _local_int(state.step)
+    # Also the rendezvous: no process writes before every process has arrived.
+    _same_arguments("checkpoint.save", {"directory": str(directory), "step": step,
+                                        "keep": keep})
     arrays, recs = _arrays(state)
     nodes, local = mesh_shape(engine.mesh)
     meta = {
@@ -433,6 +523,8 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
         processes.agree("checkpoint.save.write", error, CheckpointError)
 
         def commit() -> str:
+            # Every process has finished writing (agreed above): the sizes are final.
+            meta["files"] = _file_sizes(tmp / "arrays")
             with open(tmp / "meta.json", "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -501,26 +593,50 @@ def _locate(directory: str | os.PathLike, step: int | None, name: str
     return meta, path
 
 
+def _check_files(path: pathlib.Path, meta: dict, name: str) -> None:
+    """Raises ``CheckpointError`` on every process if any process finds a file of the
+    checkpoint missing or not its written size. Checked before the read, because a read
+    that fails on one process only would leave the others waiting for it."""
+    bad = _damaged_files(path, meta)
+    error = None
+    if bad:
+        error = CheckpointError(
+            f"{path} is damaged: {'; '.join(bad[:4])}"
+            + (f" ({len(bad) - 4} more)" if len(bad) > 4 else "") + "."
+            + _fallback(path))
+    processes.agree(f"{name}.files", error, CheckpointError)
+
+
 def _read_arrays(path: pathlib.Path, targets: dict, name: str) -> dict:
-    """Reads ``path/arrays`` into the shape of ``targets`` (orbax restore args)."""
+    """Reads ``path/arrays`` into the shape of ``targets`` (orbax restore args).
+
+    Through orbax's handler, not its ``Checkpointer``: the Checkpointer ends a restore with
+    a device-collective barrier that has no timeout, so a read failing on one process would
+    leave the others there forever. Here the processes agree on the outcome through the
+    coordination service instead (``processes.agree``, with a timeout)."""
     import orbax.checkpoint as ocp
 
     arrays, error = None, None
+    handler = ocp.PyTreeCheckpointHandler()
     try:
-        arrays = ocp.PyTreeCheckpointer().restore(path / "arrays", restore_args=targets)
+        arrays = handler.restore(path / "arrays",
+                                 args=ocp.args.PyTreeRestore(restore_args=targets))
     except Exception as e:  # noqa: BLE001 — any failure to read means a damaged checkpoint
         error = CheckpointError(
-            f"{path} is damaged: its arrays cannot be read ({type(e).__name__}: {e})")
+            f"{path} is damaged: its arrays cannot be read ({_short(e)}).{_fallback(path)}")
+    finally:
+        handler.close()
     processes.agree(f"{name}.read", error, CheckpointError)
     return arrays
 
 
-def _verify(path: pathlib.Path, meta: dict, sums: dict[str, str]) -> None:
+def _verify(path: pathlib.Path, meta: dict, sums: dict[str, str],
+            call: str = "restore") -> None:
     bad = [k for k, v in meta["checksums"].items() if sums.get(k) != v]
     if bad:
         raise CheckpointError(
             f"{path} is damaged: array {bad[0]} fails its checksum"
-            + (f" ({len(bad) - 1} more)" if len(bad) > 1 else ""))
+            + (f" ({len(bad) - 1} more)" if len(bad) > 1 else "") + "." + _fallback(path, call))
 
 
 def _describe_units(recs: list[dict]) -> dict[str, tuple]:
@@ -544,12 +660,37 @@ def _unit_mismatch(path: Any, want: dict, have: dict, what: str) -> CheckpointEr
     )
 
 
+def _regrouped(path: Any, mine: list[dict], theirs: list[dict], what: str
+               ) -> CheckpointError | None:
+    """The error for a template holding the checkpoint's parameters (the same paths and
+    shapes) split into other units (another ``units=`` or wrap policy), else None."""
+    def leaves(recs: list[dict]) -> list[tuple]:
+        return sorted((tuple(r["path"]) + tuple(l["path"]), r.get("layer"), tuple(l["shape"]))
+                      for r in recs for l in r["leaves"])
+
+    def names(recs: list[dict]) -> list[str]:
+        return [r["name"] for r in recs]
+
+    if leaves(mine) != leaves(theirs) or sorted(names(mine)) == sorted(names(theirs)):
+        return None
+    paths = list(dict.fromkeys("/".join(r["path"]) for r in theirs if r["path"]))
+    return CheckpointError(
+        f"{path} holds this model's parameters (the same paths and shapes), but split into "
+        f"other {what}s: the checkpoint was written with {len(theirs)} {what}s "
+        f"{names(theirs)[:8]}{'...' if len(theirs) > 8 else ''}, this template has "
+        f"{len(mine)}: {names(mine)[:8]}{'...' if len(mine) > 8 else ''}. Create the template "
+        "with the units= (or wrap policy) the checkpoint was saved with, e.g. "
+        f"TrainState.create(..., units={paths[:8]}{'...' if len(paths) > 8 else ''})"
+    )
+
+
 def _check_fits(state: TrainState, meta: dict, path: pathlib.Path) -> None:
     """Raises ``CheckpointError`` unless the checkpoint holds this state's model,
     optimizer, collections and frozen weights (stored the same way)."""
     engine = state.engine
-    err = _unit_mismatch(path, _describe_units(_unit_records(engine.layouts)),
-                         _describe_units(meta["units"]), "unit")
+    mine = _unit_records(engine.layouts)
+    err = _regrouped(path, mine, meta["units"], "unit") or _unit_mismatch(
+        path, _describe_units(mine), _describe_units(meta["units"]), "unit")
     if err:
         raise err
     opt_want = _opt_leaves(state)
@@ -587,8 +728,9 @@ def _check_fits(state: TrainState, meta: dict, path: pathlib.Path) -> None:
                 "checkpoint was saved with (quantize_frozen, weight_bits, block_size, "
                 "blockwise, param_dtype)"
             )
-    err = _unit_mismatch(path, _describe_units(mine["units"]),
-                         _describe_units(theirs["units"]), "frozen part of unit")
+    err = _regrouped(path, mine["units"], theirs["units"], "frozen unit") or _unit_mismatch(
+        path, _describe_units(mine["units"]), _describe_units(theirs["units"]),
+        "frozen part of unit")
     if err:
         raise err
     if mine["quantized"] and not mine["blockwise"] and (
@@ -646,10 +788,12 @@ def restore(
     if not isinstance(state, TrainState):
         raise TypeError(f"restore expects a zeropp_jax.TrainState template, got "
                         f"{type(state).__name__}")
-    processes.rendezvous("checkpoint.restore")
+    _same_arguments("checkpoint.restore", {
+        "directory": str(pathlib.Path(directory).absolute()), "step": step})
     meta, path = _locate(directory, step, "checkpoint.restore")
     _check_fits(state, meta, path)  # the same verdict on every process: same meta, template
     args, _ = _targets(state, meta)
+    _check_files(path, meta, "checkpoint.restore")
     arrays = _read_arrays(path, args, "checkpoint.restore")
     _verify(path, meta, _checksums("checkpoint.restore.checksums", _flat(arrays),
                                    _real_lengths(arrays, meta)))
@@ -742,6 +886,11 @@ def load_params(directory: str | os.PathLike, *, step: int | None = None) -> PyT
 
     directory = pathlib.Path(directory).absolute()
     meta, path = _read_meta(directory, _find(directory, step))
+    call = "load_params"
+    bad = _damaged_files(path, meta)
+    if bad:
+        raise CheckpointError(f"{path} is damaged: {'; '.join(bad[:4])}."
+                              + _fallback(path, call))
     args: dict = {}
     for key in meta["checksums"]:
         group, name = key.split("/")
@@ -750,10 +899,11 @@ def load_params(directory: str | os.PathLike, *, step: int | None = None) -> PyT
         arrays = ocp.PyTreeCheckpointer().restore(path / "arrays", restore_args=args)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(
-            f"{path} is damaged: its arrays cannot be read ({type(e).__name__}: {e})") from e
+            f"{path} is damaged: its arrays cannot be read ({_short(e)})."
+            + _fallback(path, call)) from e
     real = _real_lengths(arrays, meta)
     _verify(path, meta, {k: "%016x%016x" % _sums_of(np.asarray(x).reshape(-1)[: real[k]], 0)
-                         for k, x in _flat(arrays).items()})
+                         for k, x in _flat(arrays).items()}, call)
     trees = {rec["name"]: _tree_of(np.asarray(arrays["params"][f"u{i}"])[: rec["n"]],
                                    rec["leaves"]) for i, rec in enumerate(meta["units"])}
     recs = {rec["name"]: rec for rec in meta["units"]}

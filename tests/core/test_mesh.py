@@ -35,6 +35,22 @@ def test_mismatch_says_how_to_simulate_devices():
         zpp.make_mesh(0, 8)
 
 
+def test_mismatch_names_the_subset_and_off_cpu_fixes():
+    # More devices than the shape: name the subset that works, and shapes using them all.
+    with pytest.raises(ValueError, match=r"devices=jax\.devices\(\)\[:4\]") as e:
+        zpp.make_mesh(2, 2)
+    assert "make_mesh(2, 4)" in str(e.value)
+    # Off CPU there is nothing to simulate: the message says what to run instead.
+    from zeropp_jax.core.mesh import _count_mismatch
+
+    class Gpu:
+        platform = "gpu"
+
+    msg = _count_mismatch(2, 4, [Gpu()] * 4, given=False)
+    assert "simulate" not in msg and "jax.distributed.initialize" in msg
+    assert "make_mesh(1, 4)" in msg
+
+
 def test_simulate_after_backend_init_is_a_clear_error():
     jax.devices()  # backend is up
     zpp.simulate_cpu_devices(8)  # already true: nothing to do

@@ -7,6 +7,7 @@ parameter slices: device ``d`` owns slice ``d`` of every unit.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import jax
@@ -26,6 +27,10 @@ def simulate_cpu_devices(n: int) -> None:
     Must run before anything initializes JAX's backends (``jax.devices()``, creating an
     array, jitting a function). Only the CPU backend is affected, so calling it on a GPU host
     is harmless.
+
+    It also sizes the CPU client's thread pool for ``n`` devices (``PJRT_NPROC``, see
+    :func:`cpu_client_threads`): with the default pool a training loop that does not read a
+    value every step deadlocks on simulated devices.
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_cpu_devices needs a positive int, got {n!r}")
@@ -40,6 +45,61 @@ def simulate_cpu_devices(n: int) -> None:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python."
         )
     jax.config.update("jax_num_cpu_devices", n)
+    _size_cpu_client_pool(n)
+
+
+# XLA's CPU client (jaxlib 0.10) runs every device's part of a multi-device program on one
+# thread pool ("XLAPjRtCpuClient") of max(cores, devices) threads, and uses that same pool to
+# *launch* each device's part. A launch first takes a slot of its device's in-flight semaphore
+# (32 programs per device) and blocks there when the host has run 32 programs ahead of that
+# device, which an asynchronously dispatched training loop that never reads a value does
+# within ~32 steps. With cores <= devices the pool then deadlocks: n - 1 threads wait in a
+# collective's rendezvous for the n-th device, whose part is queued behind them with no free
+# thread, because the last thread is the launch blocked on that device's semaphore (XLA
+# aborts after 40 s: "only 3 of 4 threads arrived"). At any moment at most n launches (one
+# program's) and n - 1 rendezvous waiters block, so a pool of 2n + 1 threads always keeps
+# two free. PJRT_NPROC is the thread count XLA reads for that pool (and its intra-op pool) when
+# the CPU client is created.
+_PJRT_NPROC = "PJRT_NPROC"
+
+
+def _schedulable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def _nproc_from_env() -> int | None:
+    # XLA reads PJRT_NPROC, then NPROC (a CPU reservation some CI systems export).
+    for name in (_PJRT_NPROC, "NPROC"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def cpu_client_threads(n: int) -> int:
+    """Threads the CPU client's pool needs so ``n`` simulated devices cannot deadlock.
+
+    ``2 * n + 1`` (a launch and a rendezvous waiter per device, and one thread free), and
+    never fewer than XLA would use anyway (the schedulable cores, or a ``PJRT_NPROC`` /
+    ``NPROC`` the user set).
+    """
+    env = _nproc_from_env()
+    return max(_schedulable_cores() if env is None else env, 2 * n + 1)
+
+
+def cpu_pool_threads(n: int) -> int:
+    """The pool size XLA gives a CPU client of ``n`` devices created now: ``max(nproc, n)``."""
+    env = _nproc_from_env()
+    return max(_schedulable_cores() if env is None else env, n)
+
+
+def _size_cpu_client_pool(n: int) -> None:
+    if n < 2:
+        return  # one device: its launches run on the calling thread, nothing to starve
+    os.environ[_PJRT_NPROC] = str(cpu_client_threads(n))
 
 
 def _node_major(devices: Sequence[jax.Device]) -> list[jax.Device]:
@@ -63,6 +123,7 @@ def make_mesh(
     Returns:
       A ``Mesh`` of shape ``(nodes, local)`` with axis names ``("node", "local")``.
     """
+    given = devices is not None
     if devices is None:
         devices = jax.devices()
     devices = list(devices)
@@ -83,19 +144,7 @@ def make_mesh(
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if nodes * local != len(devices):
-        platform = devices[0].platform if devices else "cpu"
-        hint = ""
-        if platform == "cpu":
-            hint = (
-                f" To simulate {nodes * local} CPU devices on one machine, call "
-                f"zeropp_jax.simulate_cpu_devices({nodes * local}) before any other JAX call, "
-                f"or start Python with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={nodes * local}."
-            )
-        raise ValueError(
-            f"a {nodes}x{local} mesh needs {nodes * local} devices but {len(devices)} "
-            f"{platform} device(s) are available.{hint}"
-        )
+        raise ValueError(_count_mismatch(nodes, local, devices, given))
     grid = np.array(_node_major(devices), dtype=object).reshape(nodes, local)
     return Mesh(grid, AXES)
 
@@ -108,3 +157,33 @@ def mesh_shape(mesh: Mesh) -> tuple[int, int]:
             "build it with zeropp_jax.make_mesh(nodes, local)"
         )
     return mesh.shape[NODE], mesh.shape[LOCAL]
+
+
+def _count_mismatch(nodes: int, local: int, devices: Sequence[jax.Device], given: bool) -> str:
+    """The error for a mesh whose shape does not match the devices, with the fixes that
+    apply: fewer devices than there are (a subset), more (simulate them on CPU, or use a
+    shape that fits), one process of several."""
+    need, have = nodes * local, len(devices)
+    platform = devices[0].platform if devices else "cpu"
+    where = "passed" if given else "available (jax.devices())"
+    fixes = []
+    if have > need:
+        fixes.append(f"use {need} of them: make_mesh({nodes}, {local}, "
+                     f"devices=jax.devices()[:{need}])")
+    if have:
+        shapes = [f"make_mesh({n}, {have // n})" for n in range(1, have + 1) if have % n == 0]
+        fixes.append("pick a shape that uses all of them: " + ", ".join(shapes[:4]))
+    if platform == "cpu" and need > have:
+        fixes.append(f"to simulate {need} CPU devices on one machine, call "
+                     f"zeropp_jax.simulate_cpu_devices({need}) before any other JAX call "
+                     f"(or start Python with "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={need})")
+    elif need > have and jax.process_count() > 1:
+        fixes.append(f"this process sees {jax.local_device_count()} of "
+                     f"{jax.device_count()} devices in {jax.process_count()} processes: "
+                     "call make_mesh() with no arguments for one node per process")
+    elif need > have:
+        fixes.append(f"this machine has {have} {platform} device(s): run on {need} "
+                     "(e.g. several processes with jax.distributed.initialize, one per node)")
+    return (f"a {nodes}x{local} mesh needs {need} devices but {have} {platform} device(s) "
+            f"are {where}. To fix it, " + "; or ".join(fixes) + ".")

@@ -27,6 +27,7 @@ from zeropp_jax.train import checkpoint, losses
 from zeropp_jax.train.accumulate import accumulate_gradients
 from zeropp_jax.train.checkpoint import consolidate
 from zeropp_jax.train.engine import Engine
+from zeropp_jax.train.global_batch import all_gather_batch, batch_offset
 from zeropp_jax.train.losses import token_mean
 from zeropp_jax.train.state import TrainState
 from zeropp_jax.train.step import train_step
@@ -47,7 +48,9 @@ __all__ = [
     "TrainState",
     "ZeroPPConfig",
     "accumulate_gradients",
+    "all_gather_batch",
     "analysis",
+    "batch_offset",
     "checkpoint",
     "collectives",
     "consolidate",

@@ -101,12 +101,13 @@ def test_from_deepspeed_reads_strictly():
     with pytest.raises(ValueError, match="did you mean 'zero_quantized_weights'"):
         ZeroPPConfig.from_deepspeed(zo(zero_quantized_weight=True))
     with pytest.raises(ValueError, match="not a boolean.*auto"):
-        ZeroPPConfig.from_deepspeed({"bf16": {"enabled": "auto"}})
+        ZeroPPConfig.from_deepspeed({"bf16": {"enabled": "auto"}, **zo()})
     with pytest.raises(ValueError, match="gradient_clipping='auto'"):
-        ZeroPPConfig.from_deepspeed({"gradient_clipping": "auto"})
-    with pytest.raises(ValueError, match="both bf16 and fp16"):
-        ZeroPPConfig.from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
-    assert ZeroPPConfig.from_deepspeed({"bf16": True}).compute_dtype == "bfloat16"
+        ZeroPPConfig.from_deepspeed({"gradient_clipping": "auto", **zo()})
+    with pytest.raises(ValueError, match="enables bf16 and fp16; enable one"):
+        ZeroPPConfig.from_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True},
+                                     **zo()})
+    assert ZeroPPConfig.from_deepspeed({"bf16": True, **zo()}).compute_dtype == "bfloat16"
     # DeepSpeed keys that only tune its own bucketing are still ignored.
     assert ZeroPPConfig.from_deepspeed(zo(overlap_comm=True, reduce_bucket_size=5e8)).stage == 3
     # Any other key raises, with the closest valid one; features not implemented are named.
@@ -118,19 +119,20 @@ def test_from_deepspeed_reads_strictly():
         ZeroPPConfig.from_deepspeed(zo(offload_optimizer={"device": "cpu"}))
     ZeroPPConfig.from_deepspeed(zo(offload_optimizer={"device": "none"}))  # disabled: fine
     with pytest.raises(ValueError, match="did you mean 'gradient_clipping'"):
-        ZeroPPConfig.from_deepspeed({"gradient_cliping": 1.0})
+        ZeroPPConfig.from_deepspeed({"gradient_cliping": 1.0, **zo()})
     # Top level: keys whose setting comes from elsewhere are named; logging keys pass;
     # anything else raises.
     with pytest.warns(UserWarning, match=r"optimizer \(pass an optax.*train_batch_size"):
         ZeroPPConfig.from_deepspeed({"optimizer": {"type": "AdamW"}, "train_batch_size": 8,
                                      "steps_per_print": 10, **zo()})
     with pytest.raises(ValueError, match="did you mean 'train_batch_size'"):
-        ZeroPPConfig.from_deepspeed({"train_batchsize": 8})
+        ZeroPPConfig.from_deepspeed({"train_batchsize": 8, **zo()})
     with pytest.raises(ValueError, match="'fancy_feature' is not a DeepSpeed key"):
-        ZeroPPConfig.from_deepspeed({"fancy_feature": True})
+        ZeroPPConfig.from_deepspeed({"fancy_feature": True, **zo()})
 
 
 def test_from_deepspeed():
+    stage3 = {"zero_optimization": {"stage": 3}}
     ds = {
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8},
@@ -140,34 +142,136 @@ def test_from_deepspeed():
                                       "zero_optimization": {"stage": 2}})
     assert (c2.stage, c2.compute_dtype) == (2, "bfloat16")
     # fp16 without loss scaling trains wrongly without a word: refused, naming bf16.
-    with pytest.raises(ValueError, match="loss scaling.*bfloat16"):
+    with pytest.raises(ValueError, match="fp16.*loss scaling.*bf16.*bfloat16"):
         ZeroPPConfig.from_deepspeed({"fp16": {"enabled": True},
                                      "zero_optimization": {"stage": 2}})
     with pytest.raises(ValueError, match="loss scaling"):
         ZeroPPConfig(compute_dtype="float16")
-    assert ZeroPPConfig.from_deepspeed({}).compute_dtype == "float32"
+    assert ZeroPPConfig.from_deepspeed(stage3).compute_dtype == "float32"
     # DeepSpeed's ZeRO++ keys reach the switches.
     c = ZeroPPConfig.from_deepspeed(
         {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
     )
     assert c.qwz and not c.hpz and not c.qgz
-    c = ZeroPPConfig.from_deepspeed({"zero_optimization": {"zero_hpz_partition_size": 8}})
+    c = ZeroPPConfig.from_deepspeed(
+        {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})
     assert c.hpz and c.hpz_group_size == 8
     c = ZeroPPConfig.from_deepspeed(
         {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
     )
     assert c.qgz and not c.qwz
     # DeepSpeed's default hpz partition size 1 means off.
-    c = ZeroPPConfig.from_deepspeed({"zero_optimization": {"zero_hpz_partition_size": 1}})
+    c = ZeroPPConfig.from_deepspeed(
+        {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
     assert not c.hpz and c.hpz_group_size is None
     # Reuse distance 0 releases every parameter after use: the last unit regathers too.
     reuse = lambda d: ZeroPPConfig.from_deepspeed(  # noqa: E731
-        {"zero_optimization": {"stage3_max_reuse_distance": d}}).keep_last_unit
-    assert (reuse(0), reuse(1e9), reuse(1), ZeroPPConfig.from_deepspeed({}).keep_last_unit) \
-        == (False, True, True, True)
+        {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": d}}).keep_last_unit
+    assert (reuse(0), reuse(1e9), reuse(1),
+            ZeroPPConfig.from_deepspeed(stage3).keep_last_unit) == (False, True, True, True)
     with pytest.raises(ValueError, match="stage3_max_reuse_distance"):
         reuse(-1)
     with pytest.raises(ValueError, match="valid stages"):
         ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 5}})
     with pytest.raises(TypeError):
         ZeroPPConfig.from_deepspeed("ds_config.json")  # type: ignore[arg-type]
+
+
+def test_from_deepspeed_reads_no_stage_as_deepspeed_does():
+    """DeepSpeed reads a config without zero_optimization (or without its stage) as ZeRO off,
+    stage 0; it used to be read as stage 3 here. Stage 0 has no counterpart: it raises,
+    naming how to choose a stage; stage= as an override chooses one."""
+    for ds, what in (({}, "no zero_optimization section"),
+                     ({"bf16": {"enabled": True}}, "no zero_optimization section"),
+                     ({"zero_optimization": {"overlap_comm": True}},
+                      "no zero_optimization.stage"),
+                     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage=0")):
+        with pytest.raises(ValueError, match=rf"{what}.*ZeRO off.*stage 0.*"
+                                             r"zero_optimization.stage to 1, 2 or 3.*stage="):
+            ZeroPPConfig.from_deepspeed(ds)
+    assert ZeroPPConfig.from_deepspeed({}, stage=1).stage == 1
+    assert ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 0}}, stage=2).stage == 2
+    assert ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": "2"}}).stage == 2
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=4 is invalid; valid stages"):
+        ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 4}})
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=None is not an integer"):
+        ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": None}})
+
+
+def test_from_deepspeed_errors_name_the_deepspeed_keys():
+    """An invalid zero_hpz_partition_size, or ZeRO++ keys with stage 1 or 2, used to be
+    reported under zeropp_jax's own field names (hpz_group_size, qwz, stage=3); the errors
+    name the keys the user wrote and the valid values."""
+    zo = lambda **kw: {"zero_optimization": {"stage": 3, **kw}}  # noqa: E731
+    for bad in (0, -8, True, 2.5, "eight", None):
+        with pytest.raises(ValueError, match=r"zero_optimization.zero_hpz_partition_size="
+                                             r".*valid values are 1 \(hpZ off.*whole nodes"):
+            ZeroPPConfig.from_deepspeed(zo(zero_hpz_partition_size=bad))
+    assert ZeroPPConfig.from_deepspeed(zo(zero_hpz_partition_size="4")).hpz_group_size == 4
+    with pytest.raises(ValueError, match=r"ZeRO-3 only: zero_optimization.zero_hpz_partition_"
+                                         r"size=4 with zero_optimization.stage=2; set "
+                                         r"zero_optimization.stage to 3, or remove it"):
+        ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 2,
+                                                           "zero_hpz_partition_size": 4}})
+    with pytest.raises(ValueError, match=r"zero_quantized_weights and zero_optimization."
+                                         r"zero_quantized_gradients with zero_optimization."
+                                         r"stage=1.*remove them"):
+        ZeroPPConfig.from_deepspeed({"zero_optimization": {
+            "stage": 1, "zero_quantized_weights": True, "zero_quantized_gradients": True}})
+    with pytest.raises(ValueError, match=r"zero_quantized_weights with the override stage=2; "
+                                         r"pass stage=3"):
+        ZeroPPConfig.from_deepspeed(zo(zero_quantized_weights=True), stage=2)
+    # An override that turns the technique off settles it.
+    assert not ZeroPPConfig.from_deepspeed(zo(zero_quantized_weights=True), stage=2,
+                                           qwz=False).qwz
+    with pytest.raises(ValueError, match=r"gradient_clipping=True must be a number"):
+        ZeroPPConfig.from_deepspeed({"gradient_clipping": True, **zo()})
+    with pytest.raises(ValueError, match=r"gradient_clipping=-1.0 must be a number"):
+        ZeroPPConfig.from_deepspeed({"gradient_clipping": -1.0, **zo()})
+
+
+def test_from_deepspeed_amp_is_read_not_ignored():
+    """DeepSpeed's amp block (NVIDIA apex mixed precision) used to be ignored, so an apex
+    float16 run silently trained in fp32 here. Enabled at O1-O3 (float16 with loss
+    scaling) it raises naming bf16; O0 is fp32; disabled is fine."""
+    zo = {"zero_optimization": {"stage": 3}}
+    for amp, level in (({"enabled": True}, "O1"),  # apex's default level
+                       ({"enabled": True, "opt_level": "O2"}, "O2"),
+                       ({"enabled": "true", "opt_level": "O3", "loss_scale": 0}, "O3")):
+        with pytest.raises(ValueError, match=rf"amp \(NVIDIA apex.*opt_level='{level}'.*loss "
+                                             r"scaling.*\"bf16\": \{\"enabled\": true\}"):
+            ZeroPPConfig.from_deepspeed({"amp": amp, **zo})
+    assert ZeroPPConfig.from_deepspeed(
+        {"amp": {"enabled": True, "opt_level": "O0"}, **zo}).compute_dtype == "float32"
+    assert ZeroPPConfig.from_deepspeed(
+        {"amp": {"enabled": False, "opt_level": "O1"}, **zo}).compute_dtype == "float32"
+    # The settings it names work, and an explicit compute dtype overrides the block.
+    assert ZeroPPConfig.from_deepspeed({"amp": {"enabled": True}, **zo},
+                                       compute_dtype="bfloat16").compute_dtype == "bfloat16"
+    with pytest.raises(ValueError, match=r"amp.opt_level='O4' is invalid.*'O0', 'O1'"):
+        ZeroPPConfig.from_deepspeed({"amp": {"enabled": True, "opt_level": "O4"}, **zo})
+    with pytest.raises(ValueError, match="enables bf16 and amp; enable one"):
+        ZeroPPConfig.from_deepspeed({"amp": {"enabled": True}, "bf16": True, **zo})
+    with pytest.raises(ValueError, match=r"amp.enabled='auto' is not a boolean"):
+        ZeroPPConfig.from_deepspeed({"amp": {"enabled": "auto"}, **zo})
+
+
+def test_from_deepspeed_refuses_features_that_change_what_trains():
+    """Top-level blocks that change the data, the batch or the model (curriculum learning,
+    data efficiency, elasticity, compression training) used to be ignored as harmless;
+    enabled, they raise naming themselves; disabled, they pass."""
+    zo = {"zero_optimization": {"stage": 3}}
+    enabled = {
+        "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"},
+        "data_efficiency": {"enabled": True},
+        "elasticity": {"enabled": True, "max_train_batch_size": 64},
+        "compression_training": {"weight_quantization": {"shared_parameters":
+                                                         {"enabled": True}}},
+    }
+    for key, block in enabled.items():
+        with pytest.raises(NotImplementedError, match=rf"enables {key}:.*not implemented"):
+            ZeroPPConfig.from_deepspeed({key: block, **zo})
+    ZeroPPConfig.from_deepspeed({
+        "curriculum_learning": {"enabled": False}, "elasticity": {"enabled": False},
+        "compression_training": {"weight_quantization": {"shared_parameters":
+                                                         {"enabled": False}}}, **zo})

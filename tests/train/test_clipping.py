@@ -126,7 +126,8 @@ def test_schedules_and_elementwise_chains_equal_single_device():
 def test_deepspeed_gradient_clipping_key():
     assert zpp.ZeroPPConfig.from_deepspeed(
         {"gradient_clipping": 1.0, "zero_optimization": {"stage": 3}}).gradient_clipping == 1.0
-    assert zpp.ZeroPPConfig.from_deepspeed({"gradient_clipping": 0.0}).gradient_clipping is None
+    assert zpp.ZeroPPConfig.from_deepspeed(
+        {"gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}).gradient_clipping is None
     with pytest.raises(ValueError, match="gradient_clipping must be a positive"):
         zpp.ZeroPPConfig(gradient_clipping=-1.0)
 

@@ -289,19 +289,26 @@ class ZeroPPConfig:
 
     @classmethod
     def from_deepspeed(cls, ds_config: Mapping[str, Any], **overrides: Any) -> "ZeroPPConfig":
-        """Reads the ``zero_optimization`` section of a DeepSpeed config dict.
+        """Reads a DeepSpeed config dict: its ``zero_optimization`` section and the top-level
+        keys that set how training computes.
 
-        Understood keys: ``stage``, ``zero_quantized_weights``, ``zero_hpz_partition_size``
-        (> 1 turns hpZ on with that group size; DeepSpeed's default 1 means off),
-        ``zero_quantized_gradients``, ``stage3_max_reuse_distance`` (0 sets
-        ``keep_last_unit=False``; any larger distance keeps the last unit). The top-level ``bf16.enabled`` / ``fp16.enabled`` pick the
-        compute dtype; a top-level ``gradient_clipping`` > 0 sets ``gradient_clipping``.
-        ``zero_optimization`` keys that only tune DeepSpeed's own bucketing and prefetching
-        are accepted and ignored (XLA schedules those here); DeepSpeed features not
-        implemented here (offload, MiCS, LoCo, quantized frozen weights) raise naming
-        themselves when enabled; any other key raises with the closest valid one. Flags
-        accept booleans, 0/1 and "true"/"false"; "auto" (as transformers' integration
-        writes) raises: resolve it first.
+        Understood ``zero_optimization`` keys: ``stage`` (1, 2 or 3; required: DeepSpeed
+        reads a config without it, or without the section, as ZeRO off, stage 0, which has
+        no counterpart here, so that raises unless ``stage=`` is passed as an override),
+        ``zero_quantized_weights``, ``zero_hpz_partition_size`` (> 1 turns hpZ on with that
+        group size; DeepSpeed's default 1 means off), ``zero_quantized_gradients``,
+        ``stage3_max_reuse_distance`` (0 sets ``keep_last_unit=False``; any larger distance
+        keeps the last unit). The top-level ``bf16.enabled`` picks bf16 compute (neither it
+        nor ``fp16`` nor ``amp``: fp32); ``fp16.enabled`` and an enabled apex ``amp`` block
+        (float16 with loss scaling) raise, naming bf16 as the equivalent; a top-level
+        ``gradient_clipping`` > 0 sets ``gradient_clipping``. ``zero_optimization`` keys that
+        only tune DeepSpeed's own bucketing and prefetching are accepted and ignored (XLA
+        schedules those here); DeepSpeed features not implemented here (offload, MiCS, LoCo,
+        quantized frozen weights, curriculum learning, data efficiency, elasticity,
+        compression training) raise naming themselves when enabled; any other key raises
+        with the closest valid one. Errors name the DeepSpeed key as written. Flags accept
+        booleans, 0/1 and "true"/"false"; "auto" (as transformers' integration writes)
+        raises: resolve it first. Keyword ``overrides`` apply on top and take precedence.
         """
         if not isinstance(ds_config, Mapping):
             raise TypeError(f"ds_config must be a dict, got {type(ds_config).__name__}")
@@ -324,16 +331,25 @@ class ZeroPPConfig:
             raise ValueError(f"zero_optimization key {key!r} is not a DeepSpeed key"
                              + (f"; did you mean {close[0]!r}?" if close else ""))
         _check_top_level(ds_config)
-        kwargs: dict[str, Any] = {"stage": _ds_int(zo.get("stage", 3), "stage")}
+        kwargs: dict[str, Any] = {}
+        # Where each setting came from, to name the DeepSpeed key in errors.
+        source: dict[str, str] = {}
+        if "stage" not in overrides:
+            kwargs["stage"] = _ds_stage(ds_config, zo)
+            source["stage"] = f"zero_optimization.stage={kwargs['stage']}"
         kwargs["qwz"] = _ds_flag(zo.get("zero_quantized_weights", False),
                                  "zero_optimization.zero_quantized_weights")
+        if kwargs["qwz"]:
+            source["qwz"] = "zero_optimization.zero_quantized_weights"
         kwargs["qgz"] = _ds_flag(zo.get("zero_quantized_gradients", False),
                                  "zero_optimization.zero_quantized_gradients")
-        hpz = _ds_int(zo.get("zero_hpz_partition_size", 1), "zero_hpz_partition_size")
-        if hpz < 1:
-            raise ValueError(f"zero_hpz_partition_size must be >= 1, got {hpz}")
+        if kwargs["qgz"]:
+            source["qgz"] = "zero_optimization.zero_quantized_gradients"
+        hpz = _ds_hpz_partition_size(zo.get("zero_hpz_partition_size", 1))
         kwargs["hpz"] = hpz > 1
         kwargs["hpz_group_size"] = hpz if hpz > 1 else None
+        if hpz > 1:
+            source["hpz"] = f"zero_optimization.zero_hpz_partition_size={hpz}"
         if "stage3_max_reuse_distance" in zo:
             # DeepSpeed keeps a parameter gathered when it is used again within this many
             # parameters (default 1e9); the last unit is used again next, so only 0 (release
@@ -350,10 +366,22 @@ class ZeroPPConfig:
                 return _ds_flag(section.get("enabled", False), f"{name}.enabled")
             return _ds_flag(section, name)  # "bf16": true, a common shorthand
 
-        bf16, fp16 = enabled("bf16"), enabled("fp16")
-        if bf16 and fp16:
-            raise ValueError("ds_config enables both bf16 and fp16; enable one of them")
-        kwargs["compute_dtype"] = "bfloat16" if bf16 else "float16" if fp16 else "float32"
+        bf16, fp16, amp = enabled("bf16"), enabled("fp16"), enabled("amp")
+        if sum((bf16, fp16, amp)) > 1:
+            on = " and ".join(n for n, v in (("bf16", bf16), ("fp16", fp16), ("amp", amp)) if v)
+            raise ValueError(f"ds_config enables {on}; enable one of them (bf16 here)")
+        if "compute_dtype" not in overrides:
+            if fp16:
+                raise ValueError(
+                    "ds_config enables fp16: DeepSpeed then computes in float16 with loss "
+                    "scaling (fp16.loss_scale, 0 = dynamic), which zeropp_jax does not "
+                    "implement. The equivalent here is bf16 mixed precision (no loss scaling "
+                    "needed): enable bf16 instead ({\"bf16\": {\"enabled\": true}}, "
+                    "compute_dtype='bfloat16')"
+                )
+            if amp:
+                _ds_amp(ds_config["amp"])  # raises unless opt_level O0 (plain fp32)
+        kwargs["compute_dtype"] = "bfloat16" if bf16 else "float32"
         clip = ds_config.get("gradient_clipping", 0.0)
         if isinstance(clip, str):
             raise ValueError(
@@ -361,9 +389,25 @@ class ZeroPPConfig:
                 "integration fills 'auto' from TrainingArguments.max_grad_norm; resolve it "
                 "before passing the dict here)"
             )
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+            raise ValueError(f"gradient_clipping={clip!r} must be a number: the maximum global "
+                             "norm, or 0 (DeepSpeed's default) for no clipping")
         if clip:  # DeepSpeed's 0.0 means off
             kwargs["gradient_clipping"] = float(clip)
         kwargs.update(overrides)
+        stage = kwargs.get("stage", 3)
+        if stage != 3 and stage in _VALID_STAGES:
+            # qwZ, hpZ and qgZ are ZeRO-3 techniques: name the DeepSpeed keys that asked.
+            asked = [source[k] for k in ("qwz", "hpz", "qgz")
+                     if kwargs.get(k) and k in source and k not in overrides]
+            if asked:
+                where, fix = ((f"the override stage={stage}", "pass stage=3")
+                              if "stage" in overrides
+                              else (source["stage"], "set zero_optimization.stage to 3"))
+                raise ValueError(
+                    f"ZeRO++ (qwZ, hpZ, qgZ) works on ZeRO-3 only: {' and '.join(asked)} "
+                    f"with {where}; {fix}, or remove {'it' if len(asked) == 1 else 'them'}"
+                )
         return cls(**kwargs)
 
     @property
@@ -413,7 +457,7 @@ _DS_TUNING = frozenset({
 
 # DeepSpeed features zeropp_jax does not implement: an error naming them when enabled.
 # Top-level keys from_deepspeed reads.
-_DS_READ = ("zero_optimization", "bf16", "fp16", "gradient_clipping")
+_DS_READ = ("zero_optimization", "bf16", "fp16", "amp", "gradient_clipping")
 # Top-level DeepSpeed keys it does not read: what they set comes from elsewhere here (the
 # optax transformation, the train loop, ZeroPPConfig), so they are named in a warning.
 _DS_TOP_UNREAD = {
@@ -427,13 +471,22 @@ _DS_TOP_UNREAD = {
     "prescale_gradients": "gradients are averaged by the reduce-scatter",
     "gradient_predivide_factor": "gradients are averaged by the reduce-scatter",
 }
+# Top-level DeepSpeed features that change what trains (the data, the batch, the model) and
+# are not implemented here: an error naming them when enabled.
+_DS_TOP_UNIMPLEMENTED = {
+    "curriculum_learning": "curriculum learning (DeepSpeed shortens sequences early on)",
+    "data_efficiency": "data efficiency (curriculum data sampling, random layerwise token "
+                       "dropping)",
+    "elasticity": "elastic training (DeepSpeed picks the batch size from the device count)",
+    "compression_training": "compression training (quantization-aware training, pruning, "
+                            "layer reduction)",
+}
 _DS_TOP_HARMLESS = frozenset({
     "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "flops_profiler",
     "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "timers", "aio",
     "sparse_gradients", "seq_parallel_communication_data_type", "disable_allgather",
-    "autotuning", "elasticity", "checkpoint", "data_types", "amp", "compression_training",
-    "data_efficiency", "curriculum_learning", "sparse_attention", "pipeline",
+    "autotuning", "checkpoint", "data_types", "sparse_attention", "pipeline",
     "zero_optimization_stage", "graph_harvesting", "use_data_before_expert_parallelism",
 })
 
@@ -445,14 +498,22 @@ def _check_top_level(ds_config: Mapping[str, Any]) -> None:
     import warnings
 
     unread = []
-    for key in ds_config:
+    for key, value in ds_config.items():
         if key in _DS_READ or key in _DS_TOP_HARMLESS:
+            continue
+        if key in _DS_TOP_UNIMPLEMENTED:
+            if _ds_any_enabled(value):
+                raise NotImplementedError(
+                    f"ds_config enables {key}: {_DS_TOP_UNIMPLEMENTED[key]} is not "
+                    "implemented by zeropp_jax; remove the block (or disable it) to run "
+                    "without")
             continue
         if key in _DS_TOP_UNREAD:
             unread.append(f"{key} ({_DS_TOP_UNREAD[key]})")
             continue
         close = difflib.get_close_matches(
-            key, [*_DS_READ, *_DS_TOP_UNREAD, *_DS_TOP_HARMLESS], n=1, cutoff=0.6)
+            key, [*_DS_READ, *_DS_TOP_UNREAD, *_DS_TOP_UNIMPLEMENTED, *_DS_TOP_HARMLESS], n=1,
+            cutoff=0.6)
         raise ValueError(f"ds_config key {key!r} is not a DeepSpeed key zeropp_jax knows"
                          + (f"; did you mean {close[0]!r}?" if close else ""))
     if unread:
@@ -483,6 +544,16 @@ def _ds_active(value: Any) -> bool:
     return True
 
 
+def _ds_any_enabled(section: Any) -> bool:
+    """Whether a top-level DeepSpeed feature block turns anything on: ``"enabled": true``
+    at any depth (compression_training nests one per technique), or the block given as
+    ``true``."""
+    if isinstance(section, Mapping):
+        return any(_ds_any_enabled(v) if k != "enabled" else _ds_flag(v, "enabled")
+                   for k, v in section.items() if k == "enabled" or isinstance(v, Mapping))
+    return section is True
+
+
 def _ds_flag(value: Any, key: str) -> bool:
     """A DeepSpeed boolean: True/False, 0/1 or "true"/"false"; anything else raises."""
     if isinstance(value, bool):
@@ -503,3 +574,71 @@ def _ds_int(value: Any, key: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{key}={value!r} is not an integer") from None
+
+
+def _ds_stage(ds_config: Mapping[str, Any], zo: Mapping[str, Any]) -> int:
+    """``zero_optimization.stage`` as a stage here; DeepSpeed's stage 0 (ZeRO off, also
+    what a config without the key or the section means) raises, naming how to choose."""
+    choose = ("set zero_optimization.stage to 1, 2 or 3 (stage 1 trains the same as "
+              "stage 0 with the optimizer state sharded; 3 shards everything), or pass "
+              "stage=... to from_deepspeed")
+    if "stage" not in zo:
+        where = ("has no zero_optimization section" if "zero_optimization" not in ds_config
+                 else "has no zero_optimization.stage")
+        raise ValueError(
+            f"ds_config {where}, which DeepSpeed reads as ZeRO off (stage 0: plain data "
+            f"parallelism, every device holding everything); zeropp_jax has no stage 0: "
+            f"{choose}"
+        )
+    stage = _ds_int(zo["stage"], "zero_optimization.stage")
+    if stage == 0:
+        raise ValueError(
+            "zero_optimization.stage=0 is DeepSpeed's ZeRO off (plain data parallelism, "
+            f"every device holding everything); zeropp_jax has no stage 0: {choose}"
+        )
+    if stage not in _VALID_STAGES:
+        raise ValueError(f"zero_optimization.stage={zo['stage']!r} is invalid; valid stages "
+                         f"are {_VALID_STAGES}")
+    return stage
+
+
+def _ds_hpz_partition_size(value: Any) -> int:
+    """``zero_optimization.zero_hpz_partition_size``: 1 (off) or an hpZ group size."""
+    valid = ("valid values are 1 (hpZ off, DeepSpeed's default) or the devices of whole "
+             "nodes: the devices per node times a divisor of the node count "
+             "(TrainState.create checks it against the mesh)")
+    key = "zero_optimization.zero_hpz_partition_size"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{key}={value!r} is not an integer; {valid}")
+    try:
+        size = int(value)
+    except ValueError:
+        raise ValueError(f"{key}={value!r} is not an integer; {valid}") from None
+    if size < 1:
+        raise ValueError(f"{key}={value!r} is invalid; {valid}")
+    return size
+
+
+# apex AMP optimization levels: O0 is fp32 training; O1 (apex's default) casts to float16
+# per op, O2 keeps float16 weights with fp32 masters, O3 is pure float16. O1-O3 need loss
+# scaling.
+_AMP_OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
+
+def _ds_amp(section: Any) -> None:
+    """An enabled ``amp`` block (NVIDIA apex mixed precision): fp32 at opt_level O0, else
+    float16 with loss scaling, which raises naming the equivalent here (bf16)."""
+    level = section.get("opt_level", "O1") if isinstance(section, Mapping) else "O1"
+    if level not in _AMP_OPT_LEVELS:
+        raise ValueError(f"amp.opt_level={level!r} is invalid; apex's levels are "
+                         f"{_AMP_OPT_LEVELS}")
+    if level == "O0":
+        return  # fp32 training: compute_dtype float32, as without amp
+    raise ValueError(
+        f"ds_config enables amp (NVIDIA apex mixed precision, opt_level={level!r}): it "
+        "computes in float16 with dynamic loss scaling, which zeropp_jax does not implement. "
+        "The equivalent here is bf16 mixed precision (fp32 master weights, bf16 compute, no "
+        "loss scaling needed): replace the amp block with {\"bf16\": {\"enabled\": true}} "
+        "(compute_dtype='bfloat16'), or disable amp ({\"amp\": {\"enabled\": false}}) "
+        "for fp32"
+    )

@@ -15,7 +15,6 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P

@@ -70,7 +70,7 @@ def test_whole_variables_dict_is_split_into_params_and_collections():
     assert state.engine.layouts.keys() == plain.engine.layouts.keys()
     np.testing.assert_array_equal(np.asarray(state.collections["stats"]["scale"]),
                                   extra["scale"])
-    assert plain.collections is None
+    assert plain.collections == {}  # none: an empty dict, so **state.collections works
 
 
 def test_non_elementwise_optimizer():

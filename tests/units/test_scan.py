@@ -160,3 +160,50 @@ def test_stacked_path_must_be_a_stack():
     with pytest.raises(ValueError, match="not an nn.scan stack"):
         zpp.TrainState.create(model=_Unrolled(), params=params, tx=optax.sgd(0.1),
                               mesh=zpp.make_mesh(2, 4), stacked=["inp"])
+
+
+class _BoxedLayer(nn.Module):
+    """``_Layer`` with MaxText's logically partitioned kernels (boxed parameters)."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        boxed = lambda names: nn.with_logical_partitioning(  # noqa: E731
+            nn.initializers.lecun_normal(), names)
+        h = nn.LayerNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones,
+                                                                 ("embed",)))(x)
+        h = nn.Dense(2 * D, kernel_init=boxed(("embed", "mlp")))(h)
+        return x + nn.Dense(D, kernel_init=boxed(("mlp", "embed")))(jax.nn.gelu(h)), None
+
+
+class _BoxedScanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(D, name="inp")(x)
+        stack = nn.scan(_BoxedLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=4, metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = stack(name="layers")(x, None)
+        return nn.Dense(4, name="out")(x)
+
+
+def test_boxed_scan_stack_is_found_on_defaults_and_exact():
+    """Parameters passed with their boxes (``init(...)["params"]`` of a model using
+    ``nn.with_logical_partitioning`` under ``nn.scan(metadata_params=...)``): the default
+    policy sees through the boxes, makes each layer a unit, and the step equals one device."""
+    batch = _batch(int(np.random.default_rng().integers(1 << 30)))
+    model = _BoxedScanned()
+    boxed = model.init(jax.random.PRNGKey(int(np.random.default_rng().integers(1 << 30))),
+                       batch["x"][:2])["params"]
+    assert any(isinstance(x, nn.Partitioned) for x in jax.tree_util.tree_leaves(
+        boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)))
+    state = zpp.TrainState.create(model=model, params=boxed, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4),
+                                  config=zpp.ZeroPPConfig(compute_dtype="float32"))
+    assert sorted(n for n in state.engine.layouts if n.startswith("layers")) == [
+        f"layers[{i}]" for i in range(4)]
+    _, out = _step()(state, batch)
+    params = nn.meta.unbox(boxed)
+    loss, grads = jax.value_and_grad(_mse(model))(params, batch)
+    # fp32; the runs differ only in summation order (8 row slices vs one batch).
+    rho = loss_and_grads_rounding(_mse(model), params, batch).rho
+    assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]), loss,
+                                grads, rho)

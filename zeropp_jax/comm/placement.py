@@ -16,6 +16,7 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeropp_jax.core import scopes
 from zeropp_jax.core.mesh import AXES
 
 PyTree = Any
@@ -82,9 +83,10 @@ def global_norm(shards: Any) -> jax.Array:
                 "inside the step is each device's unreduced full gradient"
             )
         shards = shards.units
-    local = sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
-                for x in jax.tree_util.tree_leaves(shards))
-    return jnp.sqrt(jax.lax.psum(local, AXES))
+    with jax.named_scope(scopes.OWN):
+        local = sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+                    for x in jax.tree_util.tree_leaves(shards))
+        return jnp.sqrt(jax.lax.psum(local, AXES))
 
 
 @struct.dataclass

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.core.mesh import AXES, NODE
@@ -160,7 +160,11 @@ def traced_bytes(fn: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct], 
     mesh = AbstractMesh((nodes, local), AXES)
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=tuple(P(AXES) for _ in specs),
                            out_specs=P(AXES), check_vma=False)
-    closed = jax.make_jaxpr(mapped)(*specs)
+    # The inputs carry the sharding the in_specs say: jax >= 0.11 checks them against it
+    # (a spec without one reads as replicated there and is refused).
+    sharding = NamedSharding(mesh, P(AXES))
+    closed = jax.make_jaxpr(mapped)(*[jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+                                      for s in specs])
     total = WireBytes()
     for kind, nbytes, groups in jaxpr_collectives(closed.jaxpr, nodes, local):
         total = total + WireBytes(*count_bytes(kind, nbytes, groups, local))

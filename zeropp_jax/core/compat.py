@@ -44,6 +44,13 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    padding or truncation): orbax >= 0.11.x requires ``strict=False`` for it (0.12.8 raises
    "Truncating/padding is disabled" without); versions before the flag padded silently and
    reject the keyword.
+10. Naming an axis while tracing, and rewriting a jaxpr's equations (binding a step's
+   pmap-era axis name to the mesh axes): ``extend_axis_env_nd`` is private
+   (``jax._src.core``) in 0.10 to 0.12 with the same signature (pairs of name and size);
+   ``JaxprEqn.replace`` and ``jax.extend.core.{Jaxpr, ClosedJaxpr}`` are public there.
+   A ``scan`` equation says how many of its inputs are constants and carry with
+   ``num_consts`` / ``num_carry`` in 0.10.2; 0.11.2 drops both for ``ft_in`` / ``ft_out``
+   (private flat-tree objects): ``scan_counts`` reads the counts from the shapes there.
 """
 
 from __future__ import annotations
@@ -223,3 +230,54 @@ def orbax_resizing_restore_args(sharding: Any, shape: tuple[int, ...], dtype: An
                                     strict=False)
     except TypeError:  # an orbax without the flag pads and truncates by itself
         return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
+
+
+# -- 10. naming an axis while tracing; rewriting equations -------------------------------------
+
+
+@contextlib.contextmanager
+def named_axes(sizes: dict[str, int]) -> Iterator[None]:
+    """Inside, collectives over the names in ``sizes`` trace (each an axis of that size),
+    though no mesh or ``vmap`` defines them: what they bind is rewritten afterwards."""
+    from jax._src import core as _core
+
+    with _core.extend_axis_env_nd(tuple(sizes.items())):
+        yield
+
+
+def replace_eqn_params(eqn: Any, params: dict[str, Any]) -> Any:
+    """``eqn`` with ``params`` (a whole new params dict)."""
+    return eqn.replace(params=params)
+
+
+def replace_jaxpr_eqns(jaxpr: Any, eqns: list[Any]) -> Any:
+    """``jaxpr`` (a ``Jaxpr``) with another equation list of the same signature."""
+    return jaxpr.replace(eqns=eqns)
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """``(constants, carry)``: how many of a ``scan`` equation's inputs are each (the rest
+    are the scanned ``xs``). From ``num_consts`` / ``num_carry`` where the equation has them,
+    else from the shapes, which say it in every version: constants and carry enter the
+    body with the equation's shapes, the scanned inputs one leading ``length`` axis
+    shorter; the carry leaves with the body's shapes, the stacked outputs with that axis."""
+    if "num_consts" in eqn.params:
+        return eqn.params["num_consts"], eqn.params["num_carry"]
+    return _scan_counts_from_shapes(eqn)
+
+
+def _scan_counts_from_shapes(eqn: Any) -> tuple[int, int]:
+    body = eqn.params["jaxpr"].jaxpr
+    shape = lambda v: tuple(v.aval.shape)  # noqa: E731
+
+    def leading_same(outer: list, inner: list) -> int:
+        n = 0
+        while n < min(len(outer), len(inner)) and shape(outer[n]) == shape(inner[n]):
+            n += 1
+        return n
+
+    carry = leading_same(eqn.outvars, body.outvars)
+    consts = leading_same(eqn.invars, body.invars) - carry
+    if consts < 0:
+        raise ValueError(f"cannot tell a scan's carry from its shapes: {eqn}")
+    return consts, carry

@@ -16,7 +16,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from zeropp_jax.core import processes
+from zeropp_jax.core import processes, scopes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.train.engine import Engine
 from zeropp_jax.comm.frozen import (
@@ -64,8 +64,9 @@ class TrainState:
         when every parameter trains.
       collections: the model's other variable collections (``batch_stats``, ...), full and
         replicated on every device; a step updates them with the mean over devices of what
-        each device's call returns (``apply_fn(..., mutable=[...])``). None if there are
-        none. ``state.batch_stats`` reads the BatchNorm statistics.
+        each device's call returns (``apply_fn(..., mutable=[...])``). An empty dict if
+        there are none, so ``{"params": p, **state.collections}`` works for every model.
+        ``state.batch_stats`` reads the BatchNorm statistics.
     """
 
     step: jax.Array
@@ -75,7 +76,7 @@ class TrainState:
     engine: Engine = struct.field(pytree_node=False)
     skipped_steps: jax.Array | None = None
     frozen: FrozenShards | None = None
-    collections: dict[str, PyTree] | None = None
+    collections: dict[str, PyTree] = struct.field(default_factory=dict)
 
     @property
     def batch_stats(self) -> PyTree:
@@ -111,9 +112,10 @@ class TrainState:
 
         ``collections``: new values of variable collections, as Flax's examples pass
         ``apply_gradients(grads=grads, batch_stats=updates["batch_stats"])``."""
-        new = self.replace(step=self.step + 1, **self.engine.optimizer_step(
-            grads, params=self.params, master=self.master, opt_state=self.opt_state,
-            skipped_steps=self.skipped_steps))
+        with jax.named_scope(scopes.OWN):
+            new = self.replace(step=self.step + 1, **self.engine.optimizer_step(
+                grads, params=self.params, master=self.master, opt_state=self.opt_state,
+                skipped_steps=self.skipped_steps))
         if not collections:
             return new
         unknown = set(collections) - set(self.collections or {})
@@ -195,8 +197,9 @@ class TrainState:
             names from the root) returning True for frozen ones, or a sequence of path
             prefixes. They get no gradient and no optimizer state, and are stored in
             ``state.frozen`` (quantized with ``config.quantize_frozen``). Stage 3 only.
-          stacked: module paths (``"layers"`` or ``("decoder", "layers")``) of ``nn.scan``
-            stacks: modules whose parameters carry a leading layer axis. The default
+          stacked: module paths (``"layers"`` or ``("decoder", "layers")``) of scanned
+            stacks (linen ``nn.scan``, or NNX modules made with ``nnx.vmap`` and run with
+            ``nnx.scan``): modules whose parameters carry a leading layer axis. The default
             ``units`` policy adds the stacks it recognises (``wrap.scan_stacks``). Each layer is its
             own unit, and inside the step every scan iteration gathers only its layer's
             weights (one compiled body; live weights bounded by construction).
@@ -206,9 +209,6 @@ class TrainState:
         config = ZeroPPConfig.zero3() if config is None else config
         # The model's kind is decided here, once: everything after asks the adapter.
         adapter, params, collections = adapt(model, params, collections)
-        if adapter.kind == "nnx" and stacked:
-            raise NotImplementedError("stacked= is for linen nn.scan stacks; an NNX "
-                                      "model's layers are units by the default policy")
         if params is None:
             raise TypeError("TrainState.create needs params= (model.init(...)['params'])")
         if not isinstance(config, ZeroPPConfig):
@@ -310,8 +310,7 @@ class TrainState:
         warn_if_unbalanced(*engine.unit_table(), params)
         step = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         placed_collections = jax.tree_util.tree_map(
-            lambda x: place_replicated(x, NamedSharding(mesh, REPLICATED)), collections
-        ) if collections else None
+            lambda x: place_replicated(x, NamedSharding(mesh, REPLICATED)), collections)
         skipped = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
         if config.stage == 3:
             frozen_shards = (

@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.train.engine import Engine
-from zeropp_jax.core.mesh import AXES
 from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams
+from zeropp_jax.core.mesh import AXES
+from zeropp_jax.train import axes
+from zeropp_jax.train.dispatch import StepPacer
+from zeropp_jax.train.engine import Engine
 from zeropp_jax.train.state import TrainState
 
 PyTree = Any
@@ -67,14 +69,21 @@ def _average_metrics(out: PyTree) -> PyTree:
     return jax.tree_util.tree_map(avg, out, is_leaf=_is_container)
 
 
-def _varying_params(state: TrainState) -> TrainState:
-    # Stages 1/2: replicated weights enter shard_map invariant, and autodiff would psum their
-    # gradient by itself. Marking them device-varying keeps gradients local, so
-    # apply_gradients decides the collective (all-reduce vs reduce-scatter) and its dtype.
-    if state.params.sharded:
-        return state
-    units = {k: jax.lax.pcast(v, AXES, to="varying") for k, v in state.params.units.items()}
-    return state.replace(params=ShardedParams(units, False))
+def _traced_as_under_jit(fn: Callable[..., Any], axis_name: Any,
+                         num_devices: int) -> Callable[..., Any]:
+    """``fn`` as ``train_step`` runs it inside ``shard_map``: with ``axis_name`` bound to the
+    data-parallel axes, and an unknown axis name reported with the fix."""
+    user = fn if axis_name is None else axes.bind_axis_names(fn, axis_name, num_devices)
+
+    def call(*args: Any) -> Any:
+        try:
+            return user(*args)
+        except NameError as e:
+            if "axis name" not in str(e).lower():
+                raise
+            raise axes.unbound_axis_error(e, axis_name) from None
+
+    return call
 
 
 def train_step(
@@ -82,6 +91,7 @@ def train_step(
     *,
     donate_state: bool = False,
     batch_spec: P = SHARDED,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> Callable[..., Any]:
     """Turns a one-device train step ``fn(state, batch, *extra)`` into a ZeRO step.
 
@@ -98,13 +108,24 @@ def train_step(
     ``PartitionSpec`` of every batch leaf: default ``P(("node", "local"))`` (batch split
     over all devices); ``P("node", "local")`` for sequence parallelism (batch over nodes,
     sequence over each node's devices).
+
+    ``fn`` is traced as under ``jax.jit``: values it builds from constants (a scan's zero
+    carry, as ``optax.ctc_loss`` makes) mix freely with per-device values, and gradients
+    come out per device, reduced by the step itself. Collectives ``fn`` makes itself span
+    the data-parallel axes ``("node", "local")``. Code written for ``jax.pmap`` names its
+    own axis (``nn.BatchNorm(axis_name="batch")``): ``axis_name="batch"`` (or a tuple of
+    names) binds it to those axes, so a sync BatchNorm averages over the global batch.
+    A collective over devices applied to the gradients (``lax.pmean(grads, ...)``) is
+    refused: they are already averaged (``train.axes``).
     """
     if fn is None:
-        return functools.partial(train_step, donate_state=donate_state, batch_spec=batch_spec)
+        return functools.partial(train_step, donate_state=donate_state, batch_spec=batch_spec,
+                                 axis_name=axis_name)
     batch_spec = P(*batch_spec) if not isinstance(batch_spec, P) else batch_spec
 
     def run(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = state.engine
+        user = _traced_as_under_jit(fn, axis_name, engine.mesh.devices.size)
         in_specs = (
             state.specs(),
             jax.tree_util.tree_map(lambda _: batch_spec, batch),
@@ -113,26 +134,31 @@ def train_step(
         recorded: dict[str, Any] = {}
 
         def probe(state: TrainState, batch: PyTree, *extra: Any) -> jax.Array:
-            recorded["specs"] = _out_specs(fn(_varying_params(state), batch, *extra))
+            recorded["specs"] = _out_specs(user(state, batch, *extra))
             return jnp.zeros((), jnp.float32)
 
-        # First pass (abstract): learn the output structure, so the real shard_map can be
-        # given exact out_specs. Runs once per compilation.
-        jax.eval_shape(
-            jax.shard_map(probe, mesh=engine.mesh, in_specs=in_specs, out_specs=REPLICATED),
-            state,
-            batch,
-            *extra,
-        )
+        # check_vma=False: the user's step is typed as under jax.jit. With shard_map's
+        # replication typing, a constant (invariant) and a per-device value cannot share a
+        # scan or while carry, which optax.ctc_loss and any RNN-style loss do, and the user
+        # cannot pcast inside optax. The library's own collectives do not rely on the typing:
+        # a unit's backward is its own custom_vjp, and replicated stage-1/2 weights get
+        # per-device gradients (no implicit psum) that apply_gradients reduces.
+        # First pass (abstract, once per compilation): learn the output structure, so the
+        # real shard_map gets exact out_specs, and check the program's collectives.
+        axes.check_gradient_collectives(jax.make_jaxpr(
+            jax.shard_map(probe, mesh=engine.mesh, in_specs=in_specs, out_specs=REPLICATED,
+                          check_vma=False))(state, batch, *extra))
 
         def body(state: TrainState, batch: PyTree, *extra: Any) -> Any:
-            return _average_metrics(fn(_varying_params(state), batch, *extra))
+            return _average_metrics(user(state, batch, *extra))
 
-        return jax.shard_map(
-            body, mesh=engine.mesh, in_specs=in_specs, out_specs=recorded["specs"]
-        )(state, batch, *extra)
+        return jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
+                             out_specs=recorded["specs"], check_vma=False)(state, batch, *extra)
 
     jitted = jax.jit(run, donate_argnums=(0,) if donate_state else ())
+    # Simulated CPU devices whose thread pool was not sized by simulate_cpu_devices deadlock
+    # when the host runs far ahead of them: such meshes keep few steps in flight.
+    pacer = StepPacer()
 
     def _check(state: Any) -> Engine:
         if not isinstance(state, TrainState):
@@ -154,7 +180,8 @@ def train_step(
     @functools.wraps(fn)
     def wrapper(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = _check(state)
-        return jitted(state, engine.shard_batch(batch, batch_spec), *extra)
+        return pacer(engine.mesh,
+                     lambda: jitted(state, engine.shard_batch(batch, batch_spec), *extra))
 
     def lower(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = _check(state)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import jax
 
-from zeropp_jax.core import compat
+from zeropp_jax.core import compat, scopes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.comm.frozen import merge_trees
 from zeropp_jax.core.mesh import AXES
@@ -239,8 +239,9 @@ def zero_unit(
         g_w, _, g_arrays = pullback.restore(w + f)(g)
         g_full = flat(g_w)
         qgz_on = flags[0] if flags else None
-        g_shard = tuple(reduce_gradient(grads, gf, config.param_jnp_dtype, qgz_on)
-                        for gf in g_full)
+        with jax.named_scope(scopes.REDUCED):  # marks the shards for train.axes' check
+            g_shard = tuple(reduce_gradient(grads, gf, config.param_jnp_dtype, qgz_on)
+                            for gf in g_full)
         return g_shard, (None,) * n_stored, g_arrays, (None,) * len(flags)
 
     unit.defvjp(unit_fwd, unit_bwd)

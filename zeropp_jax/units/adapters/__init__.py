@@ -43,7 +43,13 @@ def adapt(model: Any, params: PyTree = None, collections: Mapping[str, PyTree] |
         params = own if params is None else adapter.params_from(params, own)
         return adapter, params, {**others, **collections}
     if isinstance(model, nn.Module):
-        return LinenAdapter(model), params, collections
+        # Boxed parameters (``nn.with_logical_partitioning``, ``nn.Partitioned``; under
+        # ``nn.scan(metadata_params=...)`` the box carries the layer axis): ZeRO decides the
+        # sharding itself, so the values are what it needs. Unboxed here, once, the trees
+        # show their real shapes to the unit policy (a scanned stack's leading layer axis)
+        # and the model reads raw arrays as it does from any unboxed tree.
+        return (LinenAdapter(model), None if params is None else nn.meta.unbox(params),
+                {k: nn.meta.unbox(v) for k, v in collections.items()})
     raise TypeError(
         f"model must be a Flax linen nn.Module, an nnx.Module or a transformers "
         f"FlaxPreTrainedModel, got {type(model).__name__}"

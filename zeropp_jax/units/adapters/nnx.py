@@ -21,12 +21,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zeropp_jax.comm import collectives
+from zeropp_jax.comm.partition import STACKED_SHARD
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.comm.placement import is_prng_key
-from zeropp_jax.units.adapters.base import call_with_variables
+from zeropp_jax.units.adapters.base import Stacked, call_with_variables
 
 PyTree = Any
 Path = tuple[str, ...]
+
+
+class LayerShards(nnx.Param):
+    """This device's primary shards of a scanned stack's layers, ``[layers, shard_len]``,
+    attached to the stack module for one step. A parameter, so ``nnx.scan`` slices it on
+    its leading axis together with the layers' weights (also under ``StateAxes`` filters
+    keyed on ``nnx.Param``): each iteration's unit call reads its own layer's shard."""
 
 
 def is_nnx(model: Any) -> bool:
@@ -236,6 +244,8 @@ class NNXModel:
             if path not in self.modules:
                 raise ValueError(f"unit {'/'.join(path)!r} is not a submodule of this NNX model")
             sub = _lookup(module, self.modules[path][0])
+            if isinstance(make_call, Stacked):
+                setattr(sub, STACKED_SHARD, LayerShards(_get(rest, path + (STACKED_SHARD,))))
             _route(sub, path, make_call, self, order)
         out = _call(module, method, args, kwargs)
         return self._finish(module, out, collections, mutable)
@@ -279,15 +289,26 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
     """Makes ``sub``'s public methods run through ``make_call`` (one unit's gather)."""
     original = type(sub)
 
-    def run(name: str, args: tuple, kwargs: dict) -> Any:
+    def run(me: nnx.Module, name: str, args: tuple, kwargs: dict) -> Any:
+        # ``me`` is ``sub``, or inside ``nnx.scan`` / ``nnx.vmap`` the copy the transform
+        # made of it (one layer of a stack: its weights and shards sliced).
+        stacked = isinstance(make_call, Stacked)
+        shard = _value(getattr(me, STACKED_SHARD)) if stacked else None
         # Split now, as the original class: the module's flags (``.eval()``, set after
-        # the merge) are part of the graph definition a fresh copy is built from.
-        object.__setattr__(sub, "__class__", original)
+        # the merge) are part of the graph definition a fresh copy is built from. The
+        # layer's shard is not part of the module the user wrote.
+        object.__setattr__(me, "__class__", original)
+        if stacked:
+            delattr(me, STACKED_SHARD)
         try:
-            graphdef, params, _ = nnx.split(sub, nnx.Param, ...)
+            graphdef, params, _ = nnx.split(me, nnx.Param, ...)
         finally:
-            object.__setattr__(sub, "__class__", routed)
-        others = model.state_of(sub, path)
+            object.__setattr__(me, "__class__", routed)
+            if stacked:
+                setattr(me, STACKED_SHARD, LayerShards(shard))
+        others = model.state_of(me, path)
+        expected = {tuple(str(k) for k in model.modules[path][0] + tuple(p)): jnp.shape(_value(v))
+                    for p, v in _to_flat(params)}
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs, others))
         dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
 
@@ -297,11 +318,20 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
                 filled[i] = a
             call_args, call_kwargs, call_others = jax.tree_util.tree_unflatten(treedef, filled)
             values = {path + p: v for p, v in _flat(unit_params)}
+            for key, v in values.items():
+                if key in expected and jnp.shape(v) != expected[key]:
+                    # A whole nnx.scan stack as one unit: each iteration's layer would
+                    # receive every layer's weights.
+                    raise ValueError(
+                        f"unit {'/'.join(path)!r} received {'/'.join(key)} with shape "
+                        f"{jnp.shape(v)} where its call expects {expected[key]}. If it is "
+                        "an nnx.scan stack (parameters with a leading layer axis), leave it "
+                        "to the default unit policy, which makes each layer a unit, or pass "
+                        f"TrainState.create(..., stacked=[{'/'.join(path)!r}])")
             for tree in call_others.values():
                 values.update(dict(_flat(tree)))
             fresh = nnx.merge(graphdef, model._state(params, values, model.modules[path][0]),
-                              model._state(nnx.state(sub, nnx.Not(nnx.Param)), values,
-                                           model.modules[path][0]))
+                              model._state(others_state, values, model.modules[path][0]))
             out = getattr(original, name)(fresh, *call_args, **call_kwargs)
             # Only what the call changed goes out (an unchanged variable is the same
             # array object): outputs of the unit are new arrays whether or not they
@@ -311,12 +341,15 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
                    for k, tree in model.state_of(fresh, path).items()}
             return out, {k: v for k, v in new.items() if v}
 
-        out, new = make_call(fn)(*[leaves[i] for i in dynamic])
+        others_state = nnx.state(me, nnx.Not(nnx.Param))
+        call = make_call.make(fn, shard) if stacked else make_call(fn)
+        out, new = call(*[leaves[i] for i in dynamic])
         values = {tuple(p.split("/")): v for tree in new.values() for p, v in tree.items()}
         if values:
-            nnx.update(sub, model._state(nnx.state(sub, nnx.Not(nnx.Param)), values,
-                                         model.modules[path][0]))
-        if order is not None:
+            nnx.update(me, model._state(others_state, values, model.modules[path][0]))
+        # Ordering inside a scan is the scan's own: its body's tracers must not leak into
+        # the order of the units around it.
+        if order is not None and not stacked:
             order.record(out)
         return out
 
@@ -324,7 +357,7 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
     if routed is None:
         def method(name: str) -> Callable:
             def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-                return self._zeropp_run(name, args, kwargs)
+                return self._zeropp_run(self, name, args, kwargs)
             return call
 
         names = {n for klass in original.__mro__ if klass not in nnx.Module.__mro__

@@ -1,6 +1,7 @@
-"""Deadlock of async-dispatched training on simulated CPU devices (issue item 9): hang counts.
+"""Deadlock of async-dispatched training on simulated CPU devices: hang counts per variant.
 
-    python benchmarks/deadlock_repro.py --runs 10 --steps 300 --nodes 2 --local 2
+    python benchmarks/deadlock_repro.py --runs 10 --steps 300 --nodes 2 --local 2 \
+        --json benchmarks/out/deadlock_2x2.json
 
 Each run is a fresh process: ZeRO-3 fp32 on a small GPT (``zeropp_demo.gpt``), a loop of
 ``--steps`` steps that reads nothing until the end (so the host dispatches far ahead of the
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--local", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     p.add_argument("--hang-s", type=float, default=12.0)
+    p.add_argument("--json", default=None, help="also write the counts here")
     p.add_argument("--child", dest="variant", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.variant is not None:
@@ -119,6 +121,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{a.nodes}x{a.local}, {a.steps} steps, {a.runs} runs per variant:")
     for v, c in counts.items():
         print(f"  {v:6s} ok {c['ok']:3d}  hang {c['hang']:3d}  other {c['other']:3d}")
+    if a.json:
+        import json
+        import pathlib
+
+        path = pathlib.Path(a.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"nodes": a.nodes, "local": a.local, "steps": a.steps,
+                                    "runs": a.runs, "hang_s": a.hang_s, "counts": counts,
+                                    "cpus": os.cpu_count()}, indent=1))
+        print(f"wrote {path}")
     return counts
 
 

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
                                            micro_batches=args.accum)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    @zpp.train_step(batch_spec=batch_spec)
+    @zpp.eval_step(batch_spec=batch_spec)
     def eval_step(state, batch):
         x, y = inputs_targets(batch)
         return {"loss": loss_fn(state.apply_fn({"params": state.params}, x), y)}

@@ -30,7 +30,7 @@ from zeropp_jax.train.engine import Engine
 from zeropp_jax.train.global_batch import all_gather_batch, batch_offset
 from zeropp_jax.train.losses import token_mean
 from zeropp_jax.train.state import TrainState
-from zeropp_jax.train.step import train_step
+from zeropp_jax.train.step import eval_step, per_example, train_step
 from zeropp_jax.units import wrap
 
 # Import paths the docs show (``zeropp_jax.collectives.qwz_all_gather``,
@@ -54,10 +54,12 @@ __all__ = [
     "checkpoint",
     "collectives",
     "consolidate",
+    "eval_step",
     "generate",
     "global_norm",
     "losses",
     "make_mesh",
+    "per_example",
     "processes",
     "qgz",
     "quantization",

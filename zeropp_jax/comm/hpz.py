@@ -26,7 +26,8 @@ def group_nodes(hpz_group_size: int | None, nodes: int, local: int) -> int:
         raise ValueError(
             f"hpz_group_size={hpz_group_size} is invalid for a {nodes}x{local} mesh: a "
             f"secondary group is k whole nodes (k dividing {nodes}); valid sizes are {valid} "
-            f"(None = {local}, the local axis)"
+            f"(None = {local}, the local axis). From a DeepSpeed config this is "
+            "zero_optimization.zero_hpz_partition_size"
         )
     return hpz_group_size // local
 

@@ -263,6 +263,16 @@ class Engine:
         """
         if not isinstance(variables, Mapping) or "params" not in variables:
             raise TypeError("apply_fn expects {'params': state.params} as its first argument")
+        try:
+            collectives.axis_size(AXES)
+        except NameError:
+            raise RuntimeError(
+                "state.apply_fn runs the model on this device's shards, so it works only "
+                "inside a step function run over the mesh. To evaluate, decorate the "
+                "function with @zeropp_jax.eval_step (metrics averaged over the batch; "
+                "zeropp_jax.per_example(x) for per-example outputs), or take plain "
+                "parameters with state.consolidate() and call model.apply on them"
+            ) from None
         collections = {k: v for k, v in variables.items()
                        if k not in ("params", "frozen")}
         params = variables["params"]

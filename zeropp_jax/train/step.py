@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams
@@ -37,19 +38,59 @@ from zeropp_jax.train.state import TrainState
 PyTree = Any
 
 
+@struct.dataclass
+class PerExample:
+    """A step output kept per example (``per_example``): each device's rows, put together
+    in batch order, instead of averaged over devices."""
+
+    value: PyTree
+
+
+def per_example(x: PyTree) -> PerExample:
+    """Marks a step output (an array or pytree whose leading dimension is this device's
+    batch rows, such as logits or per-example losses) to come back per example: the step
+    returns the global batch's rows in the order of the batch passed in (laid out like
+    the batch: ``batch_spec``), not the mean over devices. Use inside a ``train_step`` or
+    ``eval_step`` function, on what it returns."""
+    return PerExample(x)
+
+
 def _is_container(x: Any) -> bool:
-    return isinstance(x, (TrainState, ShardedParams))
+    return isinstance(x, (TrainState, ShardedParams, PerExample))
 
 
-def _out_specs(out: PyTree) -> PyTree:
+def _out_specs(out: PyTree, batch_spec: P) -> PyTree:
     def spec(x: Any) -> Any:
         if isinstance(x, TrainState):
             return x.specs()
         if isinstance(x, ShardedParams):
             return x.specs()
+        if isinstance(x, PerExample):
+            return jax.tree_util.tree_map(lambda _: batch_spec, x)
         return REPLICATED
 
     return jax.tree_util.tree_map(spec, out, is_leaf=_is_container)
+
+
+def _unwrap(out: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda x: x.value if isinstance(x, PerExample) else x, out,
+                                  is_leaf=lambda x: isinstance(x, PerExample))
+
+
+def _check_read_only(state: TrainState, out: PyTree) -> None:
+    """An eval step's function returns the state it was given, if any: a state whose
+    arrays were recomputed (``apply_gradients``, new collections) is refused."""
+    given = jax.tree_util.tree_flatten(state)
+    for x in jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, TrainState)):
+        if not isinstance(x, TrainState):
+            continue
+        leaves, treedef = jax.tree_util.tree_flatten(x)
+        if treedef != given[1] or any(a is not b for a, b in zip(leaves, given[0])):
+            raise ValueError(
+                "an eval_step function returned an updated train state (apply_gradients, "
+                "new collections): evaluation only reads the state. Return the metrics "
+                "alone (or the state as given), or use zeropp_jax.train_step to train"
+            )
 
 
 def _average_metrics(out: PyTree) -> PyTree:
@@ -116,11 +157,19 @@ def train_step(
     own axis (``nn.BatchNorm(axis_name="batch")``): ``axis_name="batch"`` (or a tuple of
     names) binds it to those axes, so a sync BatchNorm averages over the global batch.
     A collective over devices applied to the gradients (``lax.pmean(grads, ...)``) is
-    refused: they are already averaged (``train.axes``).
+    refused: they are already averaged (``train.axes``). Outputs wrapped in
+    ``per_example(...)`` come back per example, in batch order, instead of averaged.
     """
     if fn is None:
         return functools.partial(train_step, donate_state=donate_state, batch_spec=batch_spec,
                                  axis_name=axis_name)
+    return _make_step(fn, donate_state=donate_state, batch_spec=batch_spec,
+                      axis_name=axis_name, read_only=False)
+
+
+def _make_step(fn: Callable[..., Any], *, donate_state: bool, batch_spec: P,
+               axis_name: str | tuple[str, ...] | None, read_only: bool) -> Callable[..., Any]:
+    """``train_step`` (``read_only=False``) and ``eval_step`` (``read_only=True``)."""
     batch_spec = P(*batch_spec) if not isinstance(batch_spec, P) else batch_spec
 
     def run(state: TrainState, batch: PyTree, *extra: Any) -> Any:
@@ -134,7 +183,10 @@ def train_step(
         recorded: dict[str, Any] = {}
 
         def probe(state: TrainState, batch: PyTree, *extra: Any) -> jax.Array:
-            recorded["specs"] = _out_specs(user(state, batch, *extra))
+            out = user(state, batch, *extra)
+            if read_only:
+                _check_read_only(state, out)
+            recorded["specs"] = _out_specs(out, batch_spec)
             return jnp.zeros((), jnp.float32)
 
         # check_vma=False: the user's step is typed as under jax.jit. With shard_map's
@@ -152,8 +204,9 @@ def train_step(
         def body(state: TrainState, batch: PyTree, *extra: Any) -> Any:
             return _average_metrics(user(state, batch, *extra))
 
-        return jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
-                             out_specs=recorded["specs"], check_vma=False)(state, batch, *extra)
+        return _unwrap(jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
+                                     out_specs=recorded["specs"], check_vma=False)(
+                                         state, batch, *extra))
 
     jitted = jax.jit(run, donate_argnums=(0,) if donate_state else ())
     # Simulated CPU devices whose thread pool was not sized by simulate_cpu_devices deadlock
@@ -190,3 +243,26 @@ def train_step(
     wrapper.lower = lower  # type: ignore[attr-defined]
     wrapper.jitted = jitted  # type: ignore[attr-defined]
     return wrapper
+
+
+def eval_step(
+    fn: Callable[..., Any] | None = None,
+    *,
+    batch_spec: P = SHARDED,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> Callable[..., Any]:
+    """Turns a one-device evaluation step ``fn(state, batch, *extra)`` into a ZeRO step
+    that reads the state and returns metrics.
+
+    Runs like ``train_step`` (same batch split, same unit-by-unit weight gathers, forward
+    only): every returned array is averaged over devices (a per-device mean loss comes
+    back as the mean over the global batch), and outputs wrapped in
+    ``zeropp_jax.per_example(...)`` come back per example (logits, per-example losses),
+    the global batch's rows in order. ``fn`` returns the metrics, or ``(state, metrics)``
+    with the state as given: a state it updated (``apply_gradients``) is refused. Never
+    donates the state. ``batch_spec`` and ``axis_name`` as for ``train_step``.
+    """
+    if fn is None:
+        return functools.partial(eval_step, batch_spec=batch_spec, axis_name=axis_name)
+    return _make_step(fn, donate_state=False, batch_spec=batch_spec, axis_name=axis_name,
+                      read_only=True)

@@ -1,0 +1,167 @@
+"""``zpp.eval_step``: metrics and per-example outputs of a sharded state, for linen and NNX
+models, on several meshes and configs; what fails outside a step says what to use."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeropp_demo.gpt as gpt
+import zeropp_jax as zpp
+from zeropp_demo.gpt import GPT, loss_fn
+
+from helpers import SMALL, dequantized_params, init_params, rounding_of, tokens
+
+FP32 = zpp.ZeroPPConfig(compute_dtype="float32")
+
+
+def _seed() -> int:
+    return int(np.random.default_rng().integers(1 << 30))
+
+
+@zpp.eval_step
+def gpt_eval(state, batch):
+    logits = state.apply_fn({"params": state.params}, batch[:, :-1])
+    per_row = jax.vmap(loss_fn)(logits[:, None], batch[:, None, 1:])
+    return {"loss": loss_fn(logits, batch[:, 1:]),
+            "logits": zpp.per_example(logits), "per_row": zpp.per_example(per_row)}
+
+
+@pytest.mark.parametrize("shape, config", [
+    ((2, 4), FP32),
+    ((8, 1), FP32),
+    ((2, 4), zpp.ZeroPPConfig(stage=1, compute_dtype="float32")),
+])
+def test_eval_step_equals_one_device(shape, config):
+    """The mean loss and the per-example logits of the global batch, in batch order, equal
+    one device's within fp32 rounding (measured against float64 for these outputs)."""
+    model, params = GPT(SMALL), init_params(seed=_seed() % 1000)
+    batch = tokens(16, seed=_seed())
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(*shape), config=config)
+    out = gpt_eval(state, batch)
+    assert out["logits"].shape == (16, SMALL.seq_len, SMALL.vocab_size)
+    assert out["per_row"].shape == (16,)
+
+    def outputs(m):
+        def run(p, b):
+            logits = m.apply({"params": p}, b[:, :-1])
+            return loss_fn(logits, b[:, 1:]), logits
+        return run
+
+    # The demo GPT's float64 twin, with its explicit fp32 casts widened, is the reference.
+    rounding = rounding_of(outputs(model), params, batch,
+                           fn64=outputs(GPT(dataclasses.replace(SMALL, dtype="float64"))),
+                           widen=(gpt,))
+    loss, logits = rounding.exact
+    # Each side within rho of the exact values (the step sums 8 row-slices' means).
+    tol = 2 * rounding.rho
+    np.testing.assert_allclose(out["loss"], loss, rtol=tol)
+    np.testing.assert_allclose(out["logits"], logits, atol=tol * np.max(np.abs(logits)))
+    np.testing.assert_allclose(np.mean(out["per_row"]), loss, rtol=tol)
+
+
+def test_eval_step_under_zeropp_reads_the_quantized_weights():
+    """With qwZ + hpZ the forward sees the INT8-dequantized weights, as a training step
+    does: the eval loss is the loss at the dequantized weights (within fp32 rounding), and
+    far from the loss at the fp32 master weights."""
+    model, params = GPT(SMALL), init_params(seed=_seed() % 1000)
+    batch = tokens(16, seed=_seed())
+    config = zpp.ZeroPPConfig.zeropp(compute_dtype="float32")
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=config)
+    deq = dequantized_params(state, config.block_size, config.weight_bits)
+
+    def loss_of(m):
+        return lambda p, b: loss_fn(m.apply({"params": p}, b[:, :-1]), b[:, 1:])
+
+    rounding = rounding_of(loss_of(model), deq, batch,
+                           fn64=loss_of(GPT(dataclasses.replace(SMALL, dtype="float64"))),
+                           widen=(gpt,))
+    got = float(gpt_eval(state, batch)["loss"])
+    tol = 2 * rounding.rho * abs(float(rounding.exact))
+    assert abs(got - float(rounding.exact)) <= tol
+    assert abs(got - float(loss_of(model)(params, batch))) > 10 * tol
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(4, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.b = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(self.drop(jax.nn.relu(self.a(x))))
+
+
+def test_eval_step_for_an_nnx_model_in_eval_mode():
+    model = Net(nnx.Rngs(_seed()))
+    ref = nnx.clone(model)
+    ref.eval()
+    state = zpp.TrainState.create(model=model, params=None, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=FP32)
+    x = np.random.default_rng(_seed()).standard_normal((16, 4)).astype(np.float32)
+
+    @zpp.eval_step
+    def evaluate(state, x):
+        def run(m, x):
+            m.eval()  # no dropout
+            return m(x)
+
+        y = state.apply_fn({"params": state.params, **state.collections}, x, method=run)
+        return state, {"out": zpp.per_example(y), "mean": jnp.mean(y)}
+
+    same, out = evaluate(state, x)
+    assert same.step is state.step or int(same.step) == int(state.step)
+    expected = np.asarray(ref(x))
+    scale = np.max(np.abs(expected))
+    np.testing.assert_allclose(out["out"], expected, atol=1e-5 * scale)  # 2 matmuls in fp32
+    np.testing.assert_allclose(out["mean"], expected.mean(), atol=1e-5 * scale)
+
+
+def test_eval_step_refuses_an_update_and_apply_fn_outside_a_step_names_it():
+    model, params = GPT(SMALL), init_params(seed=0)
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4))
+    batch = tokens(8, seed=0)
+
+    @zpp.eval_step
+    def updates(state, batch):
+        def loss(p):
+            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params)), {}
+
+    with pytest.raises(ValueError, match="train_step to train"):
+        updates(state, batch)
+    with pytest.raises(RuntimeError, match="eval_step"):
+        state.apply_fn({"params": state.params}, batch[:, :-1])
+
+
+def test_eval_step_for_a_transformers_model():
+    """transformers' Flax GPT-2 called in its own style (``apply_fn(**inputs, params=...,
+    train=False)``): the eval loss equals one device's. Tolerance: the zoo's (transformers'
+    Flax models fix their dtype to fp32, so there is no float64 reference; the two orders of
+    summing 16 rows' losses differ by ~1e-7 of a loss of ~4; 1e-5 as in test_zoo)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "FlaxPreTrainedModel"):
+        pytest.skip(f"transformers {transformers.__version__} has no Flax models")
+    import zoo
+
+    with zoo.hf_compat():
+        entry = zoo.get("hf_gpt2")
+        batch = entry.make_batch(np.random.default_rng(_seed()), 16)
+        state = zpp.TrainState.create(model=entry.model, params=entry.params,
+                                      tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+                                      config=FP32)
+
+        @zpp.eval_step
+        def evaluate(state, batch):
+            return entry.loss(state.apply_fn, state.params, batch, False)
+
+        ref = entry.loss(entry.apply, entry.params, batch, False)
+        np.testing.assert_allclose(evaluate(state, batch), ref, rtol=1e-5)

@@ -239,9 +239,11 @@ def test_processes_passing_different_global_batches_are_refused(tmp_path):
         assert "processes passed different global batches" in out, out[-3000:]
 
 
-def _run_workers(tmp: pathlib.Path, argv_of, timeout: float = TIMEOUT_S,
-                 env: dict | None = None) -> list[str]:
-    """Starts one process per argv (``argv_of(pid, port)``), waits, returns their logs."""
+def _start_workers(argv_of, timeout: float, env: dict | None = None,
+                   hung: str = "") -> list[tuple[int, str]]:
+    """Starts two processes (``argv_of(pid, port)``), waits, returns each one's (return
+    code, log); fails the test if they outlive ``timeout`` (``hung`` says why that
+    matters)."""
     port = _free_port()
     procs = [subprocess.Popen([PY, *argv_of(pid, port)], cwd=ROOT, env=env or _env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -249,12 +251,19 @@ def _run_workers(tmp: pathlib.Path, argv_of, timeout: float = TIMEOUT_S,
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     except subprocess.TimeoutExpired:
-        pytest.fail(f"workers did not finish within {timeout} s")
+        pytest.fail(f"workers did not finish within {timeout} s{hung}")
     finally:
         _kill(procs)
-    for pid, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"worker {pid} exited with {p.returncode}:\n{out[-3000:]}"
-    return outs
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _run_workers(tmp: pathlib.Path, argv_of, timeout: float = TIMEOUT_S,
+                 env: dict | None = None) -> list[str]:
+    """``_start_workers``, requiring both to succeed: their logs."""
+    done = _start_workers(argv_of, timeout, env)
+    for pid, (code, out) in enumerate(done):
+        assert code == 0, f"worker {pid} exited with {code}:\n{out[-3000:]}"
+    return [out for _, out in done]
 
 
 def test_checkpoint_one_process_to_two_and_back(tmp_path):

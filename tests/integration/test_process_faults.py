@@ -21,9 +21,7 @@ import re
 
 import pytest
 
-from test_multihost import PY, ROOT, _env, _free_port, _kill  # noqa: F401
-
-import subprocess
+from test_multihost import _env, _start_workers
 
 TIMEOUT_S = 5
 SLACK_S = 10
@@ -132,20 +130,10 @@ def _cases(out: str) -> dict[str, tuple[float, str]]:
 
 def _run(tmp_path, script: str, env_extra: dict[str, str]) -> list[tuple[int, str]]:
     """Both workers' (return code, output); fails the test if they outlive RUN_S."""
-    port = _free_port()
-    env = _env()
-    env.update(env_extra)
-    procs = [subprocess.Popen([PY, "-c", script.format(port=port, pid=pid, tmp=str(tmp_path))],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for pid in range(2)]
-    try:
-        outs = [p.communicate(timeout=RUN_S)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"workers did not finish within {RUN_S} s: a collective call hung")
-    finally:
-        _kill(procs)
-    return [(p.returncode, out) for p, out in zip(procs, outs)]
+    env = {**_env(), **env_extra}
+    return _start_workers(
+        lambda pid, port: ["-c", script.format(port=port, pid=pid, tmp=str(tmp_path))],
+        RUN_S, env, hung=": a collective call hung")
 
 
 def test_processes_that_disagree_or_fail_get_clear_errors_in_time(tmp_path):

@@ -19,7 +19,7 @@ def _scans(closed):
     for eqn in closed.jaxpr.eqns:
         if eqn.primitive.name == "scan":
             out.append(eqn)
-        for _, _, inner in axes._sub_jaxprs(eqn.params):
+        for _, _, inner in compat.sub_jaxprs(eqn.params):
             out += _scans(jax.extend.core.ClosedJaxpr(inner, ()))
     return out
 

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeropp_jax.core import compat
 from zeropp_jax.core.mesh import AXES, NODE
 
 # jaxpr primitive -> collective kind (the names comm_report reads from program text).
@@ -119,17 +120,6 @@ def _permute_pairs(axis: Any, perm: Sequence[tuple[int, int]], nodes: int, local
     return [(i * local + s, i * local + d) for s, d in perm for i in range(nodes)]
 
 
-def _subjaxprs(params: dict) -> list[Any]:
-    out = []
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "jaxpr") and hasattr(v, "consts"):  # a ClosedJaxpr
-                out.append(v.jaxpr)
-            elif type(v).__name__ == "Jaxpr":
-                out.append(v)
-    return out
-
-
 def jaxpr_collectives(jaxpr: Any, nodes: int, local: int) -> list[tuple[str, float, list]]:
     """(kind, per-device result bytes, groups or pairs) of every collective in ``jaxpr``
     and the jaxprs inside it (each branch of a ``cond`` counted, as a program's text is)."""
@@ -145,7 +135,7 @@ def jaxpr_collectives(jaxpr: Any, nodes: int, local: int) -> list[tuple[str, flo
             else:
                 groups = axis_groups(axis, nodes, local)
             rows.append((kind, nbytes, groups))
-        for sub in _subjaxprs(eqn.params):
+        for _, _, sub in compat.sub_jaxprs(eqn.params):
             rows += jaxpr_collectives(sub, nodes, local)
     return rows
 

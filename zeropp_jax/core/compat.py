@@ -47,7 +47,9 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
 10. Naming an axis while tracing, and rewriting a jaxpr's equations (binding a step's
    pmap-era axis name to the mesh axes): ``extend_axis_env_nd`` is private
    (``jax._src.core``) in 0.10 to 0.12 with the same signature (pairs of name and size);
-   ``JaxprEqn.replace`` and ``jax.extend.core.{Jaxpr, ClosedJaxpr}`` are public there.
+   ``JaxprEqn.replace`` and ``jax.extend.core.{Jaxpr, ClosedJaxpr}`` are public there;
+   ``sub_jaxprs`` is the one walk into the jaxprs an equation holds (the comm report's
+   byte count and the step's collective check both use it).
    A ``scan`` equation says how many of its inputs are constants and carry with
    ``num_consts`` / ``num_carry`` in 0.10.2; 0.11.2 drops both for ``ft_in`` / ``ft_out``
    (private flat-tree objects): ``scan_counts`` reads the counts from the shapes there.
@@ -243,6 +245,20 @@ def named_axes(sizes: dict[str, int]) -> Iterator[None]:
 
     with _core.extend_axis_env_nd(tuple(sizes.items())):
         yield
+
+
+def sub_jaxprs(params: Any) -> Iterator[tuple[str, int | None, Any]]:
+    """``(param name, index in a tuple or None, Jaxpr)`` of every jaxpr an equation's
+    ``params`` hold (a scan's body, a cond's branches, a jit's or a shard_map's program;
+    closed jaxprs give their ``Jaxpr``)."""
+    from jax.extend import core as jcore
+
+    for key, value in params.items():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for i, item in enumerate(items):
+            inner = getattr(item, "jaxpr", item)
+            if isinstance(inner, jcore.Jaxpr):
+                yield key, (i if isinstance(value, (tuple, list)) else None), inner
 
 
 def replace_eqn_params(eqn: Any, params: dict[str, Any]) -> Any:

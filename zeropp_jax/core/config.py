@@ -567,13 +567,16 @@ def _ds_flag(value: Any, key: str) -> bool:
     raise ValueError(f"{key}={value!r} is not a boolean{hint}")
 
 
-def _ds_int(value: Any, key: str) -> int:
+def _ds_int(value: Any, key: str, valid: str = "") -> int:
+    """A DeepSpeed integer setting (an int or its string); ``valid`` says what the values
+    may be, appended to the error."""
+    message = f"{key}={value!r} is not an integer" + (f"; {valid}" if valid else "")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{key}={value!r} is not an integer")
+        raise ValueError(message)
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{key}={value!r} is not an integer") from None
+        raise ValueError(message) from None
 
 
 def _ds_stage(ds_config: Mapping[str, Any], zo: Mapping[str, Any]) -> int:
@@ -608,12 +611,7 @@ def _ds_hpz_partition_size(value: Any) -> int:
              "nodes: the devices per node times a divisor of the node count "
              "(TrainState.create checks it against the mesh)")
     key = "zero_optimization.zero_hpz_partition_size"
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{key}={value!r} is not an integer; {valid}")
-    try:
-        size = int(value)
-    except ValueError:
-        raise ValueError(f"{key}={value!r} is not an integer; {valid}") from None
+    size = _ds_int(value, key, valid)
     if size < 1:
         raise ValueError(f"{key}={value!r} is invalid; {valid}")
     return size

@@ -24,7 +24,7 @@ name stacks); the version-dependent calls are in ``core.compat``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import jax
 from jax.extend import core as jcore
@@ -49,16 +49,6 @@ def _collective_axes(eqn: Any) -> tuple:
     return ()
 
 
-def _sub_jaxprs(params: Mapping[str, Any]) -> Iterable[tuple[str, int | None, Any]]:
-    """``(param name, index in a tuple or None, Jaxpr)`` of every jaxpr in ``params``."""
-    for key, value in params.items():
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        for i, item in enumerate(items):
-            inner = getattr(item, "jaxpr", item)
-            if isinstance(inner, jcore.Jaxpr):
-                yield key, (i if isinstance(value, (tuple, list)) else None), inner
-
-
 # -- binding pmap-era names ------------------------------------------------------------------
 
 
@@ -74,7 +64,7 @@ def _rename(jaxpr: Any, names: tuple[str, ...]) -> Any:
                                                                      else (n,))))
                 params[key] = new if isinstance(params[key], (tuple, list)) or len(new) > 1 \
                     else new[0]
-        for key, index, inner in list(_sub_jaxprs(eqn.params)):
+        for key, index, inner in list(compat.sub_jaxprs(eqn.params)):
             value = params[key]
             item = value[index] if index is not None else value
             renamed = _rename(inner, names)
@@ -129,7 +119,7 @@ def _find(jaxpr: Any, taint_in: list[bool], found: list, own: bool = False) -> l
         in_t = [isinstance(v, jcore.Var) and v in tainted for v in eqn.invars]
         reduced = _in_scope(eqn, (REDUCED,))
         inner_own = own or reduced or _in_scope(eqn, (OWN,))
-        subs = [inner for _, _, inner in _sub_jaxprs(eqn.params)]
+        subs = [inner for _, _, inner in compat.sub_jaxprs(eqn.params)]
         if subs:
             out_t = _through(eqn, subs, in_t, found, inner_own)
         else:

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from zeropp_jax.measure.analysis import comm_report
     from zeropp_demo.data import sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.inference.generate import (gather_secondary, generate, greedy_reference,
+    from zeropp_jax.inference.generate import (gather_secondary, generate_without_cache, greedy_reference,
                                      lower_decode_step)
     from zeropp_demo.gpt import GPT, GPTConfig, lm_train_step
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         lower_decode_step(state, secondary, np.zeros((n, length), np.int32), args.prompt_len),
         mesh)
     t0 = time.perf_counter()
-    out = generate(state, prompts, length, secondary=secondary)
+    out = generate_without_cache(state, prompts, length, secondary=secondary)
     seconds = time.perf_counter() - t0
     ref = greedy_reference(model, state.consolidate(), prompts, length)
     same = bool(np.array_equal(out, ref))

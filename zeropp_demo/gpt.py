@@ -35,6 +35,10 @@ class GPTConfig:
     # Mesh axis the sequence is split over (Ulysses sequence parallelism), or None: every
     # device holds whole sequences. Only inside shard_map; init ignores it.
     sequence_axis: str | None = None
+    # Incremental decoding (Flax's decode convention): keys and values of the tokens seen so
+    # far live in the "cache" collection, created by ``init`` on a ``[batch, max_len]``
+    # input; each call then takes the next ``[batch, t]`` tokens (t >= 1) and appends them.
+    decode: bool = False
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -46,6 +50,34 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     logits = jnp.where(mask[None, None], logits, jnp.finfo(logits.dtype).min)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def cached_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of ``t`` new tokens against every token cached so far.
+
+    ``q, k, v [b, t, heads, hd]``. The first call (``init``, no cache yet) sees the whole
+    ``[b, max_len]`` input, makes the cache (``cached_key``, ``cached_value``
+    ``[b, max_len, heads, hd]``, ``cache_index`` int32 scalar) and attends as
+    ``causal_attention``. Later calls write the new keys and values at ``cache_index`` and
+    attend to positions ``<= cache_index + j`` for new token ``j``.
+    """
+    initialized = module.has_variable("cache", "cached_key")
+    b, t, h, hd = k.shape
+    ck = module.variable("cache", "cached_key", jnp.zeros, (b, t, h, hd), k.dtype)
+    cv = module.variable("cache", "cached_value", jnp.zeros, (b, t, h, hd), v.dtype)
+    index = module.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+    if not initialized:
+        return causal_attention(q, k, v)
+    i = index.value
+    ck.value = jax.lax.dynamic_update_slice(ck.value, k, (0, i, 0, 0))
+    cv.value = jax.lax.dynamic_update_slice(cv.value, v, (0, i, 0, 0))
+    index.value = i + t
+    max_len = ck.value.shape[1]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, ck.value) / jnp.sqrt(hd).astype(q.dtype)
+    mask = jnp.arange(max_len)[None, :] <= i + jnp.arange(t)[:, None]  # [t, max_len]
+    logits = jnp.where(mask[None, None], logits, jnp.finfo(logits.dtype).min)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, cv.value)
 
 
 def _sequence_parallel(module: nn.Module) -> bool:
@@ -67,7 +99,9 @@ class CausalSelfAttention(nn.Module):
         qkv = nn.Dense(3 * d, dtype=cfg.dtype, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(b, t, 3, cfg.heads, hd), 3, axis=2)
         q, k, v = (a[:, :, 0] for a in (q, k, v))  # [b, t, heads, hd]
-        if _sequence_parallel(self):
+        if cfg.decode:
+            out = cached_attention(self, q, k, v)
+        elif _sequence_parallel(self):
             # t is this device's share of the sequence; two all-to-alls over the axis.
             out = ulysses_attention(
                 q, k, v, attention_fn=causal_attention, axis_name=cfg.sequence_axis
@@ -96,6 +130,10 @@ class GPT(nn.Module):
 
     With ``config.sequence_axis`` (inside ``shard_map``): tokens ``[batch, seq / P]``, this
     device's consecutive slice of each sequence, and logits for those tokens.
+
+    With ``config.decode``: ``init`` on ``[batch, max_len]`` makes the "cache" collection;
+    ``apply({"params": p, "cache": c}, tokens [batch, t], mutable=["cache"])`` then gives
+    the logits of the next ``t`` tokens, at positions continuing from the cache's.
     """
 
     config: GPTConfig
@@ -106,7 +144,13 @@ class GPT(nn.Module):
         t = tokens.shape[1]
         x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="wte")(tokens)
         positions = jnp.arange(t)
-        if _sequence_parallel(self):
+        if cfg.decode:
+            initialized = self.has_variable("cache", "position")
+            start = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+            if initialized:
+                positions = positions + start.value
+                start.value = start.value + t
+        elif _sequence_parallel(self):
             sp = jax.lax.axis_size(cfg.sequence_axis)
             if t * sp > cfg.seq_len:
                 raise ValueError(

@@ -19,7 +19,8 @@ from zeropp_jax.comm.placement import ShardedParams, global_norm
 from zeropp_jax.core import processes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import make_mesh, simulate_cpu_devices
-from zeropp_jax.inference import generate
+from zeropp_jax.inference import generate as _generation
+from zeropp_jax.inference.generate import generate
 from zeropp_jax.measure import analysis, viz
 from zeropp_jax.parallel import ulysses
 from zeropp_jax.quant import quantization
@@ -36,10 +37,12 @@ from zeropp_jax.units import wrap
 # Import paths the docs show (``zeropp_jax.collectives.qwz_all_gather``,
 # ``from zeropp_jax.checkpoint import save``, ...) name the same module objects as their
 # homes in the layer folders.
-for _module in (analysis, checkpoint, collectives, generate, losses, processes, qgz,
+for _module in (analysis, checkpoint, collectives, losses, processes, qgz,
                 quantization, ulysses, viz, wrap):
     _sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[-1]}"] = _module
 del _module
+# ``zpp.generate`` is the function; its module keeps the import path the docs show.
+_sys.modules[f"{__name__}.generation"] = _generation
 
 __all__ = [
     "Engine",

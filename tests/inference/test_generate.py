@@ -10,7 +10,7 @@ import zeropp_jax as zpp
 from zeropp_jax.measure.analysis import comm_report
 from zeropp_jax.inference.generate import (
     gather_secondary,
-    generate,
+    generate_without_cache,
     greedy_reference,
     lower_decode_step,
 )
@@ -36,7 +36,7 @@ def test_greedy_tokens_equal_single_device_and_decode_stays_in_node(mesh_shape, 
                                   mesh=mesh, config=cfg,
                                   frozen=_frozen if quantize_frozen else None)
     prompts = tokens(8, 3, seed=102)[:, :3]
-    out = generate(state, prompts, SMALL.seq_len)
+    out = generate_without_cache(state, prompts, SMALL.seq_len)
     ref = greedy_reference(GPT(SMALL), state.consolidate(), prompts, SMALL.seq_len)
     np.testing.assert_array_equal(out[:, :3], prompts)
     np.testing.assert_array_equal(out, ref)

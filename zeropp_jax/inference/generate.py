@@ -1,18 +1,22 @@
-"""Greedy autoregressive generation on a ZeRO train state, with hpZ's secondary partition.
+"""Generation on a ZeRO train state: KV-cached decoding with hpZ, and the cache-less one.
 
-Generation (RLHF's rollout phase) runs the model once per new token. ZeRO-3 would gather
-every unit's weights across all nodes at every step. Here the weights cross nodes once:
-``gather_secondary`` gathers each unit over ``("node", "local")`` and keeps, on every
-device, its hpZ secondary slice (``n_pad / L`` elements per unit; frozen weights stored
-quantized keep int8 values plus block scales). Every ``decode_step`` then rebuilds each
-unit's weights, just before the unit runs, with an all-gather over ``"local"`` only — zero
-bytes leave the node (with ``hpz_group_size = k * L``, ``k > 1``, the rebuild also
-exchanges between the ``k`` nodes of a group).
+``generate`` is RLHF's rollout phase: the model decodes one token per step with its KV cache
+(``conventions``: Flax's decode convention or transformers' ``init_cache``), the loop runs
+on device (``decode_loop``), and each device holds the cache of its own rows only. Every
+step runs each unit on its full weights, rebuilt just before the unit runs:
 
-No KV cache: each step reruns the model on a fixed-length token buffer ``[batch, length]``
-and reads the logits at the last filled position. A causal model's logits there do not
-depend on later (still empty) positions, so the tokens equal those of incremental decoding,
-and every step has the same shapes (one compiled program).
+* with hpZ (``config.hpz``): ``gather_secondary`` gathers every unit across nodes once and
+  keeps, on every device, its hpZ secondary slice (``n_pad / L`` elements per unit; frozen
+  weights stored quantized keep their int8 values plus block scales); each step rebuilds
+  the unit with an all-gather over ``"local"`` only, so zero bytes leave the node per token
+  (with ``hpz_group_size = k * L``, ``k > 1``, the rebuild also exchanges between the ``k``
+  nodes of a group);
+* without hpZ: each step gathers the unit from the primary shards over
+  ``("node", "local")`` with the unit's own transport (qwZ's INT8/INT4 blocks with
+  ``config.qwz``), as ZeRO-3's forward does.
+
+``generate_without_cache`` is the older generator: greedy only, rerunning the whole model
+on a fixed-length buffer for every token (its cost grows with the square of the length).
 """
 
 from __future__ import annotations
@@ -25,13 +29,25 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.train.engine import Engine
-from zeropp_jax.train.state import TrainState
-
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST
 from zeropp_jax.comm.transports.hpz import SecondaryRegather, secondary_of
 from zeropp_jax.core.mesh import AXES
+from zeropp_jax.inference.conventions import (
+    Convention,
+    TransformersCache,
+    cache_shapes,
+    convention_of,
+    init_cache,
+)
+from zeropp_jax.inference.decode_loop import Rollout, decode_loop
+from zeropp_jax.inference.sampling import Sampling
+from zeropp_jax.train.engine import Engine
+from zeropp_jax.train.global_batch import batch_offset
+from zeropp_jax.train.state import TrainState
+from zeropp_jax.units.adapters.linen import LinenAdapter
+from zeropp_jax.units.apply import apply_from_source
+from zeropp_jax.units.ordering import GatherOrder, after
 
 PyTree = Any
 SHARDED = P(AXES)
@@ -195,9 +211,10 @@ def _buffer(state: TrainState, prompts: np.ndarray, length: int) -> jax.Array:
     return jax.device_put(buf, NamedSharding(state.mesh, SHARDED))
 
 
-def generate(state: TrainState, prompts: np.ndarray, length: int, *,
-             secondary: dict | None = None, method: Any = None) -> np.ndarray:
-    """Greedy generation: ``prompts`` int32 ``[batch, t0]`` -> tokens ``[batch, length]``.
+def generate_without_cache(state: TrainState, prompts: np.ndarray, length: int, *,
+                           secondary: dict | None = None, method: Any = None) -> np.ndarray:
+    """Greedy generation without a KV cache: ``prompts`` int32 ``[batch, t0]`` -> tokens
+    ``[batch, length]``; every token reruns the model on the whole buffer.
 
     Gathers the secondary partition once (``gather_secondary``, unless given) and runs
     ``length - t0`` decode steps, each communicating only inside the node.
@@ -221,3 +238,253 @@ def greedy_reference(model: Any, params: PyTree, prompts: np.ndarray, length: in
             logits = apply(params, buf)
             buf[:, pos] = np.asarray(jnp.argmax(logits[:, pos - 1], axis=-1))
     return buf
+
+
+# ---------------------------------------------------------------------------------------
+# KV-cached generation
+# ---------------------------------------------------------------------------------------
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return id(x)
+
+
+def _unit_weights(engine: Engine, name: str, source: Any, frozen: Any, hpz: bool,
+                  tie: Any) -> PyTree:
+    """Inside ``shard_map``: unit ``name``'s full params tree in the compute dtype, rebuilt
+    from hpZ's secondary (``source``: ``gather_secondary``'s dict; an all-gather over
+    ``"local"``) or gathered from the primary shards (``source``: ``{unit: shard}``; an
+    all-gather over ``("node", "local")`` with the unit's transport). ``tie(x)``: the
+    stored buffer made to wait for the step's input (no gather is hoisted out of the
+    token loop; at most ``prefetch`` gathers run ahead)."""
+    cdt = engine.config.compute_jnp_dtype
+    t = engine.transports[name]
+    tree: PyTree = {}
+    parts = []
+    if name in engine.layouts:
+        parts.append(("params/", t.weights, engine.layouts[name],
+                      None if hpz else (source[name],)))
+    if name in engine.frozen_layouts:
+        parts.append(("frozen/", t.frozen, engine.frozen_layouts[name],
+                      None if hpz else frozen_local_shards(frozen, name)))
+    for kind, transport, layout, stored in parts:
+        if hpz:
+            kept = tuple(tie(x) for x in source[kind + name])
+            full = secondary_of(transport).regather(kept)
+        else:
+            full = transport.gather(tuple(tie(x) for x in stored))[0]
+        tree = merge_trees(tree, layout.unflatten(full.astype(cdt)))
+    return tree
+
+
+def _model_step(engine: Engine, convention: Convention, source: Any, frozen: Any, hpz: bool,
+                length: int) -> Any:
+    """Inside ``shard_map``: ``step(cache, tokens [b, 1], position)`` -> ``(logits, cache)``
+    with every unit's weights from ``_unit_weights``."""
+    adapter = LinenAdapter(convention.module)
+
+    def step(cache: PyTree, tokens: jax.Array, position: jax.Array) -> tuple:
+        order = GatherOrder(engine.config.prefetch)
+
+        def tie(x: jax.Array) -> jax.Array:
+            return after(order.tie(x), tokens)
+
+        args, kwargs = convention.step_args(tokens, position, length)
+        out, mutated = apply_from_source(
+            adapter, engine.layouts, engine.frozen_layouts,
+            lambda name: _unit_weights(engine, name, source, frozen, hpz, tie),
+            engine.config.compute_jnp_dtype, *args, collections={"cache": cache},
+            mutable=["cache"], order=order, **kwargs)
+        return convention.logits(out), mutated["cache"]
+
+    return step
+
+
+def _source(state: TrainState, hpz: bool) -> Any:
+    """What the token loop rebuilds weights from: hpZ's secondary (gathered across nodes
+    here, once) or the primary shards."""
+    return gather_secondary(state) if hpz else dict(state.params.units)
+
+
+def _generate_program(engine: Engine, convention: Convention, rollout: Rollout,
+                      hpz: bool) -> Any:
+    key = ("generate", "kv", type(convention), _hashable(convention.module), rollout, hpz)
+    return engine.remembered(key, lambda: _build_generate_program(engine, convention,
+                                                                  rollout, hpz))
+
+
+def _build_generate_program(engine: Engine, convention: Convention, rollout: Rollout,
+                            hpz: bool) -> Any:
+    def body(source: Any, frozen: Any, prompts: jax.Array, lengths: jax.Array,
+             key: jax.Array) -> jax.Array:
+        b, t0 = prompts.shape
+        length = t0 + rollout.max_new_tokens
+        rows = batch_offset(prompts) + jnp.arange(b, dtype=jnp.int32)
+        step = _model_step(engine, convention, source, frozen, hpz, length)
+        return decode_loop(step, init_cache(convention, b, length), prompts, lengths, rows,
+                           key, rollout)
+
+    def run(source: Any, frozen: Any, prompts: jax.Array, lengths: jax.Array,
+            key: jax.Array) -> jax.Array:
+        in_specs = (_specs(source), None if frozen is None else frozen.specs(), SHARDED,
+                    SHARDED, P())
+        return jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
+                             out_specs=SHARDED, check_vma=False)(
+            source, frozen, prompts, lengths, key)
+
+    return jax.jit(run)
+
+
+def _check_generate(state: Any, prompts: Any, max_new_tokens: int, model: Any,
+                    prompt_lengths: Any, sampling: Sampling, key: Any
+                    ) -> tuple[Engine, Convention, jax.Array, jax.Array, jax.Array]:
+    engine = _check(state)
+    convention = convention_of(engine.adapter, model)
+    shape = np.shape(prompts)
+    if len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"prompts must be int [batch, prompt_len >= 1], got shape {shape}")
+    b, t0 = shape
+    n = engine.num_devices
+    if b % n:
+        raise ValueError(
+            f"batch {b} must be a multiple of the {n} devices the rows are split over; pad the "
+            f"batch with dummy prompts to {-(-b // n) * n} rows")
+    if prompt_lengths is None:
+        lengths = np.full((b,), t0, np.int32)
+    else:
+        lengths = np.asarray(prompt_lengths, np.int32)
+        if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t0:
+            raise ValueError(
+                f"prompt_lengths must be int [{b}] with values in [1, {t0}] (row r's prompt is "
+                f"prompts[r, :prompt_lengths[r]], right-padded); got shape {lengths.shape}, "
+                f"values {lengths.min()}..{lengths.max()}")
+    if key is None:
+        if not sampling.greedy:
+            raise ValueError(
+                f"temperature={sampling.temperature} samples tokens: pass key=jax.random."
+                "key(seed) (or temperature=0.0 for greedy decoding)")
+        key = jax.random.PRNGKey(0)
+    cache_shapes(convention, b // n, t0 + max_new_tokens)  # a clear error if none is made
+    sharded = NamedSharding(engine.mesh, SHARDED)
+    put = (lambda x: jax.device_put(x, sharded)) if jax.process_count() == 1 else (
+        lambda x: jax.make_array_from_process_local_data(sharded, x, x.shape))
+    return (engine, convention, put(np.asarray(prompts, np.int32)), put(lengths),
+            jax.device_put(key, NamedSharding(engine.mesh, P())))
+
+
+def generate(state: TrainState, prompts: Any, max_new_tokens: int, *, model: Any = None,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             key: jax.Array | None = None, stop_tokens: Any = None,
+             prompt_lengths: Any = None, pad_token: int = 0,
+             secondary: dict | None = None) -> jax.Array:
+    """Decodes ``max_new_tokens`` tokens after each prompt with a KV cache, on the sharded
+    state.
+
+    Args:
+      state: a ZeRO-3 ``TrainState`` of a linen model in Flax's decode convention or a
+        transformers Flax causal LM.
+      prompts: int ``[batch, prompt_len]``, rows right-padded; ``batch`` a multiple of the
+        device count (each device decodes ``batch / devices`` rows and holds only their
+        cache).
+      max_new_tokens: tokens generated after each row's prompt.
+      model: the decode-mode twin of a linen model (e.g. Flax lm1b's
+        ``TransformerLM(config.replace(decode=True))``) sharing the state's params tree;
+        None: the state's model (a transformers model, or a linen model already in decode
+        mode).
+      temperature, top_k, top_p: ``temperature=0`` is greedy; otherwise tokens are sampled
+        (``sampling.Sampling``) with ``key``, which is then required. Each row's draw
+        depends on the key, the position and the row's index only: the same key gives
+        the same tokens on every mesh shape.
+      stop_tokens: a row ends after emitting one of these (kept); ``pad_token`` after.
+      prompt_lengths: int ``[batch]``, row ``r``'s prompt is ``prompts[r, :len]``
+        (default: all of ``prompt_len``); its new tokens follow at positions
+        ``len .. len + max_new_tokens - 1``, then ``pad_token``.
+      secondary: ``gather_secondary(state)`` already made (hpZ), to reuse it across calls.
+    Returns:
+      int32 ``[batch, prompt_len + max_new_tokens]``, split over the devices by rows
+      (``np.asarray`` it on one process).
+
+    One compiled program per (batch, prompt_len, max_new_tokens) and settings; the tokens
+    are decided on device in one loop. Weights: see the module docstring (hpZ: gathered
+    across nodes once, then only inside the node).
+    """
+    sampling = Sampling(float(temperature), top_k, top_p)
+    rollout = Rollout(int(max_new_tokens), sampling,
+                      tuple(int(t) for t in np.ravel(stop_tokens if stop_tokens is not None
+                                                     else []).tolist()), int(pad_token))
+    engine, convention, prompts_, lengths, key_ = _check_generate(
+        state, prompts, rollout.max_new_tokens, model, prompt_lengths, sampling, key)
+    hpz = engine.config.hpz
+    source = secondary if (hpz and secondary is not None) else _source(state, hpz)
+    program = _generate_program(engine, convention, rollout, hpz)
+    return program(source, state.frozen, prompts_, lengths, key_)
+
+
+def lower_generation_step(state: TrainState, prompts: Any, max_new_tokens: int, *,
+                          model: Any = None) -> Any:
+    """One token step of ``generate``'s loop as its own lowered program (for
+    ``zeropp_jax.measure.analysis.comm_report``: the bytes each generated token moves;
+    with hpZ it reads the secondary, whose cross-node gather ``gather_secondary.lower``
+    shows)."""
+    sampling = Sampling()
+    engine, convention, prompts_, _, _ = _check_generate(
+        state, prompts, max_new_tokens, model, None, sampling, None)
+    hpz = engine.config.hpz
+    source = _source(state, hpz)
+    length = prompts_.shape[1] + max_new_tokens
+
+    def body(source: Any, frozen: Any, prompts: jax.Array) -> jax.Array:
+        step = _model_step(engine, convention, source, frozen, hpz, length)
+        cache = init_cache(convention, prompts.shape[0], length)
+        return step(cache, prompts[:, :1], jnp.int32(0))[0]
+
+    def run(source: Any, frozen: Any, prompts: jax.Array) -> jax.Array:
+        in_specs = (_specs(source), None if frozen is None else frozen.specs(), SHARDED)
+        return jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs, out_specs=SHARDED,
+                             check_vma=False)(source, frozen, prompts)
+
+    return jax.jit(run).lower(source, state.frozen, prompts_)
+
+
+def reference_generate(model: Any, params: PyTree, prompts: Any, max_new_tokens: int, *,
+                       temperature: float = 0.0, top_k: int | None = None,
+                       top_p: float | None = None, key: jax.Array | None = None,
+                       stop_tokens: Any = None, prompt_lengths: Any = None,
+                       pad_token: int = 0) -> np.ndarray:
+    """``generate``'s tokens computed on one device from full params (the same loop and
+    sampling, ``model.apply`` with a KV cache): the reference it is checked against.
+
+    ``model``: a linen module in decode mode, or a transformers Flax model (``params``: its
+    params tree)."""
+    from zeropp_jax.units.adapters.transformers import is_hf_model
+
+    convention = TransformersCache(model.module) if is_hf_model(model) else convention_of(
+        LinenAdapter(model))
+    sampling = Sampling(float(temperature), top_k, top_p)
+    rollout = Rollout(int(max_new_tokens), sampling,
+                      tuple(int(t) for t in np.ravel(stop_tokens if stop_tokens is not None
+                                                     else []).tolist()), int(pad_token))
+    prompts = np.asarray(prompts, np.int32)
+    b, t0 = prompts.shape
+    lengths = (np.full((b,), t0, np.int32) if prompt_lengths is None
+               else np.asarray(prompt_lengths, np.int32))
+    key = jax.random.PRNGKey(0) if key is None else key
+    length = t0 + rollout.max_new_tokens
+    cache_shapes(convention, b, length)
+
+    def run(params: PyTree, prompts: jax.Array, lengths: jax.Array, key: jax.Array) -> jax.Array:
+        def step(cache: PyTree, tokens: jax.Array, position: jax.Array) -> tuple:
+            args, kwargs = convention.step_args(tokens, position, length)
+            out, mutated = convention.module.apply({"params": params, "cache": cache}, *args,
+                                                   mutable=["cache"], **kwargs)
+            return convention.logits(out), mutated["cache"]
+
+        return decode_loop(step, init_cache(convention, b, length), prompts, lengths,
+                           jnp.arange(b, dtype=jnp.int32), key, rollout)
+
+    with jax.default_device(jax.devices()[0]):
+        return np.asarray(jax.jit(run)(params, prompts, lengths, key))

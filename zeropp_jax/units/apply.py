@@ -148,6 +148,54 @@ def apply_units(
                              collections=collections, **kwargs)
 
 
+def apply_from_source(
+    adapter: ModelAdapter,
+    layouts: Mapping[str, UnitLayout],
+    frozen_layouts: Mapping[str, UnitLayout] | None,
+    weights: Callable[[str], PyTree],
+    dtype: Any,
+    *args: Any,
+    method: str | Callable | None = None,
+    collections: Mapping[str, PyTree] | None = None,
+    order: Any = None,
+    memo: dict | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The model's call with each unit's full weights from ``weights``, no gradient path
+    (generation). Inside ``shard_map``.
+
+    ``weights(name)`` -> that unit's params tree (trainable and frozen parts merged), called
+    when the unit runs, so its gather happens there. Units read outside their own calls (a
+    tied head: ``find_resident``) and the rest unit are fetched once per call and read by
+    the model like any params. ``dtype``: the compute dtype the weights arrive in.
+    ``collections`` (e.g. ``{"cache": ...}``) and ``mutable=`` pass on to the model's
+    apply. ``order``: a ``GatherOrder`` that records each unit's output. Scanned stacks
+    are not supported (NotImplementedError naming the alternative).
+    """
+    frozen_layouts = frozen_layouts or {}
+    if any(lay.layer is not None for lay in layouts.values()):
+        raise NotImplementedError(
+            "generation does not run nn.scan stacks (stacked=); create the generation "
+            "state without stacked= (state.consolidate() gives the params tree), or decode "
+            "from state.consolidate() on one device")
+    names = set(layouts) | set(frozen_layouts)
+    path_of = {name: (layouts.get(name) or frozen_layouts[name]).path for name in names}
+    rest: PyTree = weights(REST) if REST in names else {}
+    shapes = {path_of[name]: _unit_shapes(layouts.get(name), frozen_layouts.get(name))
+              for name in names if name != REST}
+    resident, _ = find_resident(adapter, shapes, {}, rest, dtype, args,
+                                {**kwargs, "collections": collections}, method, memo)
+    units: dict[tuple[str, ...], Any] = {}
+    for name in sorted(names - {REST}):
+        if path_of[name] in resident:
+            rest = merge_units(rest, {path_of[name]: weights(name)})
+        else:
+            units[path_of[name]] = (
+                lambda name: lambda fn: lambda *arrays: fn(weights(name), *arrays))(name)
+    return adapter.run_units(units, rest, *args, method=method, order=order,
+                             collections=collections, **kwargs)
+
+
 def _unit_size(layout: UnitLayout | None, frozen: UnitLayout | None) -> int:
     """A unit's parameter count, trainable and frozen parts together."""
     return sum(lay.n for lay in (layout, frozen) if lay is not None)

@@ -1,0 +1,192 @@
+"""KV-cached generation on a sharded state (``zpp.generate``).
+
+Exactness: the sharded program runs each unit on its full weights (gathered, or rebuilt from
+hpZ's secondary) in fp32, so its logits equal one device's up to summation order; greedy
+tokens must then be identical to ``reference_generate`` (the same loop on one device with
+full params), to the cache-less full-sequence argmax (``greedy_reference``: checks the cache
+itself), and, for transformers models, to transformers' own ``generate``. A tie between the
+two best logits within rounding could flip a token; the tests draw fresh random models and
+check the continuations are not degenerate, and a flip would fail loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zpp
+from zeropp_jax.inference.generate import (
+    gather_secondary,
+    greedy_reference,
+    lower_generation_step,
+    reference_generate,
+)
+from zeropp_jax.inference.sampling import Sampling, filtered_logits
+from zeropp_jax.measure.analysis import comm_report
+from zeropp_demo.gpt import GPT
+from zeropp_demo.lm1b import TransformerConfig, TransformerLM
+
+from helpers import SMALL, init_params, tokens
+from zoo import hf_compat
+
+DECODE = dataclasses.replace(SMALL, decode=True)
+
+
+def _state(model, params, mesh_shape=(2, 4), **cfg):
+    cfg.setdefault("compute_dtype", "float32")
+    return zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                 mesh=zpp.make_mesh(*mesh_shape), config=zpp.ZeroPPConfig(**cfg))
+
+
+@pytest.mark.parametrize("hpz", [True, False])
+def test_gpt_greedy_equals_one_device_with_and_without_cache(hpz):
+    seed = np.random.SeedSequence().entropy % 10_000
+    params = init_params(seed=seed)
+    state = _state(GPT(SMALL), params, hpz=hpz)
+    prompts = tokens(8, 4, seed=seed + 1)[:, :4]
+    new = SMALL.seq_len - 4
+    out = np.asarray(zpp.generate(state, prompts, new, model=GPT(DECODE)))
+    assert out.shape == (8, SMALL.seq_len) and out.dtype == np.int32
+    np.testing.assert_array_equal(out[:, :4], prompts)
+    np.testing.assert_array_equal(out, reference_generate(GPT(DECODE), params, prompts, new))
+    # The cache-less argmax over the whole sequence: the cache holds the right keys/values.
+    np.testing.assert_array_equal(out, greedy_reference(GPT(SMALL), params, prompts,
+                                                        SMALL.seq_len))
+    assert len(np.unique(out[:, 4:])) > 2, f"seed {seed}: degenerate continuation"
+
+    # Bytes per generated token, from the compiled one-token step: hpZ reads the secondary
+    # inside the node only; ZeRO-3 gathers every unit across nodes.
+    step = comm_report(lower_generation_step(state, prompts, new, model=GPT(DECODE)),
+                       state.mesh)
+    assert step.intra_node_bytes > 0
+    if hpz:
+        assert step.cross_node_bytes == 0, step.table()
+        assert comm_report(gather_secondary.lower(state), state.mesh).cross_node_bytes > 0
+    else:
+        # fp32 weights, 2 nodes: each device receives the other node's half of every unit.
+        n_pad = sum(lay.n_pad for lay in state.engine.layouts.values())
+        assert step.cross_node_bytes >= 4 * n_pad / 2, step.table()
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8), (4, 2)])
+def test_sampling_is_the_same_on_every_mesh_and_follows_lengths_and_stops(mesh_shape):
+    params = init_params(seed=11)
+    state = _state(GPT(SMALL), params, mesh_shape)
+    prompts = tokens(8, 5, seed=12)[:, :5]
+    lengths = np.array([1, 5, 3, 2, 5, 4, 1, 2], np.int32)
+    kw = dict(temperature=1.3, top_k=20, top_p=0.9, key=jax.random.PRNGKey(7),
+              stop_tokens=[3, 9], prompt_lengths=lengths, pad_token=63)
+    out = np.asarray(zpp.generate(state, prompts, 6, model=GPT(DECODE), **kw))
+    ref = reference_generate(GPT(DECODE), params, prompts, 6, **kw)
+    np.testing.assert_array_equal(out, ref)
+    for row, n in zip(out, lengths):
+        gen = row[n:n + 6]
+        stop = [i for i, t in enumerate(gen) if t in (3, 9)]
+        end = stop[0] + 1 if stop else 6
+        assert (row[n + end:] == 63).all()  # padding after the stop / after 6 new tokens
+    for row, p, n in zip(out, prompts, lengths):
+        np.testing.assert_array_equal(row[:n], p[:n])
+    # Another key draws other tokens.
+    other = np.asarray(zpp.generate(state, prompts, 6, model=GPT(DECODE),
+                                    **{**kw, "key": jax.random.PRNGKey(8)}))
+    assert (other != out).any()
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]], np.float32))
+    kept = lambda s: np.isfinite(np.asarray(filtered_logits(logits, s)))  # noqa: E731
+    np.testing.assert_array_equal(kept(Sampling(1.0, top_k=2)),
+                                  [[1, 1, 0, 0], [0, 0, 1, 1]])
+    # top_p=0.8: 0.5 + 0.3 reaches it, so the third is dropped; 0.81 needs the third.
+    np.testing.assert_array_equal(kept(Sampling(1.0, top_p=0.8)), [[1, 1, 0, 0], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(kept(Sampling(1.0, top_p=0.81)), [[1, 1, 1, 0], [0, 1, 1, 1]])
+    np.testing.assert_array_equal(kept(Sampling(1.0, top_p=0.01)), [[1, 0, 0, 0], [0, 0, 0, 1]])
+    # The temperature divides the logits.
+    np.testing.assert_allclose(np.asarray(filtered_logits(logits, Sampling(2.0))), logits / 2)
+
+
+def test_frozen_int8_weights_stay_quantized_and_match_their_dequantized_reference():
+    """Frozen kernels stored as INT8: the secondary keeps int8 values, and the tokens are
+    those of one device at the dequantized weights (state.consolidate())."""
+    params = init_params(seed=21)
+    state = zpp.TrainState.create(
+        model=GPT(SMALL), params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+        config=zpp.ZeroPPConfig(compute_dtype="float32", quantize_frozen=True, hpz=True,
+                                block_size=64),
+        frozen=lambda path: path[-1] == "kernel")
+    secondary = gather_secondary(state)
+    assert any(v[0].dtype == np.int8 for k, v in secondary.items() if k.startswith("frozen/"))
+    prompts = tokens(8, 3, seed=22)[:, :3]
+    out = np.asarray(zpp.generate(state, prompts, 7, model=GPT(DECODE), secondary=secondary))
+    np.testing.assert_array_equal(
+        out, reference_generate(GPT(DECODE), state.consolidate(), prompts, 7))
+
+
+def test_flax_lm1b_decode_convention():
+    """Flax's lm1b model: its decode twin (Flax's own attention cache and cache_index) on the
+    trained model's params; greedy tokens equal one device's and the training-mode model's
+    argmax (which shifts right: its position j predicts token j + 1 of the BOS-led row)."""
+    cfg = TransformerConfig(max_len=16)
+    model, twin = TransformerLM(cfg), TransformerLM(dataclasses.replace(cfg, decode=True))
+    params = model.init(jax.random.PRNGKey(3), np.zeros((1, 16), np.int32))["params"]
+    state = zpp.TrainState.create(
+        model=model, params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+        config=zpp.ZeroPPConfig(compute_dtype="float32"),
+        units=[("decoder", f"encoderdecoderblock_{i}") for i in range(2)])
+    prompts = np.concatenate([np.zeros((8, 1), np.int32), tokens(8, 3, seed=4)[:, :3]], 1)
+    out = np.asarray(zpp.generate(state, prompts, 8, model=twin))
+    np.testing.assert_array_equal(out, reference_generate(twin, params, prompts, 8))
+    logits = np.asarray(model.apply({"params": params}, out[:, 1:]))
+    np.testing.assert_array_equal(np.argmax(logits[:, 3:], -1), out[:, 4:])
+    assert len(np.unique(out[:, 4:])) > 2
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_transformers_causal_lms_match_their_own_generate(arch):
+    transformers = pytest.importorskip("transformers")
+    with hf_compat():
+        _check_transformers(transformers, arch)
+
+
+def _check_transformers(transformers, arch):
+    seed = int(np.random.SeedSequence().entropy % 1000)
+    if arch == "gpt2":
+        model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4), seed=seed)
+    else:
+        model = transformers.FlaxLlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16),
+            seed=seed)
+    state = _state(model, None, hpz=True)
+    prompts = np.random.default_rng(seed).integers(1, 64, (8, 4)).astype(np.int32)
+    # transformers stops a row at the config's eos token and pads it with pad_token_id.
+    out = np.asarray(zpp.generate(state, prompts, 8, stop_tokens=[model.config.eos_token_id],
+                                  pad_token=0))
+    own = np.asarray(model.generate(prompts, max_length=12, do_sample=False,
+                                    pad_token_id=0).sequences)
+    np.testing.assert_array_equal(out, own)
+    assert len(np.unique(out[:, 4:])) > 2, f"seed {seed}: degenerate continuation"
+
+
+def test_bad_input_is_refused_with_the_fix():
+    params = init_params(seed=31)
+    state = _state(GPT(SMALL), params)
+    prompts = tokens(8, 3, seed=32)[:, :3]
+    with pytest.raises(ValueError, match="decode-mode twin"):
+        zpp.generate(state, prompts, 4)  # GPT(SMALL) is not in decode mode
+    with pytest.raises(ValueError, match="multiple of the 8 devices"):
+        zpp.generate(state, prompts[:6], 4, model=GPT(DECODE))
+    with pytest.raises(ValueError, match="pass key="):
+        zpp.generate(state, prompts, 4, model=GPT(DECODE), temperature=0.7)
+    with pytest.raises(ValueError, match="prompt_lengths"):
+        zpp.generate(state, prompts, 4, model=GPT(DECODE), prompt_lengths=[0] * 8)
+    with pytest.raises(ValueError, match="top_p"):
+        zpp.generate(state, prompts, 4, model=GPT(DECODE), temperature=1.0, top_p=1.5,
+                     key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        zpp.generate(state, prompts, 0, model=GPT(DECODE))

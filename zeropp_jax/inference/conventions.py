@@ -1,0 +1,125 @@
+"""How a model decodes one token at a time with a KV cache: the two conventions we run.
+
+Both keep the keys and values of past tokens in a linen ``"cache"`` collection, made by
+``module.init`` on a ``[batch, max_len]`` input and updated by
+``module.apply({"params": ..., "cache": cache}, ..., mutable=["cache"])``:
+
+* ``FlaxCache``: Flax's own convention (``nn.MultiHeadDotProductAttention(decode=True)``,
+  Flax's lm1b and wmt example models, the demo GPT with ``GPTConfig(decode=True)``): the
+  decode-mode module is called on the next token ``[batch, 1]`` and keeps its own position.
+* ``TransformersCache``: transformers' Flax causal LMs (GPT-2, Llama, ...): their module is
+  called with ``init_cache=True`` to make the cache, then on ``(input_ids [batch, 1],
+  attention_mask [batch, max_len], position_ids [batch, 1])``.
+
+A convention says which arguments make the cache and which run one step; the decoding loop
+(``decode_loop``) and the sharded weights (``generate``) know nothing else of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+Args = tuple[tuple, dict]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlaxCache:
+    """A linen module in Flax's decode mode (compared by identity).
+
+    Attributes:
+      module: the decode-mode module (e.g. ``TransformerLM(config.replace(decode=True))``),
+        whose params tree is the trained model's.
+    """
+
+    module: nn.Module
+
+    def init_args(self, batch: int, length: int) -> Args:
+        return (jnp.zeros((batch, length), jnp.int32),), {}
+
+    def step_args(self, tokens: jax.Array, position: jax.Array, length: int) -> Args:
+        return (tokens,), {}
+
+    def logits(self, out: Any) -> jax.Array:
+        return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TransformersCache:
+    """A transformers Flax causal LM's module (``model.module``; compared by identity).
+
+    Every position is valid (rows are right-padded and stop being read after their end),
+    so the attention mask is all ones; the module's cache masks positions not yet written.
+    """
+
+    module: nn.Module
+
+    def init_args(self, batch: int, length: int) -> Args:
+        ids = jnp.ones((batch, length), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        return (ids, jnp.ones_like(ids), positions), {"init_cache": True, "return_dict": False}
+
+    def step_args(self, tokens: jax.Array, position: jax.Array, length: int) -> Args:
+        b = tokens.shape[0]
+        mask = jnp.ones((b, length), jnp.int32)
+        positions = jnp.full((b, tokens.shape[1]), position, jnp.int32)
+        return (tokens, mask, positions), {"return_dict": False}
+
+    def logits(self, out: Any) -> jax.Array:
+        return out[0]
+
+
+Convention = FlaxCache | TransformersCache
+
+
+def convention_of(adapter: Any, model: Any = None) -> Convention:
+    """The decoding convention for a train state's model (its ``adapter``), or for
+    ``model``, its decode-mode twin (a linen module sharing its params tree)."""
+    if model is not None:
+        if getattr(adapter, "kind", None) == "transformers" and model is getattr(
+                adapter, "wrapper", None):
+            return TransformersCache(adapter.module)
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model= must be a linen module in decode mode (Flax's convention, e.g. "
+                f"TransformerLM(config.replace(decode=True))), got {type(model).__name__}")
+        return FlaxCache(model)
+    kind = getattr(adapter, "kind", None)
+    if kind == "transformers":
+        return TransformersCache(adapter.module)
+    if kind == "linen":
+        return FlaxCache(adapter.module)
+    raise NotImplementedError(
+        f"KV-cached generation runs linen modules and transformers Flax models; this state's "
+        f"model is {kind!r}. Consolidate its parameters (state.consolidate()) and decode "
+        "with the model itself, or pass model= a linen decode-mode twin with the same "
+        "params tree.")
+
+
+def cache_shapes(convention: Convention, batch: int, length: int) -> PyTree:
+    """The ``"cache"`` collection's shapes for ``batch`` rows of ``length`` tokens.
+
+    Raises ValueError naming the fix if the module makes no cache (a linen model not in
+    decode mode)."""
+    args, kwargs = convention.init_args(batch, length)
+    variables = jax.eval_shape(
+        lambda: convention.module.init(jax.random.PRNGKey(0), *args, **kwargs))
+    if "cache" not in variables:
+        raise ValueError(
+            f"{type(convention.module).__name__}.init made no 'cache' collection, so it cannot "
+            "decode incrementally. Pass generate(..., model=<its decode-mode twin>), e.g. "
+            "TransformerLM(config.replace(decode=True)) or GPT(dataclasses.replace(cfg, "
+            "decode=True)): the same module with decode=True, sharing the params tree.")
+    return variables["cache"]
+
+
+def init_cache(convention: Convention, batch: int, length: int) -> PyTree:
+    """The initial ``"cache"`` collection (the module's own init; under ``jax.jit`` the
+    parameters it also makes are dead code)."""
+    args, kwargs = convention.init_args(batch, length)
+    return convention.module.init(jax.random.PRNGKey(0), *args, **kwargs)["cache"]

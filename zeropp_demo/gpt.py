@@ -80,6 +80,19 @@ def cached_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array
     return jnp.einsum("bhqk,bkhd->bqhd", probs, cv.value)
 
 
+def cached_positions(module: nn.Module, t: int) -> jax.Array:
+    """Positions ``[t]`` of the next ``t`` tokens in decode mode: ``0..t-1`` at ``init``
+    (which makes the cache's ``position`` counter), then continuing from the counter, which
+    each call advances by ``t``."""
+    initialized = module.has_variable("cache", "position")
+    start = module.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
+    if not initialized:
+        return jnp.arange(t)
+    positions = jnp.arange(t) + start.value
+    start.value = start.value + t
+    return positions
+
+
 def _sequence_parallel(module: nn.Module) -> bool:
     # init runs outside shard_map (no mesh axis to split over); the parameters do not depend
     # on the sequence layout, so it takes the plain path.
@@ -145,11 +158,7 @@ class GPT(nn.Module):
         x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="wte")(tokens)
         positions = jnp.arange(t)
         if cfg.decode:
-            initialized = self.has_variable("cache", "position")
-            start = self.variable("cache", "position", lambda: jnp.zeros((), jnp.int32))
-            if initialized:
-                positions = positions + start.value
-                start.value = start.value + t
+            positions = cached_positions(self, t)
         elif _sequence_parallel(self):
             sp = jax.lax.axis_size(cfg.sequence_axis)
             if t * sp > cfg.seq_len:

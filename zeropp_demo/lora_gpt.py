@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zeropp_demo.gpt import GPTConfig, causal_attention
+from zeropp_demo.gpt import GPTConfig, cached_attention, cached_positions, causal_attention
 
 
 def is_adapter(path: tuple[str, ...]) -> bool:
@@ -54,7 +54,8 @@ class LoRABlock(nn.Module):
         h = nn.LayerNorm(dtype=cfg.dtype, name="ln1")(x)
         qkv = LoRADense(3 * d, r, dtype=cfg.dtype, name="qkv")(h)
         q, k, v = jnp.split(qkv.reshape(b, t, 3, cfg.heads, hd), 3, axis=2)
-        att = causal_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0]).reshape(b, t, d)
+        attend = (lambda *a: cached_attention(self, *a)) if cfg.decode else causal_attention
+        att = attend(q[:, :, 0], k[:, :, 0], v[:, :, 0]).reshape(b, t, d)
         x = x + LoRADense(d, r, dtype=cfg.dtype, name="proj")(att)
         h = nn.LayerNorm(dtype=cfg.dtype, name="ln2")(x)
         h = LoRADense(cfg.mlp_ratio * d, r, dtype=cfg.dtype, name="fc")(h)
@@ -66,6 +67,8 @@ class LoRAGPT(nn.Module):
 
     Block parameters are named ``block_i/{ln1, qkv, proj, ln2, fc, out}``: ``qkv`` and
     ``proj`` sit directly in the block (GPT has them under ``attn``); ``with_base`` maps.
+    With ``GPTConfig(decode=True)`` it decodes incrementally as ``GPT`` does (a "cache"
+    collection, Flax's decode convention).
     """
 
     config: GPTConfig
@@ -75,8 +78,9 @@ class LoRAGPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
         x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="wte")(tokens)
-        pos = nn.Embed(cfg.seq_len, cfg.d_model, dtype=cfg.dtype, name="wpe")(
-            jnp.arange(tokens.shape[1]))
+        t = tokens.shape[1]
+        positions = cached_positions(self, t) if cfg.decode else jnp.arange(t)
+        pos = nn.Embed(cfg.seq_len, cfg.d_model, dtype=cfg.dtype, name="wpe")(positions)
         x = x + pos[None]
         for i in range(cfg.layers):
             x = LoRABlock(cfg, self.rank, name=f"block_{i}")(x)

@@ -2,9 +2,9 @@
 
     python examples/rlhf.py --nodes 2 --local 4 --steps 20 --json rlhf.json
 
-The actor is a small GPT whose base weights are frozen and stored as INT8 primary shards
-(``quantize_frozen``), with LoRA adapters on every Dense of its blocks: only the adapters
-train. Each iteration:
+The actor is a small GPT whose base weights are frozen, with LoRA adapters on every Dense of
+its blocks: only the adapters train. With ``--mode zeropp`` the base is stored as INT8
+primary shards (``quantize_frozen``). Each iteration:
 
 1. **generate**: ``zpp.generate`` samples ``--new-tokens`` tokens after each prompt with the
    KV cache (temperature 1). With ``--mode zeropp`` (qwZ + hpZ + qgZ) every unit's weights
@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                    args.rank)
     params = actor.init(jax.random.PRNGKey(args.seed), np.zeros((1, length), np.int32))["params"]
     zeropp = args.mode == "zeropp"
-    config = zpp.ZeroPPConfig(compute_dtype=args.compute_dtype, quantize_frozen=True,
+    # zeropp: the base stored INT8 (gathered as stored), qwZ for the adapters, hpZ, qgZ;
+    # zero3: every weight gathered in the compute dtype across all devices.
+    config = zpp.ZeroPPConfig(compute_dtype=args.compute_dtype, quantize_frozen=zeropp,
                               qwz=zeropp, hpz=zeropp, qgz=zeropp)
     state = zpp.TrainState.create(model=actor, params=params, tx=optax.adam(args.lr), mesh=mesh,
                                   config=config, frozen=lambda path: not is_adapter(path))

@@ -57,6 +57,9 @@ def test_gpt_greedy_equals_one_device_with_and_without_cache(hpz):
     np.testing.assert_array_equal(out, greedy_reference(GPT(SMALL), params, prompts,
                                                         SMALL.seq_len))
     assert len(np.unique(out[:, 4:])) > 2, f"seed {seed}: degenerate continuation"
+    # Every unit gathered once before the loop: the same weights, the same tokens.
+    np.testing.assert_array_equal(
+        out, np.asarray(zpp.generate(state, prompts, new, model=GPT(DECODE), gather_once=True)))
 
     # Bytes per generated token, from the compiled one-token step: hpZ reads the secondary
     # inside the node only; ZeRO-3 gathers every unit across nodes.

@@ -282,9 +282,10 @@ def _unit_weights(engine: Engine, name: str, source: Any, frozen: Any, hpz: bool
 
 
 def _model_step(engine: Engine, convention: Convention, source: Any, frozen: Any, hpz: bool,
-                length: int) -> Any:
+                length: int, gathered: dict | None = None) -> Any:
     """Inside ``shard_map``: ``step(cache, tokens [b, 1], position)`` -> ``(logits, cache)``
-    with every unit's weights from ``_unit_weights``."""
+    with every unit's weights from ``_unit_weights`` at the unit's call, or, with
+    ``gathered`` (unit name -> params tree, gathered before the token loop), from there."""
     adapter = LinenAdapter(convention.module)
 
     def step(cache: PyTree, tokens: jax.Array, position: jax.Array) -> tuple:
@@ -293,10 +294,14 @@ def _model_step(engine: Engine, convention: Convention, source: Any, frozen: Any
         def tie(x: jax.Array) -> jax.Array:
             return after(order.tie(x), tokens)
 
+        def weights(name: str) -> PyTree:
+            if gathered is not None:
+                return gathered[name]
+            return _unit_weights(engine, name, source, frozen, hpz, tie)
+
         args, kwargs = convention.step_args(tokens, position, length)
         out, mutated = apply_from_source(
-            adapter, engine.layouts, engine.frozen_layouts,
-            lambda name: _unit_weights(engine, name, source, frozen, hpz, tie),
+            adapter, engine.layouts, engine.frozen_layouts, weights,
             engine.config.compute_jnp_dtype, *args, collections={"cache": cache},
             mutable=["cache"], order=order, **kwargs)
         return convention.logits(out), mutated["cache"]
@@ -311,20 +316,26 @@ def _source(state: TrainState, hpz: bool) -> Any:
 
 
 def _generate_program(engine: Engine, convention: Convention, rollout: Rollout,
-                      hpz: bool) -> Any:
-    key = ("generate", "kv", type(convention), _hashable(convention.module), rollout, hpz)
+                      hpz: bool, gather_once: bool = False) -> Any:
+    key = ("generate", "kv", type(convention), _hashable(convention.module), rollout, hpz,
+           gather_once)
     return engine.remembered(key, lambda: _build_generate_program(engine, convention,
-                                                                  rollout, hpz))
+                                                                  rollout, hpz, gather_once))
 
 
 def _build_generate_program(engine: Engine, convention: Convention, rollout: Rollout,
-                            hpz: bool) -> Any:
+                            hpz: bool, gather_once: bool) -> Any:
     def body(source: Any, frozen: Any, prompts: jax.Array, lengths: jax.Array,
              key: jax.Array) -> jax.Array:
         b, t0 = prompts.shape
         length = t0 + rollout.max_new_tokens
         rows = batch_offset(prompts) + jnp.arange(b, dtype=jnp.int32)
-        step = _model_step(engine, convention, source, frozen, hpz, length)
+        gathered = None
+        if gather_once:  # every unit's full weights, before the loop: none per token
+            names = set(engine.layouts) | set(engine.frozen_layouts)
+            gathered = {n: _unit_weights(engine, n, source, frozen, hpz, lambda x: x)
+                        for n in names}
+        step = _model_step(engine, convention, source, frozen, hpz, length, gathered)
         return decode_loop(step, init_cache(convention, b, length), prompts, lengths, rows,
                            key, rollout)
 
@@ -380,7 +391,7 @@ def generate(state: TrainState, prompts: Any, max_new_tokens: int, *, model: Any
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              key: jax.Array | None = None, stop_tokens: Any = None,
              prompt_lengths: Any = None, pad_token: int = 0,
-             secondary: dict | None = None) -> jax.Array:
+             secondary: dict | None = None, gather_once: bool = False) -> jax.Array:
     """Decodes ``max_new_tokens`` tokens after each prompt with a KV cache, on the sharded
     state.
 
@@ -404,6 +415,11 @@ def generate(state: TrainState, prompts: Any, max_new_tokens: int, *, model: Any
         (default: all of ``prompt_len``); its new tokens follow at positions
         ``len .. len + max_new_tokens - 1``, then ``pad_token``.
       secondary: ``gather_secondary(state)`` already made (hpZ), to reuse it across calls.
+      gather_once: gather every unit's full weights once, before the token loop, and keep
+        them for the whole call (as DeepSpeed's hybrid engine does for generation): no
+        weight traffic per token, at the memory of the whole model on every device for
+        the call. Default False: each unit is gathered when it runs, so at most
+        ``config.prefetch + 1`` units' full weights are live at once.
     Returns:
       int32 ``[batch, prompt_len + max_new_tokens]``, split over the devices by rows
       (``np.asarray`` it on one process).
@@ -412,15 +428,12 @@ def generate(state: TrainState, prompts: Any, max_new_tokens: int, *, model: Any
     are decided on device in one loop. Weights: see the module docstring (hpZ: gathered
     across nodes once, then only inside the node).
     """
-    sampling = Sampling(float(temperature), top_k, top_p)
-    rollout = Rollout(int(max_new_tokens), sampling,
-                      tuple(int(t) for t in np.ravel(stop_tokens if stop_tokens is not None
-                                                     else []).tolist()), int(pad_token))
+    rollout = _rollout(max_new_tokens, temperature, top_k, top_p, stop_tokens, pad_token)
     engine, convention, prompts_, lengths, key_ = _check_generate(
-        state, prompts, rollout.max_new_tokens, model, prompt_lengths, sampling, key)
+        state, prompts, rollout.max_new_tokens, model, prompt_lengths, rollout.sampling, key)
     hpz = engine.config.hpz
     source = secondary if (hpz and secondary is not None) else _source(state, hpz)
-    program = _generate_program(engine, convention, rollout, hpz)
+    program = _generate_program(engine, convention, rollout, hpz, bool(gather_once))
     return program(source, state.frozen, prompts_, lengths, key_)
 
 
@@ -450,33 +463,32 @@ def lower_generation_step(state: TrainState, prompts: Any, max_new_tokens: int, 
     return jax.jit(run).lower(source, state.frozen, prompts_)
 
 
-def reference_generate(model: Any, params: PyTree, prompts: Any, max_new_tokens: int, *,
-                       temperature: float = 0.0, top_k: int | None = None,
-                       top_p: float | None = None, key: jax.Array | None = None,
-                       stop_tokens: Any = None, prompt_lengths: Any = None,
-                       pad_token: int = 0) -> np.ndarray:
-    """``generate``'s tokens computed on one device from full params (the same loop and
-    sampling, ``model.apply`` with a KV cache): the reference it is checked against.
+def _rollout(max_new_tokens: int, temperature: float, top_k: int | None,
+             top_p: float | None, stop_tokens: Any, pad_token: int) -> Rollout:
+    stops = np.ravel(stop_tokens if stop_tokens is not None else []).tolist()
+    return Rollout(int(max_new_tokens), Sampling(float(temperature), top_k, top_p),
+                   tuple(int(t) for t in stops), int(pad_token))
 
-    ``model``: a linen module in decode mode, or a transformers Flax model (``params``: its
-    params tree)."""
+
+def reference_program(model: Any, max_new_tokens: int, *, temperature: float = 0.0,
+                      top_k: int | None = None, top_p: float | None = None,
+                      stop_tokens: Any = None, pad_token: int = 0) -> Any:
+    """A plain ``jax.jit`` KV-cached decoder on full params (one device, no ZeRO):
+    ``program(params, prompts [b, t0], lengths [b], key) -> int32 [b, t0 + max_new_tokens]``,
+    the same loop and sampling as ``generate``. Build once, call many times.
+
+    ``model``: a linen module in decode mode, or a transformers Flax model."""
     from zeropp_jax.units.adapters.transformers import is_hf_model
 
     convention = TransformersCache(model.module) if is_hf_model(model) else convention_of(
         LinenAdapter(model))
-    sampling = Sampling(float(temperature), top_k, top_p)
-    rollout = Rollout(int(max_new_tokens), sampling,
-                      tuple(int(t) for t in np.ravel(stop_tokens if stop_tokens is not None
-                                                     else []).tolist()), int(pad_token))
-    prompts = np.asarray(prompts, np.int32)
-    b, t0 = prompts.shape
-    lengths = (np.full((b,), t0, np.int32) if prompt_lengths is None
-               else np.asarray(prompt_lengths, np.int32))
-    key = jax.random.PRNGKey(0) if key is None else key
-    length = t0 + rollout.max_new_tokens
-    cache_shapes(convention, b, length)
+    rollout = _rollout(max_new_tokens, temperature, top_k, top_p, stop_tokens, pad_token)
 
     def run(params: PyTree, prompts: jax.Array, lengths: jax.Array, key: jax.Array) -> jax.Array:
+        b, t0 = prompts.shape
+        length = t0 + rollout.max_new_tokens
+        cache_shapes(convention, b, length)
+
         def step(cache: PyTree, tokens: jax.Array, position: jax.Array) -> tuple:
             args, kwargs = convention.step_args(tokens, position, length)
             out, mutated = convention.module.apply({"params": params, "cache": cache}, *args,
@@ -486,5 +498,25 @@ def reference_generate(model: Any, params: PyTree, prompts: Any, max_new_tokens:
         return decode_loop(step, init_cache(convention, b, length), prompts, lengths,
                            jnp.arange(b, dtype=jnp.int32), key, rollout)
 
+    return jax.jit(run)
+
+
+def reference_generate(model: Any, params: PyTree, prompts: Any, max_new_tokens: int, *,
+                       temperature: float = 0.0, top_k: int | None = None,
+                       top_p: float | None = None, key: jax.Array | None = None,
+                       stop_tokens: Any = None, prompt_lengths: Any = None,
+                       pad_token: int = 0) -> np.ndarray:
+    """``generate``'s tokens computed on one device from full params
+    (``reference_program``): the reference it is checked against.
+
+    ``model``: a linen module in decode mode, or a transformers Flax model (``params``: its
+    params tree)."""
+    program = reference_program(model, max_new_tokens, temperature=temperature, top_k=top_k,
+                                top_p=top_p, stop_tokens=stop_tokens, pad_token=pad_token)
+    prompts = np.asarray(prompts, np.int32)
+    b, t0 = prompts.shape
+    lengths = (np.full((b,), t0, np.int32) if prompt_lengths is None
+               else np.asarray(prompt_lengths, np.int32))
+    key = jax.random.PRNGKey(0) if key is None else key
     with jax.default_device(jax.devices()[0]):
-        return np.asarray(jax.jit(run)(params, prompts, lengths, key))
+        return np.asarray(program(params, prompts, lengths, key))

@@ -1,20 +1,24 @@
-"""Greedy generation with hpZ: weights cross nodes once, every decode step stays in the node.
+"""Generation with a KV cache and hpZ: weights cross nodes once, every token stays in the node.
 
     python examples/generate.py --nodes 2 --local 4 --new-tokens 24
+    python examples/generate.py --nodes 2 --local 4 --frozen-int8 --temperature 0.8 --top-k 40
 
-Trains a small byte-level GPT for ``--train-steps`` ZeRO-3 steps (so it generates something
-better than noise), then generates from prompts taken from the data: ``gather_secondary``
-gathers every unit across nodes once and keeps each device's hpZ secondary slice; each decode
-step rebuilds the weights with an all-gather over ``"local"`` only. Prints the comm report of
-both programs (cross-node bytes: the gather once, zero per decode step), checks the tokens
-against single-device greedy decoding from the same weights, and shows the text. With
-``--frozen-int8`` the base weights are stored as INT8 (``quantize_frozen``) and the secondary
-slices of them stay INT8. On a CPU machine the script simulates ``nodes * local`` devices.
+Trains a small byte-level GPT for ``--train-steps`` ZeRO-3 steps with hpZ (so it generates
+something better than noise), then generates from prompts taken from the data with
+``zpp.generate`` and the model's decode-mode twin (``GPTConfig(decode=True)``): the hpZ
+secondary is gathered across nodes once, then each token's step rebuilds every unit's weights
+with an all-gather over ``"local"`` only, and the KV cache of each device's rows stays on that
+device. Prints the comm report of both programs (cross-node bytes: the gather once, zero per
+token), checks greedy tokens against one device's KV decoding of the same weights, times the
+cache-less generator for comparison and shows the text. With ``--frozen-int8`` the base
+weights are stored as INT8 (``quantize_frozen``) and their secondary slices stay INT8. On a CPU
+machine the script simulates ``nodes * local`` devices.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -32,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--frozen-int8", action="store_true",
                    help="store every kernel frozen as INT8 (quantize_frozen) before generating")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -48,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from zeropp_jax.measure.analysis import comm_report
     from zeropp_demo.data import sample_batch, stdlib_corpus, train_val_split
-    from zeropp_jax.inference.generate import (gather_secondary, generate_without_cache, greedy_reference,
-                                     lower_decode_step)
+    from zeropp_jax.inference.generate import (gather_secondary, generate_without_cache,
+                                               lower_generation_step, reference_generate)
     from zeropp_demo.gpt import GPT, GPTConfig, lm_train_step
 
     length = args.prompt_len + args.new_tokens
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = zpp.make_mesh(args.nodes, args.local)
     train, val = train_val_split(stdlib_corpus(2_000_000))
     model = GPT(cfg)
-    config = zpp.ZeroPPConfig(compute_dtype=args.compute_dtype)
+    config = zpp.ZeroPPConfig(compute_dtype=args.compute_dtype, hpz=True)
 
     step = lm_train_step()
 
@@ -70,23 +77,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_steps:
         print(f"trained {args.train_steps} steps: loss {float(m['loss']):.3f}")
     if args.frozen_int8:
-        config = zpp.ZeroPPConfig(compute_dtype=args.compute_dtype, quantize_frozen=True)
+        config = zpp.ZeroPPConfig(compute_dtype=args.compute_dtype, quantize_frozen=True,
+                                  hpz=True)
         state = zpp.TrainState.create(model=model, params=state.consolidate(),
                                       tx=optax.sgd(0.0), mesh=mesh, config=config,
                                       frozen=lambda path: path[-1] == "kernel")
 
     n = args.nodes * args.local
     prompts = sample_batch(val, n, args.prompt_len - 1, seed=args.seed + 1, step=0)
+    twin = GPT(dataclasses.replace(cfg, decode=True))  # same params, KV cache
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    key=jax.random.PRNGKey(args.seed) if args.temperature > 0 else None)
     gather_rep = comm_report(gather_secondary.lower(state), mesh)
+    token_rep = comm_report(lower_generation_step(state, prompts, args.new_tokens, model=twin),
+                            mesh)
     secondary = gather_secondary(state)
-    decode_rep = comm_report(
-        lower_decode_step(state, secondary, np.zeros((n, length), np.int32), args.prompt_len),
-        mesh)
+    zpp.generate(state, prompts, args.new_tokens, model=twin, secondary=secondary, **sampling)
     t0 = time.perf_counter()
-    out = generate_without_cache(state, prompts, length, secondary=secondary)
+    out = np.asarray(zpp.generate(state, prompts, args.new_tokens, model=twin,
+                                  secondary=secondary, **sampling))
     seconds = time.perf_counter() - t0
-    ref = greedy_reference(model, state.consolidate(), prompts, length)
+    ref = reference_generate(twin, state.consolidate(), prompts, args.new_tokens, **sampling)
     same = bool(np.array_equal(out, ref))
+    generate_without_cache(state, prompts, length, secondary=secondary)  # compile
+    t0 = time.perf_counter()
+    generate_without_cache(state, prompts, length, secondary=secondary)
+    cacheless = time.perf_counter() - t0
 
     sec_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(secondary)) / n
     print(f"\nmesh {args.nodes}x{args.local}, GPT {args.layers}x{args.d_model}, "
@@ -94,15 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"secondary partition: {sec_bytes:,.0f} bytes per device")
     print(f"gather_secondary (once): cross-node {gather_rep.cross_node_bytes_per_node:,.0f} "
           f"B per node, intra-node {gather_rep.intra_node_bytes:,.0f} B")
-    print(f"decode step (x{args.new_tokens}): cross-node {decode_rep.cross_node_bytes_per_node:,.0f} "
-          f"B per node, intra-node {decode_rep.intra_node_bytes:,.0f} B")
-    print(decode_rep.table())
-    print(f"generated {args.new_tokens} tokens x {n} prompts in {seconds:.2f} s; "
-          f"equal to single-device greedy decoding: {same}")
+    print(f"one token (x{args.prompt_len + args.new_tokens - 1} steps): cross-node "
+          f"{token_rep.cross_node_bytes_per_node:,.0f} B per node, intra-node "
+          f"{token_rep.intra_node_bytes:,.0f} B")
+    print(f"generated {args.new_tokens} tokens x {n} prompts in {seconds:.3f} s with the KV "
+          f"cache ({cacheless:.3f} s without); equal to one device's decoding: {same}")
     for row in out[:3]:
         text = bytes(int(t) for t in row).decode("utf-8", "replace")
         print(repr(text[: args.prompt_len]), "->", repr(text[args.prompt_len:]))
-    return 0 if same and decode_rep.cross_node_bytes == 0 else 1
+    return 0 if same and token_rep.cross_node_bytes == 0 else 1
 
 
 if __name__ == "__main__":

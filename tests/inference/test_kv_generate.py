@@ -25,6 +25,7 @@ from zeropp_jax.inference.generate import (
     lower_generation_step,
     reference_generate,
 )
+from zeropp_jax.inference.conventions import FlaxCache, takes_several_tokens
 from zeropp_jax.inference.sampling import Sampling, filtered_logits
 from zeropp_jax.measure.analysis import comm_report
 from zeropp_demo.gpt import GPT
@@ -143,6 +144,10 @@ def test_flax_lm1b_decode_convention():
     prompts = np.concatenate([np.zeros((8, 1), np.int32), tokens(8, 3, seed=4)[:, :3]], 1)
     out = np.asarray(zpp.generate(state, prompts, 8, model=twin))
     np.testing.assert_array_equal(out, reference_generate(twin, params, prompts, 8))
+    # Flax's decode-mode attention takes one token per call: no prefill, one at a time; the
+    # demo GPT's cache takes a whole prompt prefix in one step.
+    assert not takes_several_tokens(FlaxCache(twin), 1, 12)
+    assert takes_several_tokens(FlaxCache(GPT(DECODE)), 1, 12)
     logits = np.asarray(model.apply({"params": params}, out[:, 1:]))
     np.testing.assert_array_equal(np.argmax(logits[:, 3:], -1), out[:, 4:])
     assert len(np.unique(out[:, 4:])) > 2

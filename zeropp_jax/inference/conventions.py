@@ -6,10 +6,11 @@ Both keep the keys and values of past tokens in a linen ``"cache"`` collection, 
 
 * ``FlaxCache``: Flax's own convention (``nn.MultiHeadDotProductAttention(decode=True)``,
   Flax's lm1b and wmt example models, the demo GPT with ``GPTConfig(decode=True)``): the
-  decode-mode module is called on the next token ``[batch, 1]`` and keeps its own position.
+  decode-mode module is called on the next token ``[batch, 1]`` (or, where the module allows,
+  the next ``t`` tokens) and keeps its own position.
 * ``TransformersCache``: transformers' Flax causal LMs (GPT-2, Llama, ...): their module is
-  called with ``init_cache=True`` to make the cache, then on ``(input_ids [batch, 1],
-  attention_mask [batch, max_len], position_ids [batch, 1])``.
+  called with ``init_cache=True`` to make the cache, then on ``(input_ids [batch, t],
+  attention_mask [batch, max_len], position_ids [batch, t])``.
 
 A convention says which arguments make the cache and which run one step; the decoding loop
 (``decode_loop``) and the sharded weights (``generate``) know nothing else of the model.
@@ -67,7 +68,8 @@ class TransformersCache:
     def step_args(self, tokens: jax.Array, position: jax.Array, length: int) -> Args:
         b = tokens.shape[0]
         mask = jnp.ones((b, length), jnp.int32)
-        positions = jnp.full((b, tokens.shape[1]), position, jnp.int32)
+        positions = jnp.broadcast_to(position + jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                     tokens.shape)
         return (tokens, mask, positions), {"return_dict": False}
 
     def logits(self, out: Any) -> jax.Array:
@@ -116,6 +118,28 @@ def cache_shapes(convention: Convention, batch: int, length: int) -> PyTree:
             "TransformerLM(config.replace(decode=True)) or GPT(dataclasses.replace(cfg, "
             "decode=True)): the same module with decode=True, sharing the params tree.")
     return variables["cache"]
+
+
+def takes_several_tokens(convention: Convention, batch: int, length: int) -> bool:
+    """Whether one step can feed several tokens (a prompt's prefix at once, "prefill"):
+    traced abstractly with two tokens. Flax's ``nn.MultiHeadDotProductAttention`` in decode
+    mode takes one token per call and raises; transformers' models and the demo GPT take
+    several."""
+    cache = cache_shapes(convention, batch, length)
+    args, kwargs = convention.step_args(jnp.zeros((batch, 2), jnp.int32), jnp.int32(0),
+                                        length)
+
+    def step(cache: PyTree) -> Any:
+        variables = convention.module.init(jax.random.PRNGKey(0), *convention.init_args(
+            batch, length)[0], **convention.init_args(batch, length)[1])
+        return convention.module.apply({"params": variables["params"], "cache": cache},
+                                       *args, mutable=["cache"], **kwargs)
+
+    try:
+        jax.eval_shape(step, cache)
+    except Exception:  # noqa: BLE001 - any refusal of a 2-token step means one at a time
+        return False
+    return True
 
 
 def init_cache(convention: Convention, batch: int, length: int) -> PyTree:

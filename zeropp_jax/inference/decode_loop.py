@@ -9,7 +9,9 @@ positions (a short prompt starts generating earlier), so no padding is ever atte
 
 The loop is a ``jax.lax.fori_loop`` over a fixed count, ``prompt_len + max_new_tokens - 1``
 steps: one compiled program per (batch, length), and no device waits on another to decide
-whether to stop (rows that stopped produce padding until the end).
+whether to stop (rows that stopped produce padding until the end). With ``prefill``, the
+first ``prefill`` positions (a prefix every row's prompt covers) go through the model in one
+step before the loop.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class Rollout:
 
 
 def decode_loop(step: Step, cache: PyTree, prompts: jax.Array, lengths: jax.Array,
-                rows: jax.Array, key: jax.Array | None, rollout: Rollout) -> jax.Array:
+                rows: jax.Array, key: jax.Array | None, rollout: Rollout,
+                prefill: int = 0) -> jax.Array:
     """Generates after each row's prompt. Runs wherever ``step`` runs (one device, or inside
     ``shard_map`` on this device's rows).
 
@@ -61,6 +64,9 @@ def decode_loop(step: Step, cache: PyTree, prompts: jax.Array, lengths: jax.Arra
       lengths: int32 ``[b]``, each row's prompt length, in ``[1, prompt_len]``.
       rows: int32 ``[b]``, each row's index in the global batch (sampling keys).
       key: PRNG key for sampling (None when greedy).
+      prefill: feed the first ``prefill`` positions in one step (every row's prompt must
+        be longer than ``prefill``; the model must take several tokens per step); 0: one
+        token per step from the start.
     Returns:
       int32 ``[b, prompt_len + max_new_tokens]``.
     """
@@ -87,5 +93,9 @@ def decode_loop(step: Step, cache: PyTree, prompts: jax.Array, lengths: jax.Arra
         buf = jax.lax.dynamic_update_slice_in_dim(buf, token[:, None], p, axis=1)
         return buf, cache, done
 
-    buf, _, _ = jax.lax.fori_loop(0, total - 1, body, (buf, cache, jnp.zeros((b,), bool)))
+    if prefill:
+        # Positions < prefill are prompt tokens of every row: their logits are not needed.
+        _, cache = step(cache, buf[:, :prefill], jnp.int32(0))
+    buf, _, _ = jax.lax.fori_loop(prefill, total - 1, body,
+                                  (buf, cache, jnp.zeros((b,), bool)))
     return buf

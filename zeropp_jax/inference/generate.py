@@ -39,6 +39,7 @@ from zeropp_jax.inference.conventions import (
     cache_shapes,
     convention_of,
     init_cache,
+    takes_several_tokens,
 )
 from zeropp_jax.inference.decode_loop import Rollout, decode_loop
 from zeropp_jax.inference.sampling import Sampling
@@ -316,15 +317,15 @@ def _source(state: TrainState, hpz: bool) -> Any:
 
 
 def _generate_program(engine: Engine, convention: Convention, rollout: Rollout,
-                      hpz: bool, gather_once: bool = False) -> Any:
+                      hpz: bool, gather_once: bool = False, prefill: int = 0) -> Any:
     key = ("generate", "kv", type(convention), _hashable(convention.module), rollout, hpz,
-           gather_once)
-    return engine.remembered(key, lambda: _build_generate_program(engine, convention,
-                                                                  rollout, hpz, gather_once))
+           gather_once, prefill)
+    return engine.remembered(key, lambda: _build_generate_program(
+        engine, convention, rollout, hpz, gather_once, prefill))
 
 
 def _build_generate_program(engine: Engine, convention: Convention, rollout: Rollout,
-                            hpz: bool, gather_once: bool) -> Any:
+                            hpz: bool, gather_once: bool, prefill: int) -> Any:
     def body(source: Any, frozen: Any, prompts: jax.Array, lengths: jax.Array,
              key: jax.Array) -> jax.Array:
         b, t0 = prompts.shape
@@ -337,7 +338,7 @@ def _build_generate_program(engine: Engine, convention: Convention, rollout: Rol
                         for n in names}
         step = _model_step(engine, convention, source, frozen, hpz, length, gathered)
         return decode_loop(step, init_cache(convention, b, length), prompts, lengths, rows,
-                           key, rollout)
+                           key, rollout, prefill)
 
     def run(source: Any, frozen: Any, prompts: jax.Array, lengths: jax.Array,
             key: jax.Array) -> jax.Array:
@@ -348,6 +349,18 @@ def _build_generate_program(engine: Engine, convention: Convention, rollout: Rol
             source, frozen, prompts, lengths, key)
 
     return jax.jit(run)
+
+
+def _prefill(convention: Convention, shape: tuple, prompt_lengths: Any, rollout: Rollout,
+              devices: int = 1) -> int:
+    """How many prompt positions one step feeds before the token loop: all but the last of a
+    full-length prompt batch, when the model takes several tokens per step; else 0 (rows of
+    different lengths go one token at a time, so the program does not depend on them)."""
+    b, t0 = shape
+    if prompt_lengths is not None or t0 < 2:
+        return 0
+    return t0 - 1 if takes_several_tokens(convention, b // devices,
+                                          t0 + rollout.max_new_tokens) else 0
 
 
 def _check_generate(state: Any, prompts: Any, max_new_tokens: int, model: Any,
@@ -379,7 +392,10 @@ def _check_generate(state: Any, prompts: Any, max_new_tokens: int, model: Any,
                 f"temperature={sampling.temperature} samples tokens: pass key=jax.random."
                 "key(seed) (or temperature=0.0 for greedy decoding)")
         key = jax.random.PRNGKey(0)
-    cache_shapes(convention, b // n, t0 + max_new_tokens)  # a clear error if none is made
+    # A clear error if the model makes no cache (traced once per model and shape).
+    engine.remembered(("generate", "cache", _hashable(convention.module), b // n,
+                       t0 + max_new_tokens),
+                      lambda: cache_shapes(convention, b // n, t0 + max_new_tokens))
     sharded = NamedSharding(engine.mesh, SHARDED)
     put = (lambda x: jax.device_put(x, sharded)) if jax.process_count() == 1 else (
         lambda x: jax.make_array_from_process_local_data(sharded, x, x.shape))
@@ -433,7 +449,12 @@ def generate(state: TrainState, prompts: Any, max_new_tokens: int, *, model: Any
         state, prompts, rollout.max_new_tokens, model, prompt_lengths, rollout.sampling, key)
     hpz = engine.config.hpz
     source = secondary if (hpz and secondary is not None) else _source(state, hpz)
-    program = _generate_program(engine, convention, rollout, hpz, bool(gather_once))
+    prefill = engine.remembered(
+        ("generate", "prefill", _hashable(convention.module), prompts_.shape,
+         prompt_lengths is None, rollout.max_new_tokens),
+        lambda: _prefill(convention, prompts_.shape, prompt_lengths, rollout,
+                         engine.num_devices))
+    program = _generate_program(engine, convention, rollout, hpz, bool(gather_once), prefill)
     return program(source, state.frozen, prompts_, lengths, key_)
 
 
@@ -470,21 +491,29 @@ def _rollout(max_new_tokens: int, temperature: float, top_k: int | None,
                    tuple(int(t) for t in stops), int(pad_token))
 
 
+def _convention_for(model: Any) -> Convention:
+    """The decoding convention of a model outside a train state (a transformers Flax model,
+    or a linen module in decode mode)."""
+    from zeropp_jax.units.adapters.transformers import is_hf_model
+
+    return TransformersCache(model.module) if is_hf_model(model) else convention_of(
+        LinenAdapter(model))
+
+
 def reference_program(model: Any, max_new_tokens: int, *, temperature: float = 0.0,
                       top_k: int | None = None, top_p: float | None = None,
                       stop_tokens: Any = None, pad_token: int = 0) -> Any:
     """A plain ``jax.jit`` KV-cached decoder on full params (one device, no ZeRO):
-    ``program(params, prompts [b, t0], lengths [b], key) -> int32 [b, t0 + max_new_tokens]``,
-    the same loop and sampling as ``generate``. Build once, call many times.
+    ``program(params, prompts [b, t0], lengths [b], key, prefill=0) -> int32
+    [b, t0 + max_new_tokens]``, the same loop and sampling as ``generate`` (``prefill``:
+    positions fed in one step first, see ``decode_loop``). Build once, call many times.
 
     ``model``: a linen module in decode mode, or a transformers Flax model."""
-    from zeropp_jax.units.adapters.transformers import is_hf_model
-
-    convention = TransformersCache(model.module) if is_hf_model(model) else convention_of(
-        LinenAdapter(model))
+    convention = _convention_for(model)
     rollout = _rollout(max_new_tokens, temperature, top_k, top_p, stop_tokens, pad_token)
 
-    def run(params: PyTree, prompts: jax.Array, lengths: jax.Array, key: jax.Array) -> jax.Array:
+    def run(params: PyTree, prompts: jax.Array, lengths: jax.Array, key: jax.Array,
+            prefill: int = 0) -> jax.Array:
         b, t0 = prompts.shape
         length = t0 + rollout.max_new_tokens
         cache_shapes(convention, b, length)
@@ -496,9 +525,9 @@ def reference_program(model: Any, max_new_tokens: int, *, temperature: float = 0
             return convention.logits(out), mutated["cache"]
 
         return decode_loop(step, init_cache(convention, b, length), prompts, lengths,
-                           jnp.arange(b, dtype=jnp.int32), key, rollout)
+                           jnp.arange(b, dtype=jnp.int32), key, rollout, prefill)
 
-    return jax.jit(run)
+    return jax.jit(run, static_argnames=("prefill",))
 
 
 def reference_generate(model: Any, params: PyTree, prompts: Any, max_new_tokens: int, *,
@@ -518,5 +547,8 @@ def reference_generate(model: Any, params: PyTree, prompts: Any, max_new_tokens:
     lengths = (np.full((b,), t0, np.int32) if prompt_lengths is None
                else np.asarray(prompt_lengths, np.int32))
     key = jax.random.PRNGKey(0) if key is None else key
+    prefill = _prefill(_convention_for(model), prompts.shape, prompt_lengths,
+                       _rollout(max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                                pad_token))
     with jax.default_device(jax.devices()[0]):
-        return np.asarray(program(params, prompts, lengths, key))
+        return np.asarray(program(params, prompts, lengths, key, prefill=prefill))

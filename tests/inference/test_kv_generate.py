@@ -94,10 +94,13 @@ def test_sampling_is_the_same_on_every_mesh_and_follows_lengths_and_stops(mesh_s
         assert (row[n + end:] == 63).all()  # padding after the stop / after 6 new tokens
     for row, p, n in zip(out, prompts, lengths):
         np.testing.assert_array_equal(row[:n], p[:n])
-    # Another key draws other tokens.
+    # Another key draws other tokens, from the same compiled program (one per shape).
     other = np.asarray(zpp.generate(state, prompts, 6, model=GPT(DECODE),
                                     **{**kw, "key": jax.random.PRNGKey(8)}))
     assert (other != out).any()
+    programs = [v for k, v in state.engine.memo.items()
+                if isinstance(k, tuple) and k[:2] == ("generate", "kv")]
+    assert len(programs) == 1 and programs[0]._cache_size() == 1
 
 
 def test_top_k_and_top_p_keep_the_right_tokens():

@@ -7,7 +7,8 @@
 About 4-6 minutes on one H100 (mostly compiling). Sections:
 
 (a) correctness: every Pallas kernel in ``pallas_kernels/`` (quantize + dequantize,
-    the qgZ reorder + quantize, dequantize + reduce, dequantize + reduce + requantize),
+    the qgZ reorder + quantize, dequantize + reduce, dequantize + reduce + requantize; each
+    also with its options on: the Hadamard rotation and stochastic rounding),
     compiled for the GPU (``interpret=False``), bit for bit (NaN positions equal, every
     other bit pattern equal) against its jnp reference as written: IEEE fp32 arithmetic,
     which XLA CPU keeps, so the reference runs on the host CPU. The same jnp code compiled
@@ -250,6 +251,17 @@ def kernel_cases(quick: bool, on_gpu: bool) -> list[dict]:
             cases.append(dict(kernel="dequantize_reduce(+requantize)", bits=bits,
                               out_bits=out_bits, dtype="float32", block_size=64 if on_gpu else 32,
                               blocks=nb, groups=g))
+    # The same kernels with their options on ("smooth"): a Hadamard rotation fused into
+    # quantize, dequantize, reorder+quantize and the final dequantize+reduce, stochastic
+    # rounding into reorder+quantize and the middle hop's requantize.
+    for case in list(cases):
+        first_sizes = (case["block_size"], case["blocks"]) in sizes[:2]
+        if case["kernel"] == "quantize+dequantize" and first_sizes and case["dtype"] != "float16":
+            cases.append(dict(case, smooth=True))
+        elif case["kernel"] == "reorder_quantize" and case["dtype"] != "float16":
+            cases.append(dict(case, smooth=True))
+        elif case["kernel"].startswith("dequantize_reduce") and case["bits"] == case["out_bits"]:
+            cases.append(dict(case, smooth=True))
     return cases
 
 
@@ -262,17 +274,26 @@ def _case_fns(case: dict, interpret: bool):
     from pallas_kernels import reduce as D
     from pallas_kernels import reorder as R
 
+    import numpy as np
+
     bits, bs, nb = case["bits"], case["block_size"], case["blocks"]
     dtype = jnp.dtype(case["dtype"])
     kw = dict(bits=bits, block_size=bs)
+    # Options (case "smooth"): Hadamard signs (fp32 ±1 per block position) and a
+    # stochastic-rounding seed, fixed per case.
+    smooth = case.get("smooth", False)
+    signs = (jnp.asarray(np.random.default_rng(bs).choice([-1.0, 1.0], bs), jnp.float32)
+             if smooth else None)
+    seed = jnp.uint32(0x2545F491) if smooth else None
     if case["kernel"] == "quantize+dequantize":
         def kernel(x):
-            v, s = Q.quantize(x, **kw, interpret=interpret)
-            return v, s, Q.dequantize(v, s, **kw, dtype=dtype, interpret=interpret)
+            v, s = Q.quantize(x, **kw, interpret=interpret, signs=signs)
+            return v, s, Q.dequantize(v, s, **kw, dtype=dtype, interpret=interpret,
+                                      signs=signs)
 
         def reference(x):
-            v, s = Q.quantize_reference(x, **kw)
-            return v, s, Q.dequantize_reference(v, s, **kw, dtype=dtype)
+            v, s = Q.quantize_reference(x, **kw, signs=signs)
+            return v, s, Q.dequantize_reference(v, s, **kw, dtype=dtype, signs=signs)
 
         return ((lambda rng: (_sample(rng, nb, bs, dtype),)), kernel, reference,
                 ("quantize.values", "quantize.scales", "dequantize.out"))
@@ -283,9 +304,10 @@ def _case_fns(case: dict, interpret: bool):
         def inputs(rng):
             return (_sample(rng, num * nb, bs, dtype),)
 
+        opts = dict(signs=signs, seed=seed)
         return (inputs,
-                functools.partial(R.reorder_quantize, **kw, **lay, interpret=interpret),
-                functools.partial(R.reorder_quantize_reference, **kw, **lay),
+                functools.partial(R.reorder_quantize, **kw, **lay, **opts, interpret=interpret),
+                functools.partial(R.reorder_quantize_reference, **kw, **lay, **opts),
                 ("reorder_quantize.values", "reorder_quantize.scales"))
     out_bits, g = case["out_bits"], case["groups"]
 
@@ -295,13 +317,14 @@ def _case_fns(case: dict, interpret: bool):
         return jax.device_get(v).reshape(g, -1), jax.device_get(s).reshape(g, nb)
 
     def kernel(v, s):
-        return (D.dequantize_reduce(v, s, **kw, interpret=interpret),
-                *D.dequantize_reduce_requantize(v, s, **kw, out_bits=out_bits,
+        return (D.dequantize_reduce(v, s, **kw, signs=signs, interpret=interpret),
+                *D.dequantize_reduce_requantize(v, s, **kw, out_bits=out_bits, seed=seed,
                                                 interpret=interpret))
 
     def reference(v, s):
-        return (D.dequantize_reduce_reference(v, s, **kw),
-                *D.dequantize_reduce_requantize_reference(v, s, **kw, out_bits=out_bits))
+        return (D.dequantize_reduce_reference(v, s, **kw, signs=signs),
+                *D.dequantize_reduce_requantize_reference(v, s, **kw, out_bits=out_bits,
+                                                          seed=seed))
 
     return (inputs, kernel, reference,
             ("dequantize_reduce.out", "requantize.values", "requantize.scales"))
@@ -313,6 +336,8 @@ def _case_label(c: dict) -> str:
         extra = f" {c['nodes']}x{c['local']} stage {c['stage']}/{c['stages']}"
     if "groups" in c:
         extra = f" G={c['groups']} -> INT{c['out_bits']}"
+    if c.get("smooth"):
+        extra += " +hadamard+stochastic"
     return (f"{c['kernel']:<31} INT{c['bits']} {c['dtype']:<8} bs {c['block_size']:<3} "
             f"blocks {c['blocks']:<5}{extra}")
 
@@ -406,6 +431,13 @@ def bandwidth_configs() -> list[dict]:
     for bits in (4, 8):
         cfgs.append(dict(kernel="dequantize_reduce", bits=bits, dtype="float32"))
     cfgs.append(dict(kernel="dequantize_reduce_requantize", bits=4, dtype="float32"))
+    # INT4 with the options on: the Hadamard rotation (quantize, dequantize, reorder +
+    # quantize, the final dequantize + reduce) and stochastic rounding (reorder + quantize,
+    # the middle requantize): what the smoothing costs against the rows above.
+    for kernel, dtype in (("quantize", "bfloat16"), ("dequantize", "bfloat16"),
+                          ("reorder_quantize", "bfloat16"), ("dequantize_reduce", "float32"),
+                          ("dequantize_reduce_requantize", "float32")):
+        cfgs.append(dict(kernel=kernel, bits=4, dtype=dtype, smooth=True))
     return cfgs
 
 
@@ -421,30 +453,37 @@ def _bandwidth_fns(cfg: dict, n: int, device, interpret: bool):
     bs, bits = 256, cfg["bits"]
     dtype = jnp.dtype(cfg["dtype"])
     kw = dict(bits=bits, block_size=bs)
+    smooth = cfg.get("smooth", False)
+    signs = (jax.device_put(jnp.where(jnp.arange(bs) % 3 == 0, -1.0, 1.0).astype(jnp.float32),
+                            device) if smooth else None)
+    seed = jnp.uint32(0x2545F491) if smooth else None
     key = jax.device_put(jax.random.PRNGKey(n + bits), device)  # jit runs where its input is
     x = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.float32).astype(dtype))(key)
     kernel = cfg["kernel"]
     if kernel == "quantize":
-        return ((x,), functools.partial(Q.quantize, **kw, interpret=interpret),
-                functools.partial(Q.quantize_reference, **kw))
+        return ((x,), functools.partial(Q.quantize, **kw, signs=signs, interpret=interpret),
+                functools.partial(Q.quantize_reference, **kw, signs=signs))
     if kernel == "reorder_quantize":
-        lay = dict(nodes=2, local=8)
+        lay = dict(nodes=2, local=8, signs=signs, seed=seed)
         return ((x,), functools.partial(R.reorder_quantize, **kw, **lay, interpret=interpret),
                 functools.partial(R.reorder_quantize_reference, **kw, **lay))
     v, s = jax.jit(functools.partial(Q.quantize_reference, **kw))(x.astype(jnp.float32))
     del x
     if kernel == "dequantize":
         return ((v, s),
-                functools.partial(Q.dequantize, **kw, dtype=dtype, interpret=interpret),
-                functools.partial(Q.dequantize_reference, **kw, dtype=dtype))
+                functools.partial(Q.dequantize, **kw, dtype=dtype, signs=signs,
+                                  interpret=interpret),
+                functools.partial(Q.dequantize_reference, **kw, dtype=dtype, signs=signs))
     g = 8  # qgZ's local hop on an 8-GPU node: 8 chunks summed
     v, s = v.reshape(g, -1), s.reshape(g, -1)
     if kernel == "dequantize_reduce":
-        return ((v, s), functools.partial(D.dequantize_reduce, **kw, interpret=interpret),
-                functools.partial(D.dequantize_reduce_reference, **kw))
+        return ((v, s),
+                functools.partial(D.dequantize_reduce, **kw, signs=signs, interpret=interpret),
+                functools.partial(D.dequantize_reduce_reference, **kw, signs=signs))
     return ((v, s),
-            functools.partial(D.dequantize_reduce_requantize, **kw, interpret=interpret),
-            functools.partial(D.dequantize_reduce_requantize_reference, **kw))
+            functools.partial(D.dequantize_reduce_requantize, **kw, seed=seed,
+                              interpret=interpret),
+            functools.partial(D.dequantize_reduce_requantize_reference, **kw, seed=seed))
 
 
 def measure_bandwidth(device, quick: bool) -> dict:
@@ -487,7 +526,8 @@ def measure_bandwidth(device, quick: bool) -> dict:
                            pallas_over_xla_time=t["pallas"] / t["xla"])
                 row["meets_target"] = row["pallas_fraction_of_copy"] >= BANDWIDTH_TARGET
                 row["xla_as_fast"] = t["xla"] <= t["pallas"]
-                print(f"   {cfg['kernel']:<29} INT{cfg['bits']} {cfg['dtype']:<8} n={n:>10,}: "
+                label = cfg["kernel"] + (" +H/SR" if cfg.get("smooth") else "")
+                print(f"   {label:<35} INT{cfg['bits']} {cfg['dtype']:<8} n={n:>10,}: "
                       f"pallas {row['gbps']['pallas']:7.0f} GB/s "
                       f"({row['pallas_fraction_of_copy']:.0%} of copy), xla "
                       f"{row['gbps']['xla']:7.0f} GB/s ({row['xla_fraction_of_copy']:.0%}), "
@@ -720,7 +760,8 @@ def markdown(data: dict) -> str:
         groups: dict = {}
         for c in k["cases"]:
             bits = f"INT{c['bits']}" + (f"->INT{c['out_bits']}" if "out_bits" in c else "")
-            key = (c["kernel"], bits, c["dtype"])
+            kernel_name = c["kernel"] + (" +hadamard+stochastic" if c.get("smooth") else "")
+            key = (kernel_name, bits, c["dtype"])
             g = groups.setdefault(key, [0, 0, 0])
             g[0] += 1
             g[1] += bool(c["ok"])
@@ -744,7 +785,8 @@ def markdown(data: dict) -> str:
                    "% of copy | Pallas / XLA time | copy GB/s |")
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in b["rows"]:
-            head = f"| {r['kernel']} | INT{r['bits']} | {r['dtype']} | {r['elements']:,} |"
+            name = r["kernel"] + (" +hadamard+stochastic" if r.get("smooth") else "")
+            head = f"| {name} | INT{r['bits']} | {r['dtype']} | {r['elements']:,} |"
             if "error" in r:
                 out.append(head + f" error: {r['error'][:80]} | | | | | |")
                 continue

@@ -15,7 +15,24 @@ compared with the exact fp64 sum (relative L2 error over all slices):
   reduce-scatter's rounding costs), for scale.
 
 Paper section 3.3.1: error compounds with the number of requantizations, so the one-shot
-scheme must come out well ahead of the ring. Writes JSON.
+scheme must come out well ahead of the ring.
+
+Beyond the paper (the "Beyond ZeRO++" issue), on the same gradients and weights:
+
+* ``reduce_scatter``: qgZ with Hadamard smoothing (``hadamard=True``), with stochastic
+  rounding, and with both, INT4 and INT8; for stochastic rounding also the error of the
+  mean over 8 keys (rounding is unbiased, so the mean moves towards the exact sum, where
+  rounding to nearest would keep its error);
+* ``gradient_quantization``: one quantization of each device's gradient in each wire
+  format (INT4 / INT8, rotated or not, FP8 e4m3 / e5m2 with block scales), relative L2:
+  what decides between e4m3 and e5m2 for gradients;
+* ``weight_gather``: qwZ's round trip of the trained weights in each format (INT8, INT4,
+  FP8 e4m3 / e5m2, each with and without the rotation), relative L2, and of heavy-tailed
+  synthetic weights of the same size (the rotation helps heavy tails, hurts light ones).
+  A shard is whole blocks, so quantizing the flat weights block by block is exactly what
+  the gather delivers.
+
+Writes JSON (``--out``/qgz_accuracy.json).
 """
 
 from __future__ import annotations
@@ -51,6 +68,8 @@ def main() -> None:
     from pallas_kernels.quantize import dequantize_reference, quantize_reference
     from zeropp_demo.gpt import loss_fn
     from zeropp_jax.comm.qgz import qgz_reduce_scatter
+    from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
+    from zeropp_jax.quant.rotation import hadamard_signs
 
     num = args.nodes * args.local
     bs = args.block_size
@@ -70,10 +89,40 @@ def main() -> None:
         pad = -g.shape[1] % (num * bs)
         return np.pad(g, ((0, 0), (0, pad)))
 
-    def q_dq(v: np.ndarray, bits: int) -> np.ndarray:
-        vals, scales = quantize_reference(jnp.asarray(v, jnp.float32), bits=bits, block_size=bs)
-        return np.asarray(dequantize_reference(vals, scales, bits=bits, block_size=bs,
-                                               dtype=jnp.float32), np.float64)
+    signs = hadamard_signs(None, bs)  # what the transports use (the fixed key)
+
+    def q_dq(v: np.ndarray, bits: int, rotate: bool = False) -> np.ndarray:
+        kw = dict(bits=bits, block_size=bs, signs=signs if rotate else None)
+        vals, scales = quantize_reference(jnp.asarray(v, jnp.float32), **kw)
+        return np.asarray(dequantize_reference(vals, scales, dtype=jnp.float32, **kw),
+                          np.float64)
+
+    def fp8_dq(v: np.ndarray, fmt: str, rotate: bool = False) -> np.ndarray:
+        from pallas_kernels.hadamard import rotate_reference, unrotate_reference
+
+        x = jnp.asarray(v, jnp.float32)
+        if rotate:
+            x = rotate_reference(x, signs, block_size=bs)
+        y = dequantize_fp8_flat(*quantize_fp8_flat(x, block_size=bs, fmt=fmt), block_size=bs)
+        if rotate:
+            y = unrotate_reference(y, signs, block_size=bs)
+        return np.asarray(y, np.float64)
+
+    def formats(v: np.ndarray) -> dict:
+        """Relative L2 error of one quantization of ``v`` in each wire format."""
+        ref = np.asarray(v, np.float64)
+
+        def rel1(a):
+            return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+        out = {}
+        for rotate in (False, True):
+            tag = " + hadamard" if rotate else ""
+            out[f"int4{tag}"] = rel1(q_dq(v, 4, rotate))
+            out[f"int8{tag}"] = rel1(q_dq(v, 8, rotate))
+            out[f"fp8 e4m3{tag}"] = rel1(fp8_dq(v, "e4m3", rotate))
+            out[f"fp8 e5m2{tag}"] = rel1(fp8_dq(v, "e5m2", rotate))
+        return out
 
     def ring(g: np.ndarray, carry) -> np.ndarray:
         """Ring reduce-scatter; ``carry`` rounds the partial sum before every hop."""
@@ -87,15 +136,21 @@ def main() -> None:
             out[c] = acc
         return out
 
-    def qgz(g: np.ndarray, bits: int, on=None, single_node="reduce_scatter") -> np.ndarray:
+    def qgz(g: np.ndarray, bits: int, on=None, single_node="reduce_scatter", *,
+            hadamard=False, stochastic_rounding=False, keys=(None,)) -> np.ndarray:
+        """qgZ's result; with several ``keys``, the mean of one run per key."""
         on = mesh if on is None else on
+        spec = P(("node", "local"))
         fn = jax.jit(jax.shard_map(
-            lambda v: qgz_reduce_scatter(v, bits=bits, block_size=bs, single_node=single_node),
-            mesh=on,
-            in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
-        x = jax.device_put(jnp.asarray(g, jnp.float32).reshape(-1),
-                           NamedSharding(on, P(("node", "local"))))
-        return np.asarray(fn(x), np.float64).reshape(num, -1)
+            lambda v, k: qgz_reduce_scatter(v, bits=bits, block_size=bs, single_node=single_node,
+                                            hadamard=hadamard,
+                                            stochastic_rounding=stochastic_rounding,
+                                            key=None if k is None else k[0]),
+            mesh=on, in_specs=(spec, P()), out_specs=spec))
+        x = jax.device_put(jnp.asarray(g, jnp.float32).reshape(-1), NamedSharding(on, spec))
+        runs = [np.asarray(fn(x, None if k is None else jax.random.key(k)[None]), np.float64)
+                for k in keys]
+        return np.mean(runs, axis=0).reshape(num, -1)
 
     def bf16(v: np.ndarray) -> np.ndarray:
         return np.asarray(jnp.asarray(v, jnp.bfloat16), np.float64)
@@ -135,6 +190,53 @@ def main() -> None:
               f"{row['single_node_quantized_int4']:.5f}, fallback "
               f"{row['single_node_fallback']:.5f}")
         results["errors"][name] = row
+
+        # Beyond the paper: smoothing and stochastic rounding in qgZ, on the same gradients.
+        variants = {
+            "qgz": {},
+            "qgz + hadamard": dict(hadamard=True),
+            "qgz + stochastic rounding": dict(stochastic_rounding=True),
+            "qgz + hadamard + stochastic rounding": dict(hadamard=True,
+                                                         stochastic_rounding=True),
+            "qgz + stochastic rounding, mean of 8 keys": dict(stochastic_rounding=True,
+                                                              keys=tuple(range(8))),
+            "qgz + hadamard + stochastic rounding, mean of 8 keys": dict(
+                hadamard=True, stochastic_rounding=True, keys=tuple(range(8))),
+        }
+        rs = {}
+        for label, opts in variants.items():
+            rs[label] = {bits: rel(qgz(g, bits, **opts)) for bits in (4, 8)}
+            print(f"{name:<10} {label:<52} {rs[label][4]:>10.5f} {rs[label][8]:>10.5f}")
+        results.setdefault("reduce_scatter", {})[name] = rs
+        # One quantization of each device's gradient, per wire format (mean over devices).
+        per_device = [formats(g[d]) for d in range(num)]
+        gq = {k: float(np.mean([r[k] for r in per_device])) for k in per_device[0]}
+        results.setdefault("gradient_quantization", {})[name] = gq
+        print(f"{name:<10} one quantization of a device gradient: "
+              + ", ".join(f"{k} {v:.5f}" for k, v in gq.items()))
+
+    # qwZ's weight round trip of the trained weights, per format.
+    flat = np.concatenate([np.ravel(np.asarray(x, np.float32))
+                           for x in jax.tree_util.tree_leaves(trained)])
+    flat = np.pad(flat, (0, -flat.size % bs))
+    # The rotation makes every block's distribution near-Gaussian: it helps heavy-tailed
+    # blocks (outliers) and hurts light-tailed ones (near-uniform blocks, which absmax
+    # scaling already suits). Excess kurtosis says which kind the trained weights are; a
+    # heavy-tailed synthetic set of the same size shows the other side.
+    blocks = flat.reshape(-1, bs).astype(np.float64)
+    centred = blocks - blocks.mean(axis=1, keepdims=True)
+    var = np.mean(centred**2, axis=1)
+    live = var > 0  # all-equal blocks (none expected) have no kurtosis
+    kurtosis = float(np.median(np.mean(centred[live] ** 4, axis=1) / var[live] ** 2 - 3))
+    heavy = np.random.default_rng(args.seed).standard_t(3, flat.size).astype(np.float32)
+    results["weight_gather"] = {"trained": formats(flat),
+                                "trained_median_block_excess_kurtosis": kurtosis,
+                                "student_t3_synthetic": formats(heavy)}
+    for label in ("trained", "student_t3_synthetic"):
+        print(f"weights ({label}), relative L2 of qwZ's round trip: "
+              + ", ".join(f"{k} {v:.5f}" for k, v in results["weight_gather"][label].items()))
+    print(f"trained weights' median excess kurtosis per block: {kurtosis:.2f} "
+          "(0: Gaussian, -1.2: uniform, > 0: heavy tails)")
 
     write_json(args.out, "qgz_accuracy.json", results)
 

@@ -27,6 +27,19 @@ Numerics contract, shared bit for bit by the reference and the kernels:
   split keeps the kernel free of interleaving reshapes.) ``block_size`` must be even.
 * ``scales``: fp32 ``[n / block_size]``.
 * Dequantize: ``values (as fp32) * scale``, then cast to the requested dtype.
+* Stochastic rounding (``seed`` given; the gradient quantizers of qgZ): instead of rounding
+  half away from zero, ``|y|`` rounds up with probability ``frac(|y|)`` and down otherwise,
+  ``q = sign(y) * (floor(|y|) + [u < |y| - floor(|y|)])``, clipped as above, so ``E[q] = y``.
+  ``u`` in ``[0, 1)`` (a multiple of ``2**-23``) is a counter-based hash of the seed and the
+  element's position in the quantized output (``stochastic_uniform``), so the kernels and
+  the reference draw the same ``u`` without moving random bits through memory. ``u``'s
+  grid makes ``P(round up) = ceil(frac * 2**23) / 2**23``: a bias below ``2**-23`` of a
+  step. (Working on ``|y|`` keeps ``y = x * inv`` from feeding a subtraction, which an
+  LLVM backend could contract into an FMA and round differently.)
+* Hadamard rotation (``signs`` given, ``pallas_kernels/hadamard.py``): ``quantize``
+  rotates each fp32 block before the steps above and ``dequantize`` rotates back after
+  the products, which it computes as ``_dequantize_product`` (the qgZ reductions' form,
+  below) so that no product feeds the rotation's sums.
 
 Round-trip error: for a finite block, ``|x - dequantize(quantize(x))| <= scale / 2``
 elementwise, up to fp32 rounding (of ``1 / scale`` and ``xf * inv``, of ``q * scale``, and of ``|y| + 0.5``,
@@ -47,6 +60,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.hadamard import check_signs, join_halves, rotate_rows, unrotate_rows
 
 VALID_BITS = (4, 8)
 
@@ -86,6 +101,94 @@ def _round_half_away(y: jax.Array) -> jax.Array:
     return jnp.sign(y) * jnp.floor(jnp.abs(y) + 0.5)
 
 
+def _mix32(h: jax.Array) -> jax.Array:
+    """An avalanching uint32 permutation (the "lowbias32" integer hash)."""
+    h = h ^ (h >> jnp.uint32(16))
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> jnp.uint32(15))
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> jnp.uint32(16))
+
+
+def stochastic_uniform(seed: jax.Array, index: jax.Array) -> jax.Array:
+    """fp32 ``u`` in ``[0, 1)``, a multiple of ``2**-23``, for uint32 ``seed`` and element
+    ``index`` (broadcast together): the top 23 bits of a hash of ``index + hash(seed)``.
+
+    Counter-based, so the kernels draw it in registers from the element's position. A
+    seed picks an offset into one stream ``hash(0), hash(1), ...``; hashing the seed first
+    puts even consecutive seeds' offsets far apart, so two calls of ``n`` elements share
+    draws only with probability about ``2 n / 2**32``.
+    """
+    h = _mix32(index.astype(jnp.uint32) + _mix32(seed.astype(jnp.uint32)))
+    # 23 bits fit an int32 exactly; converting from int32 is what every backend has.
+    return (h >> jnp.uint32(9)).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-23)
+
+
+def _round_stochastic(y: jax.Array, u: jax.Array) -> jax.Array:
+    """``sign(y) * (floor(|y|) + 1)`` with probability ``frac(|y|)``, else ``sign(y) *
+    floor(|y|)``: unbiased up to ``u``'s ``2**-23`` grid. ``|y| - floor(|y|)`` is exact."""
+    m = jnp.abs(y)
+    f = jnp.floor(m)
+    return jnp.sign(y) * (f + jnp.where(u < m - f, jnp.float32(1.0), jnp.float32(0.0)))
+
+
+def _element_index(first_block: jax.Array, shape: tuple[int, int], block_size: int,
+                   column0: int = 0) -> jax.Array:
+    """uint32 position ``(first_block + row) * block_size + column0 + column`` of each
+    element of an ``[r, w]`` tile whose row ``i`` is block ``first_block + i``."""
+    rows = first_block + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, shape, 1) + column0
+    return (rows * block_size + cols).astype(jnp.uint32)
+
+
+# Keeps the sign, the exponent and the top 11 of the 23 stored mantissa bits of an fp32.
+_HI_MASK = 0xFFFFF000
+
+
+def _dequantize_product(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """``fl(q * scale)`` for fp32 ``q`` holding 8-bit integers and fp32 ``scale`` of the same
+    shape, in a form no FMA contraction can alter.
+
+    ``hi`` is ``scale`` cut to 12 significant bits and ``lo = scale - hi`` (exact) holds the
+    other 12, so ``q * hi`` and ``q * lo`` are exact (at most 8 + 12 bits) and their rounded
+    sum is exactly ``fl(q * scale)``; contracting either product into that sum gives the same
+    bits. Non-finite scales pass through as ``hi`` (with ``lo = 0``), so ``q * inf`` and NaN
+    scales behave as in ``q * scale``. (Only the sign of a zero product may differ, and only
+    for a negative scale, which quantization never produces.)
+    """
+    finite = jnp.isfinite(scale)
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(_HI_MASK)
+    hi = jnp.where(finite, jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
+    lo = jnp.where(finite, scale - hi, jnp.float32(0.0))
+    return q * hi + q * lo
+
+
+class _TileRef:
+    """Read-only stand-in for ``_quantize_kernel``'s input ref, over an fp32 tile held in
+    registers as parts (whole, or two half-blocks).
+
+    It lets a fused kernel (a rotation, a reduction) reuse the quantize kernel body
+    unchanged without writing its tile to memory (Pallas on Triton has no scratch buffers).
+    Serves exactly the reads that body makes: ``[...]`` (the whole tile) and ``[:, :half]``
+    / ``[:, half:]`` (tile in halves).
+    """
+
+    def __init__(self, parts: Sequence[jax.Array], block_size: int):
+        self._parts = list(parts)
+        half = block_size // 2
+        # A list, not a dict: slices are unhashable before Python 3.12.
+        self._half_indices = [(slice(None), slice(None, half)), (slice(None), slice(half, None))]
+
+    def __getitem__(self, idx: Any) -> jax.Array:
+        if idx is Ellipsis:
+            return self._parts[0] if len(self._parts) == 1 else join_halves(*self._parts)
+        if isinstance(idx, tuple) and idx in self._half_indices:
+            if len(self._parts) == 1:  # a whole tile read in halves (INT4 output)
+                return jnp.split(self._parts[0], 2, axis=1)[self._half_indices.index(idx)]
+            return self._parts[self._half_indices.index(idx)]
+        raise NotImplementedError(f"_TileRef does not serve index {idx!r}")
+
+
 def pack_int4_reference(q: jax.Array, block_size: int) -> jax.Array:
     """int8 ``[nb, block_size]`` in [-8, 7] -> uint8 ``[nb, block_size / 2]`` (half-block packing)."""
     half = block_size // 2
@@ -104,16 +207,32 @@ def unpack_int4_reference(packed: jax.Array) -> jax.Array:
     return jnp.concatenate([lo, hi], axis=1)
 
 
+def check_seed(seed: Any) -> jax.Array:
+    """A stochastic-rounding seed as uint32 ``[1, 1]`` (given as a uint32 scalar or one
+    element array; e.g. ``jax.random.bits(key, (), jnp.uint32)``)."""
+    seed = jnp.asarray(seed)
+    if seed.size != 1 or seed.dtype != jnp.uint32:
+        raise TypeError(f"seed must be one uint32 value (jax.random.bits(key, (), "
+                        f"jnp.uint32)), got {seed.dtype}{seed.shape}")
+    return seed.reshape(1, 1)
+
+
 def quantize_reference(
-    x: jax.Array, *, bits: int, block_size: int
+    x: jax.Array, *, bits: int, block_size: int, seed: jax.Array | None = None,
+    signs: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Plain-jnp block quantization. ``x [n]`` -> (values, scales fp32 ``[n / block_size]``).
 
-    ``values`` is int8 ``[n]`` (bits=8) or packed uint8 ``[n / 2]`` (bits=4).
+    ``values`` is int8 ``[n]`` (bits=8) or packed uint8 ``[n / 2]`` (bits=4). ``seed``
+    (uint32): stochastic rounding, drawn per element position ``0 .. n-1``; None: half away
+    from zero. ``signs`` (fp32 ±1 ``[block_size]``): rotate each block first
+    (``hadamard.rotate_rows``; ``block_size`` a power of 2).
     """
     (n,) = x.shape
     _check(n, bits, block_size)
     xf = x.astype(jnp.float32).reshape(n // block_size, block_size)
+    if signs is not None:
+        xf = rotate_rows(xf, check_signs(signs, block_size))
     finite = jnp.all(jnp.isfinite(xf), axis=1, keepdims=True)
     absmax = jnp.max(jnp.where(finite, jnp.abs(xf), 0.0), axis=1, keepdims=True)
     # absmax * fp32(1/qmax), spelled out: XLA rewrites ``absmax / qmax`` into this product
@@ -121,15 +240,22 @@ def quantize_reference(
     scale = jnp.where(finite, absmax * _inv_qmax(bits), jnp.float32(jnp.nan))
     safe = jnp.where(finite & (scale > 0), scale, jnp.float32(1.0))
     y = jnp.where(finite, xf, 0.0) * (jnp.float32(1.0) / safe)
-    q = jnp.clip(_round_half_away(y), -qmax(bits), qmax(bits)).astype(jnp.int8)
+    if seed is None:
+        rounded = _round_half_away(y)
+    else:
+        index = _element_index(jnp.int32(0), y.shape, block_size)
+        rounded = _round_stochastic(y, stochastic_uniform(check_seed(seed), index))
+    q = jnp.clip(rounded, -qmax(bits), qmax(bits)).astype(jnp.int8)
     values = q.reshape(n) if bits == 8 else pack_int4_reference(q, block_size).reshape(n // 2)
     return values, scale.reshape(n // block_size)
 
 
 def dequantize_reference(
-    values: jax.Array, scales: jax.Array, *, bits: int, block_size: int, dtype: jnp.dtype
+    values: jax.Array, scales: jax.Array, *, bits: int, block_size: int, dtype: jnp.dtype,
+    signs: jax.Array | None = None,
 ) -> jax.Array:
-    """Plain-jnp inverse of ``quantize_reference``: -> ``[n]`` of ``dtype``."""
+    """Plain-jnp inverse of ``quantize_reference``: -> ``[n]`` of ``dtype``. ``signs``:
+    rotate each fp32 block back (``hadamard.unrotate_rows``) before the cast."""
     nb = scales.shape[0]
     n = nb * block_size
     _check(n, bits, block_size)
@@ -137,7 +263,12 @@ def dequantize_reference(
         q = values.reshape(nb, block_size)
     else:
         q = unpack_int4_reference(values.reshape(nb, block_size // 2))
-    out = q.astype(jnp.float32) * scales.astype(jnp.float32)[:, None]
+    if signs is None:
+        out = q.astype(jnp.float32) * scales.astype(jnp.float32)[:, None]
+    else:
+        scale = jnp.broadcast_to(scales.astype(jnp.float32)[:, None], q.shape)
+        out = unrotate_rows(_dequantize_product(q.astype(jnp.float32), scale),
+                            check_signs(signs, block_size))
     return out.astype(dtype).reshape(n)
 
 
@@ -172,11 +303,14 @@ def _div_rn(a: jax.Array, b: jax.Array, *, ptx: bool) -> jax.Array:
 
 
 def _quantize_kernel(
-    x_ref: Any, values_ref: Any, scales_ref: Any, *, bits: int, block_size: int, ptx_div: bool
+    x_ref: Any, values_ref: Any, scales_ref: Any, *, bits: int, block_size: int, ptx_div: bool,
+    seed: jax.Array | None = None, first_block: jax.Array | None = None,
 ) -> None:
     """One tile of blocks: x ``[r, block_size]`` (bf16/fp16/fp32) -> values, scales ``[r, 1]`` fp32.
 
     ``values`` is int8 ``[r, block_size]`` (INT8) or uint8 ``[r, block_size / 2]`` (INT4).
+    ``seed`` (uint32 ``[1, 1]``): stochastic rounding, with row ``i`` of the tile at block
+    ``first_block + i`` of the output (the positions the reference hashes).
     """
     half = block_size // 2
     # INT4 works on the two half-blocks separately, so that packing element j with element
@@ -202,9 +336,14 @@ def _quantize_kernel(
     safe = jnp.where(finite & (scale > 0), scale, jnp.float32(1.0))
     inv = _div_rn(jnp.ones_like(safe), safe, ptx=ptx_div)  # [r, 1]
     qs = []
-    for p in parts:
+    for k, p in enumerate(parts):
         y = jnp.where(finite, p, 0.0) * jnp.broadcast_to(inv, p.shape)
-        qs.append(jnp.clip(_round_half_away(y), -qmax(bits), qmax(bits)).astype(jnp.int32))
+        if seed is None:
+            rounded = _round_half_away(y)
+        else:
+            index = _element_index(first_block, p.shape, block_size, k * half)
+            rounded = _round_stochastic(y, stochastic_uniform(seed, index))
+        qs.append(jnp.clip(rounded, -qmax(bits), qmax(bits)).astype(jnp.int32))
 
     if bits == 8:
         values_ref[...] = qs[0].astype(jnp.int8)
@@ -213,6 +352,20 @@ def _quantize_kernel(
         # 4-bit two's complement nibbles: low nibble = first half, high nibble = second half.
         values_ref[...] = ((lo & 0x0F) | ((hi & 0x0F) << 4)).astype(jnp.uint8)
     scales_ref[...] = scale
+
+
+def rotated_tile(x_ref: Any, signs_ref: Any, bits: int, block_size: int) -> _TileRef:
+    """``x_ref``'s tile rotated (``hadamard.rotate_rows``), as a ref ``_quantize_kernel``
+    reads: whole for INT8, in half-blocks for INT4."""
+    y = rotate_rows(x_ref[...].astype(jnp.float32), signs_ref[...])
+    return _TileRef([y] if bits == 8 else jnp.split(y, 2, axis=1), block_size)
+
+
+def _rotating_quantize_kernel(x_ref: Any, signs_ref: Any, values_ref: Any, scales_ref: Any,
+                              *, bits: int, block_size: int, ptx_div: bool) -> None:
+    """``_quantize_kernel`` of the rotated tile (signs fp32 ``[1, block_size]``)."""
+    _quantize_kernel(rotated_tile(x_ref, signs_ref, bits, block_size), values_ref, scales_ref,
+                     bits=bits, block_size=block_size, ptx_div=ptx_div)
 
 
 def _dequantize_kernel(
@@ -233,6 +386,22 @@ def _dequantize_kernel(
     for nibble, window in halves:
         q = ((nibble ^ 8) - 8).astype(jnp.float32)
         out_ref[:, window] = (q * jnp.broadcast_to(scale, q.shape)).astype(out_ref.dtype)
+
+
+def _unrotating_dequantize_kernel(values_ref: Any, scales_ref: Any, signs_ref: Any,
+                                  out_ref: Any, *, bits: int, block_size: int) -> None:
+    """As ``_dequantize_kernel``, then each fp32 block rotated back before the cast. The
+    products are ``_dequantize_product``'s, so none feeds the rotation's sums."""
+    scale = scales_ref[...]
+    if bits == 8:
+        qs = [values_ref[...].astype(jnp.float32)]
+    else:
+        packed = values_ref[...].astype(jnp.int32)
+        qs = [(((packed & 0x0F) ^ 8) - 8).astype(jnp.float32),
+              (((packed >> 4) ^ 8) - 8).astype(jnp.float32)]
+    parts = [_dequantize_product(q, jnp.broadcast_to(scale, q.shape)) for q in qs]
+    tile = parts[0] if bits == 8 else join_halves(*parts)
+    out_ref[...] = unrotate_rows(tile, signs_ref[...]).astype(out_ref.dtype)
 
 
 def _tile_rows(nb: int, blocks_per_program: int) -> int:
@@ -293,6 +462,7 @@ def quantize(
     interpret: bool = False,
     blocks_per_program: int = 8,
     compiler_params: Any = None,
+    signs: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas block quantization; bit for bit ``quantize_reference``.
 
@@ -308,6 +478,8 @@ def quantize(
       compiler_params: given to ``pallas_call``, e.g.
         ``jax.experimental.pallas.triton.CompilerParams(num_warps=4, num_stages=1)``.
         ``None`` means Triton's defaults on GPU.
+      signs: fp32 ±1 ``[block_size]``: rotate each block first (``hadamard.rotate_rows``,
+        fused: the rotated tile stays in registers); ``block_size`` a power of 2.
 
     Returns:
       ``(values, scales)``: int8 ``[n]`` (bits=8) or packed uint8 ``[n / 2]`` (bits=4), and
@@ -318,33 +490,39 @@ def quantize(
     (n,) = x.shape
     _check_block_size_type(block_size)
     _check(n, bits, block_size)
+    extra = () if signs is None else (check_signs(signs, block_size),)
     nb = n // block_size
     rows = _tile_rows(nb, blocks_per_program)
     nb_pad = pl.cdiv(nb, rows) * rows
     width = block_size if bits == 8 else block_size // 2
     value_dtype = jnp.int8 if bits == 8 else jnp.uint8
 
-    def impl(x: jax.Array, *, compiler_params: Any, ptx_div: bool) -> tuple[jax.Array, jax.Array]:
+    kernel = _quantize_kernel if signs is None else _rotating_quantize_kernel
+
+    def impl(x: jax.Array, *signs: jax.Array, compiler_params: Any, ptx_div: bool
+             ) -> tuple[jax.Array, jax.Array]:
         blocks = _pad_rows(x.reshape(nb, block_size), nb_pad)
         values, scales = pl.pallas_call(
-            functools.partial(_quantize_kernel, bits=bits, block_size=block_size, ptx_div=ptx_div),
+            functools.partial(kernel, bits=bits, block_size=block_size, ptx_div=ptx_div),
             out_shape=(
                 out_struct((nb_pad, width), value_dtype, x),
                 out_struct((nb_pad, 1), jnp.float32, x),
             ),
             grid=(nb_pad // rows,),
-            in_specs=[pl.BlockSpec((rows, block_size), lambda i: (i, 0))],
+            in_specs=[pl.BlockSpec((rows, block_size), lambda i: (i, 0)),
+                      *[pl.BlockSpec((1, block_size), lambda i: (0, 0)) for _ in signs]],
             out_specs=(
                 pl.BlockSpec((rows, width), lambda i: (i, 0)),
                 pl.BlockSpec((rows, 1), lambda i: (i, 0)),
             ),
             interpret=interpret,
             compiler_params=compiler_params,
-            name=f"quantize_int{bits}",
-        )(blocks)
+            name=f"quantize_int{bits}" + ("_rotated" if signs else ""),
+        )(blocks, *signs)
         return values[:nb].reshape(nb * width), scales[:nb].reshape(nb)
 
-    return _per_platform(impl, (x,), interpret=interpret, compiler_params=compiler_params)
+    return _per_platform(impl, (x, *extra), interpret=interpret,
+                         compiler_params=compiler_params)
 
 
 def dequantize(
@@ -357,6 +535,7 @@ def dequantize(
     interpret: bool = False,
     blocks_per_program: int = 8,
     compiler_params: Any = None,
+    signs: jax.Array | None = None,
 ) -> jax.Array:
     """Pallas inverse of ``quantize``; bit for bit ``dequantize_reference``.
 
@@ -365,6 +544,7 @@ def dequantize(
       scales: fp32 ``[n / block_size]``.
       dtype: output dtype: bf16, fp16 or fp32.
       bits, block_size, interpret, blocks_per_program, compiler_params: as for ``quantize``.
+      signs: fp32 ±1 ``[block_size]``: rotate each fp32 block back before the cast (fused).
 
     Returns:
       ``[n]`` of ``dtype``; blocks with a NaN scale are all NaN.
@@ -391,27 +571,32 @@ def dequantize(
         )
     rows = _tile_rows(nb, blocks_per_program)
     nb_pad = pl.cdiv(nb, rows) * rows
+    extra = () if signs is None else (check_signs(signs, block_size),)
+    kernel = _dequantize_kernel if signs is None else _unrotating_dequantize_kernel
 
     def impl(
-        values: jax.Array, scales: jax.Array, *, compiler_params: Any, ptx_div: bool
+        values: jax.Array, scales: jax.Array, *signs: jax.Array, compiler_params: Any,
+        ptx_div: bool
     ) -> jax.Array:
         del ptx_div  # Dequantization divides nothing.
         # Padding blocks get scale 0 (not NaN), so they stay finite; they are dropped anyway.
         out = pl.pallas_call(
-            functools.partial(_dequantize_kernel, bits=bits, block_size=block_size),
+            functools.partial(kernel, bits=bits, block_size=block_size),
             out_shape=out_struct((nb_pad, block_size), dtype, values),
             grid=(nb_pad // rows,),
             in_specs=[
                 pl.BlockSpec((rows, width), lambda i: (i, 0)),
                 pl.BlockSpec((rows, 1), lambda i: (i, 0)),
+                *[pl.BlockSpec((1, block_size), lambda i: (0, 0)) for _ in signs],
             ],
             out_specs=pl.BlockSpec((rows, block_size), lambda i: (i, 0)),
             interpret=interpret,
             compiler_params=compiler_params,
-            name=f"dequantize_int{bits}",
-        )(_pad_rows(values.reshape(nb, width), nb_pad), _pad_rows(scales.reshape(nb, 1), nb_pad))
+            name=f"dequantize_int{bits}" + ("_rotated" if signs else ""),
+        )(_pad_rows(values.reshape(nb, width), nb_pad), _pad_rows(scales.reshape(nb, 1), nb_pad),
+          *signs)
         return out[:nb].reshape(nb * block_size)
 
     return _per_platform(
-        impl, (values, scales), interpret=interpret, compiler_params=compiler_params
+        impl, (values, scales, *extra), interpret=interpret, compiler_params=compiler_params
     )

@@ -15,7 +15,14 @@ different bits eagerly and under ``jit``; XLA:GPU and Triton allow contraction t
 split so that both partial products are exact), which has the same value and no product
 feeding the running sum, so no contraction can change the result on any backend. (A scale
 below ``2**-103`` can put ``lo`` or ``q * lo`` in the subnormal range, which backends may
-flush to zero: outside the contract, as in quantize.py.)
+flush to zero: outside the contract, as in quantize.py.) ``_dequantize_product`` lives in
+quantize.py, whose rotating dequantize uses it too.
+
+With a Hadamard rotation (``signs``), qgZ's blocks travel rotated and are summed in the
+rotated domain (the rotation is linear, the same on every device): the middle hop needs no
+rotation at all, and the last one rotates the fp32 sum back (``dequantize_reduce(...,
+signs=...)``), still in registers. ``seed`` rounds the middle hop's requantization
+stochastically, drawn per position in its ``M``-element output (quantize.py's contract).
 """
 
 from __future__ import annotations
@@ -28,38 +35,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.quantize import (
-    out_struct,
+from pallas_kernels.hadamard import check_signs, join_halves as _join_halves, unrotate_rows
+from pallas_kernels.quantize import (  # noqa: F401  (_dequantize_product: tested by name here)
+    _TileRef,
     _check,
     _check_block_size_type,
+    _dequantize_product,
     _per_platform,
     _quantize_kernel,
+    check_seed,
+    out_struct,
     quantize_reference,
     unpack_int4_reference,
 )
 from pallas_kernels.reorder import _rows_within, _tile_start
-
-# Keeps the sign, the exponent and the top 11 of the 23 stored mantissa bits of an fp32.
-_HI_MASK = 0xFFFFF000
-
-
-def _dequantize_product(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """``fl(q * scale)`` for fp32 ``q`` holding 8-bit integers and fp32 ``scale`` of the same
-    shape, in a form no FMA contraction can alter.
-
-    ``hi`` is ``scale`` cut to 12 significant bits and ``lo = scale - hi`` (exact) holds the
-    other 12, so ``q * hi`` and ``q * lo`` are exact (at most 8 + 12 bits) and their rounded
-    sum is exactly ``fl(q * scale)``; contracting either product into that sum gives the same
-    bits. Non-finite scales pass through as ``hi`` (with ``lo = 0``), so ``q * inf`` and NaN
-    scales behave as in ``q * scale``. (Only the sign of a zero product may differ, and only
-    for a negative scale, which quantization never produces.)
-    """
-    finite = jnp.isfinite(scale)
-    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(_HI_MASK)
-    hi = jnp.where(finite, jax.lax.bitcast_convert_type(bits, jnp.float32), scale)
-    lo = jnp.where(finite, scale - hi, jnp.float32(0.0))
-    return q * hi + q * lo
-
 
 def _check_chunks(values: jax.Array, scales: jax.Array, *, bits: int, block_size: int
                   ) -> tuple[int, int]:
@@ -100,25 +89,32 @@ def _dequantize_chunk_reference(
 
 
 def dequantize_reduce_reference(
-    values: jax.Array, scales: jax.Array, *, bits: int, block_size: int
+    values: jax.Array, scales: jax.Array, *, bits: int, block_size: int,
+    signs: jax.Array | None = None,
 ) -> jax.Array:
-    """``sum_g dequantize(values[g], scales[g])`` in fp32, ``[M]``."""
-    groups, _ = _check_chunks(values, scales, bits=bits, block_size=block_size)
+    """``sum_g dequantize(values[g], scales[g])`` in fp32, ``[M]``; with ``signs``, each
+    block of the sum rotated back (``hadamard.unrotate_rows``)."""
+    groups, nb = _check_chunks(values, scales, bits=bits, block_size=block_size)
     kw = dict(bits=bits, block_size=block_size)
     total = _dequantize_chunk_reference(values[0], scales[0], **kw)
     for g in range(1, groups):
         total = total + _dequantize_chunk_reference(values[g], scales[g], **kw)
-    return total
+    if signs is None:
+        return total
+    rows = unrotate_rows(total.reshape(nb, block_size), check_signs(signs, block_size))
+    return rows.reshape(nb * block_size)
 
 
 def dequantize_reduce_requantize_reference(
-    values: jax.Array, scales: jax.Array, *, bits: int, block_size: int, out_bits: int | None = None
+    values: jax.Array, scales: jax.Array, *, bits: int, block_size: int,
+    out_bits: int | None = None, seed: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The middle hop: dequantize, sum in fp32, requantize with ``out_bits`` (default
-    ``bits``). Returns ``(values, scales)`` of ``M`` elements."""
+    ``bits``; ``seed``: stochastic rounding). Returns ``(values, scales)`` of ``M``
+    elements."""
     total = dequantize_reduce_reference(values, scales, bits=bits, block_size=block_size)
     return quantize_reference(total, bits=bits if out_bits is None else out_bits,
-                              block_size=block_size)
+                              block_size=block_size, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------
@@ -161,37 +157,6 @@ def _reduce_tile(values_ref: Any, scales_ref: Any, *, bits: int, block_size: int
     return total
 
 
-def _join_halves(lo: jax.Array, hi: jax.Array) -> jax.Array:
-    """``concatenate([lo, hi], axis=1)`` for ``[r, h]`` tiles in ops Triton has (it can
-    concatenate only size-1 trailing axes): stack on a new last axis, transpose, reshape."""
-    rows, half = lo.shape
-    return jnp.swapaxes(jnp.stack([lo, hi], axis=-1), 1, 2).reshape(rows, 2 * half)
-
-
-class _TileRef:
-    """Read-only stand-in for ``_quantize_kernel``'s input ref, over an fp32 tile held in
-    registers as parts (whole, or two half-blocks).
-
-    It lets the requantize reuse quantize.py's kernel body unchanged without writing the sum
-    to memory (Pallas on Triton has no scratch buffers). Serves exactly the reads that body
-    makes: ``[...]`` (the whole tile) and ``[:, :half]`` / ``[:, half:]`` (tile in halves).
-    """
-
-    def __init__(self, parts: Sequence[jax.Array], block_size: int):
-        self._parts = list(parts)
-        half = block_size // 2
-        # A list, not a dict: slices are unhashable before Python 3.12.
-        self._half_indices = [(slice(None), slice(None, half)), (slice(None), slice(half, None))]
-
-    def __getitem__(self, idx: Any) -> jax.Array:
-        if idx is Ellipsis:
-            return self._parts[0] if len(self._parts) == 1 else _join_halves(*self._parts)
-        # Half-block reads only happen for INT4 output, whose tile is always kept in halves.
-        if len(self._parts) == 2 and isinstance(idx, tuple) and idx in self._half_indices:
-            return self._parts[self._half_indices.index(idx)]
-        raise NotImplementedError(f"_TileRef does not serve index {idx!r}")
-
-
 def _store_parts(out_ref: Any, parts: Sequence[jax.Array], block_size: int) -> None:
     """Writes fp32 parts (whole, or two half-blocks) to ``out_ref [rows, block_size]``."""
     if len(parts) == 1:
@@ -203,28 +168,40 @@ def _store_parts(out_ref: Any, parts: Sequence[jax.Array], block_size: int) -> N
 
 
 def _dequantize_reduce_kernel(
-    values_ref: Any, scales_ref: Any, out_ref: Any, *, bits: int, block_size: int
+    values_ref: Any, scales_ref: Any, *refs: Any, bits: int, block_size: int, rotate: bool
 ) -> None:
     """values ``[G, rows, width]`` (int8, or packed uint8 of width ``bs/2``), scales fp32
-    ``[G, rows, 1]`` -> out fp32 ``[rows, block_size]``: the sum over g."""
+    ``[G, rows, 1]`` (then, with ``rotate``, signs fp32 ``[1, bs]``) -> out fp32 ``[rows,
+    block_size]``: the sum over g, rotated back with ``rotate``."""
+    *signs_ref, out_ref = refs
     parts = _reduce_tile(values_ref, scales_ref, bits=bits, block_size=block_size,
-                         halves=bits == 4)
+                         halves=bits == 4 and not rotate)
+    if rotate:
+        parts = [unrotate_rows(parts[0] if len(parts) == 1 else _join_halves(*parts),
+                               signs_ref[0][...])]
     _store_parts(out_ref, parts, block_size)
 
 
 def _dequantize_reduce_requantize_kernel(
-    values_ref: Any, scales_ref: Any, out_values_ref: Any, out_scales_ref: Any, *, bits: int,
-    out_bits: int, block_size: int, ptx_div: bool,
+    values_ref: Any, scales_ref: Any, *refs: Any, bits: int, out_bits: int, block_size: int,
+    ptx_div: bool, stochastic: bool, rows: int, nb: int,
 ) -> None:
     """As ``_dequantize_reduce_kernel``, then the sum (still in registers) is quantized with
     ``out_bits`` -> out values (int8 ``[rows, bs]`` or uint8 ``[rows, bs/2]``), out scales
-    fp32 ``[rows, 1]``."""
+    fp32 ``[rows, 1]``. With ``stochastic``, a uint32 seed ref ``[1, 1]`` comes before the
+    outputs."""
+    *seed_ref, out_values_ref, out_scales_ref = refs
+    seed = first_block = None
+    if stochastic:
+        seed = seed_ref[0][...]
+        first_block = _tile_start(pl.program_id(0), rows=rows, nb=nb)
     # Halves whenever either side is INT4: the INT4 unpack yields them, and the INT4 quantize
     # reads them; only INT4 in -> INT8 out has to join them.
     parts = _reduce_tile(values_ref, scales_ref, bits=bits, block_size=block_size,
                          halves=4 in (bits, out_bits))
     _quantize_kernel(_TileRef(parts, block_size), out_values_ref, out_scales_ref,
-                     bits=out_bits, block_size=block_size, ptx_div=ptx_div)
+                     bits=out_bits, block_size=block_size, ptx_div=ptx_div, seed=seed,
+                     first_block=first_block)
 
 
 def _value_width(bits: int, block_size: int) -> int:
@@ -242,9 +219,11 @@ def _reduce_call(
     interpret: bool,
     compiler_params: Any,
     name: str,
+    extra: Sequence[jax.Array] = (),
 ) -> list[jax.Array]:
-    """``pallas_call`` over tiles of blocks: ``values [G, nb * width]``, ``scales [G, nb]`` ->
-    one ``[nb, w]`` array of dtype ``dt`` per ``(w, dt)`` in ``outs``."""
+    """``pallas_call`` over tiles of blocks: ``values [G, nb * width]``, ``scales [G, nb]``
+    (and each 2-D array of ``extra``, read whole by every program) -> one ``[nb, w]``
+    array of dtype ``dt`` per ``(w, dt)`` in ``outs``."""
     groups, nb = scales.shape
     width = _value_width(bits, block_size)
     rows = _rows_within(nb)
@@ -261,12 +240,13 @@ def _reduce_call(
         kernel,
         out_shape=[out_struct((nb, w), dt, values) for w, dt in outs],
         grid=(pl.cdiv(nb, rows),),
-        in_specs=[in_spec(width), in_spec(1)],
+        in_specs=[in_spec(width), in_spec(1),
+                  *[pl.BlockSpec(a.shape, lambda t: (0, 0)) for a in extra]],
         out_specs=[out_spec(w) for w, _ in outs],
         interpret=interpret,
         compiler_params=compiler_params,
         name=name,
-    )(values.reshape(groups, nb, width), scales.reshape(groups, nb, 1))
+    )(values.reshape(groups, nb, width), scales.reshape(groups, nb, 1), *extra)
 
 
 def dequantize_reduce(
@@ -275,6 +255,7 @@ def dequantize_reduce(
     *,
     bits: int,
     block_size: int,
+    signs: jax.Array | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> jax.Array:
@@ -285,27 +266,33 @@ def dequantize_reduce(
         (bits=4).
       scales: fp32 ``[G, M / block_size]``.
       bits: 8 or 4. block_size: elements per block (even for INT4; a power of 2 for Triton).
+      signs: fp32 ±1 ``[block_size]``: rotate each block of the sum back (the chunks are
+        rotated blocks; ``pallas_kernels/hadamard.py``), fused: the sum stays in registers.
       interpret: run in Pallas interpret mode (any backend, e.g. CPU).
       compiler_params: given to ``pallas_call``; ``None`` means Triton's defaults on GPU.
 
     Returns:
-      fp32 ``[M]``: ``sum_g dequantize(values[g], scales[g])``, summed in g order.
+      fp32 ``[M]``: ``sum_g dequantize(values[g], scales[g])``, summed in g order (then
+      rotated back with ``signs``).
     """
     values, scales = jnp.asarray(values), jnp.asarray(scales)
     _, nb = _check_chunks(values, scales, bits=bits, block_size=block_size)
+    extra = () if signs is None else (check_signs(signs, block_size),)
 
-    def impl(values: jax.Array, scales: jax.Array, *, compiler_params: Any,
+    def impl(values: jax.Array, scales: jax.Array, *extra: jax.Array, compiler_params: Any,
              ptx_div: bool) -> jax.Array:
         del ptx_div  # Nothing is divided.
         [out] = _reduce_call(
-            functools.partial(_dequantize_reduce_kernel, bits=bits, block_size=block_size),
+            functools.partial(_dequantize_reduce_kernel, bits=bits, block_size=block_size,
+                              rotate=bool(extra)),
             values, scales, bits=bits, block_size=block_size,
             outs=[(block_size, jnp.float32)], interpret=interpret,
-            compiler_params=compiler_params, name=f"dequantize_reduce_int{bits}",
+            compiler_params=compiler_params,
+            name=f"dequantize_reduce_int{bits}" + ("_rotated" if extra else ""), extra=extra,
         )
         return out.reshape(nb * block_size)
 
-    return _per_platform(impl, (values, scales), interpret=interpret,
+    return _per_platform(impl, (values, scales, *extra), interpret=interpret,
                          compiler_params=compiler_params)
 
 
@@ -316,6 +303,7 @@ def dequantize_reduce_requantize(
     bits: int,
     block_size: int,
     out_bits: int | None = None,
+    seed: jax.Array | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -326,6 +314,8 @@ def dequantize_reduce_requantize(
       values, scales, bits, block_size, interpret, compiler_params: as for
         ``dequantize_reduce``.
       out_bits: 8 or 4 for the output; ``None`` means ``bits``.
+      seed: uint32: round the requantization stochastically (``quantize.py``'s contract,
+        positions ``0 .. M-1``); None: half away from zero.
 
     Returns:
       ``(values, scales)`` of the ``M``-element sum: int8 ``[M]`` (out_bits=8) or packed
@@ -336,18 +326,21 @@ def dequantize_reduce_requantize(
     _, nb = _check_chunks(values, scales, bits=bits, block_size=block_size)
     _check(nb * block_size, out_bits, block_size)
     out_width = _value_width(out_bits, block_size)
+    extra = () if seed is None else (check_seed(seed),)
 
-    def impl(values: jax.Array, scales: jax.Array, *, compiler_params: Any,
+    def impl(values: jax.Array, scales: jax.Array, *extra: jax.Array, compiler_params: Any,
              ptx_div: bool) -> tuple[jax.Array, jax.Array]:
         kernel = functools.partial(_dequantize_reduce_requantize_kernel, bits=bits,
-                                   out_bits=out_bits, block_size=block_size, ptx_div=ptx_div)
+                                   out_bits=out_bits, block_size=block_size, ptx_div=ptx_div,
+                                   stochastic=bool(extra), rows=_rows_within(nb), nb=nb)
         out_values, out_scales = _reduce_call(
             kernel, values, scales, bits=bits, block_size=block_size,
             outs=[(out_width, jnp.int8 if out_bits == 8 else jnp.uint8), (1, jnp.float32)],
             interpret=interpret, compiler_params=compiler_params,
-            name=f"dequantize_reduce_requantize_int{bits}_int{out_bits}",
+            name=f"dequantize_reduce_requantize_int{bits}_int{out_bits}"
+                 + ("_stochastic" if extra else ""), extra=extra,
         )
         return out_values.reshape(nb * out_width), out_scales.reshape(nb)
 
-    return _per_platform(impl, (values, scales), interpret=interpret,
+    return _per_platform(impl, (values, scales, *extra), interpret=interpret,
                          compiler_params=compiler_params)

@@ -10,7 +10,9 @@ With ``stages = S`` pipeline stages each slice is cut into ``S`` sub-slices of `
 elements; stage ``s`` reorders and quantizes sub-slice ``s`` of every slice (the generalized
 Algorithm 2), so stage chunks can be sent independently.
 
-Quantization follows the contract in ``pallas_kernels/quantize.py`` exactly.
+Quantization follows the contract in ``pallas_kernels/quantize.py`` exactly, including its
+two options: a Hadamard rotation of every block before it is quantized (``signs``) and
+stochastic rounding (``seed``, drawn per position in the reordered output).
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from pallas_kernels.quantize import (
     _per_platform,
     _quantize_kernel,
     _tile_rows,
+    check_seed,
     quantize_reference,
+    rotated_tile,
 )
+from pallas_kernels.hadamard import check_signs
 
 
 def _check_layout(n: int, *, nodes: int, local: int, stages: int, stage: int) -> None:
@@ -75,16 +80,17 @@ def reorder_reference(x: jax.Array, *, nodes: int, local: int, stages: int = 1,
 
 def reorder_quantize_reference(
     x: jax.Array, *, nodes: int, local: int, bits: int, block_size: int, stages: int = 1,
-    stage: int = 0,
+    stage: int = 0, signs: jax.Array | None = None, seed: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Reorder (and pick the stage), then block-quantize: ``(values, scales)`` of
     ``[P * m / stages]`` elements in slot order. ``m / stages`` must be a multiple of
-    ``block_size`` so no block straddles two slots."""
+    ``block_size`` so no block straddles two slots. ``signs``: rotate each block first;
+    ``seed``: stochastic rounding (``quantize_reference``)."""
     _check_reorder_blocks(x.shape[0], nodes=nodes, local=local, stages=stages, stage=stage,
                           block_size=block_size)
     return quantize_reference(
         reorder_reference(x, nodes=nodes, local=local, stages=stages, stage=stage),
-        bits=bits, block_size=block_size,
+        bits=bits, block_size=block_size, signs=signs, seed=seed,
     )
 
 
@@ -123,6 +129,24 @@ def _source_slice(slot: jax.Array, *, nodes: int, local: int) -> jax.Array:
     return (slot % nodes) * local + slot // nodes
 
 
+def _reorder_quantize_kernel(x_ref: Any, *refs: Any, bits: int, block_size: int,
+                             ptx_div: bool, rotate: bool, stochastic: bool, rows: int,
+                             nb_sub: int) -> None:
+    """``_quantize_kernel`` on one tile of one output slot, its block rotated first
+    (``rotate``: a signs ref follows ``x_ref``) and rounded stochastically (``stochastic``:
+    a seed ref follows), then the values and scales refs."""
+    refs = list(refs)
+    tile = rotated_tile(x_ref, refs.pop(0), bits, block_size) if rotate else x_ref
+    seed = first_block = None
+    if stochastic:
+        seed = refs.pop(0)[...]
+        slot, t = pl.program_id(0), pl.program_id(1)
+        first_block = slot * nb_sub + _tile_start(t, rows=rows, nb=nb_sub)
+    values_ref, scales_ref = refs
+    _quantize_kernel(tile, values_ref, scales_ref, bits=bits, block_size=block_size,
+                     ptx_div=ptx_div, seed=seed, first_block=first_block)
+
+
 def reorder_quantize(
     x: jax.Array,
     *,
@@ -132,6 +156,8 @@ def reorder_quantize(
     block_size: int,
     stages: int = 1,
     stage: int = 0,
+    signs: jax.Array | None = None,
+    seed: jax.Array | None = None,
     interpret: bool = False,
     compiler_params: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -144,6 +170,10 @@ def reorder_quantize(
         index ``j``).
       bits: 8 or 4. block_size: elements per block (even for INT4; a power of 2 for Triton).
       stages, stage: quantize sub-slice ``stage`` of ``stages`` of every slice.
+      signs: fp32 ±1 ``[block_size]``: rotate each block before quantizing it (fused;
+        ``pallas_kernels/hadamard.py``; ``block_size`` a power of 2).
+      seed: uint32: stochastic rounding (``quantize.stochastic_uniform``), else half away
+        from zero.
       interpret: run in Pallas interpret mode (any backend, e.g. CPU).
       compiler_params: given to ``pallas_call``; ``None`` means Triton's defaults on GPU.
 
@@ -166,8 +196,15 @@ def reorder_quantize(
     value_dtype = jnp.int8 if bits == 8 else jnp.uint8
     start = functools.partial(_tile_start, rows=rows, nb=nb_sub)
     source = functools.partial(_source_slice, nodes=nodes, local=local)
+    extra = (*(() if signs is None else (check_signs(signs, block_size),)),
+             *(() if seed is None else (check_seed(seed),)))
+    extra_specs = [pl.BlockSpec(a.shape, lambda o, t: (0, 0)) for a in extra]
+    kernel = functools.partial(_reorder_quantize_kernel, bits=bits, block_size=block_size,
+                               rotate=signs is not None, stochastic=seed is not None,
+                               rows=rows, nb_sub=nb_sub)
 
-    def impl(x: jax.Array, *, compiler_params: Any, ptx_div: bool) -> tuple[jax.Array, jax.Array]:
+    def impl(x: jax.Array, *extra: jax.Array, compiler_params: Any, ptx_div: bool
+             ) -> tuple[jax.Array, jax.Array]:
         # Free (row-major) view: [input slice, stage, block, element].
         x4 = x.reshape(num, stages, nb_sub, block_size)
         # Blocks are indexed by element offset (pl.Element) so the last tile can start
@@ -176,7 +213,7 @@ def reorder_quantize(
             return pl.BlockSpec((None, pl.Element(rows), w), lambda o, t: (o, start(t), 0))
 
         values, scales = pl.pallas_call(
-            functools.partial(_quantize_kernel, bits=bits, block_size=block_size, ptx_div=ptx_div),
+            functools.partial(kernel, ptx_div=ptx_div),
             out_shape=(
                 out_struct((num, nb_sub, width), value_dtype, x),
                 out_struct((num, nb_sub, 1), jnp.float32, x),
@@ -186,13 +223,16 @@ def reorder_quantize(
                 pl.BlockSpec(
                     (None, None, pl.Element(rows), block_size),
                     lambda o, t: (source(o), stage, start(t), 0),
-                )
+                ),
+                *extra_specs,
             ],
             out_specs=(out_spec(width), out_spec(1)),
             interpret=interpret,
             compiler_params=compiler_params,
-            name=f"reorder_quantize_int{bits}",
-        )(x4)
+            name=f"reorder_quantize_int{bits}" + ("_rotated" if signs is not None else "")
+                 + ("_stochastic" if seed is not None else ""),
+        )(x4, *extra)
         return values.reshape(num * nb_sub * width), scales.reshape(num * nb_sub)
 
-    return _per_platform(impl, (x,), interpret=interpret, compiler_params=compiler_params)
+    return _per_platform(impl, (x, *extra), interpret=interpret,
+                         compiler_params=compiler_params)

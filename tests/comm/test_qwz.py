@@ -152,3 +152,51 @@ def test_qwz_loss_within_derived_bound_of_zero3(bits):
         bound += float(np.sum(np.abs(g) * np.repeat(np.asarray(s), block) / 2))
     diff = abs(float(out_qw["loss"]) - float(out_z3["loss"]))
     assert 0 < diff <= bound, (diff, bound)
+
+
+def _dequantized_as_sent(state, block: int, weight_format: str, hadamard: bool) -> dict:
+    """The weights a qwZ step computes with in ``weight_format`` (with the fixed key's
+    Hadamard signs when ``hadamard``): every unit's flat buffer through Q and Q^-1."""
+    from pallas_kernels.hadamard import rotate_reference, unrotate_reference
+    from zeropp_jax.comm.partition import REST, merge_units
+    from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
+    from zeropp_jax.quant.rotation import hadamard_signs
+
+    signs = hadamard_signs(None, block) if hadamard else None
+    units, rest = {}, {}
+    for name, lay in state.engine.layouts.items():
+        flat = jnp.asarray(np.asarray(state.params.units[name]))
+        if weight_format == "fp8":
+            x = rotate_reference(flat, signs, block_size=block) if hadamard else flat
+            deq = dequantize_fp8_flat(*quantize_fp8_flat(x, block_size=block), block_size=block)
+            deq = unrotate_reference(deq, signs, block_size=block) if hadamard else deq
+        else:
+            kw = dict(bits=int(weight_format[3:]), block_size=block, signs=signs)
+            deq = dequantize_reference(*quantize_reference(flat, **kw), dtype=jnp.float32, **kw)
+        tree = jax.tree_util.tree_map(np.asarray, lay.unflatten(deq))
+        if name == REST:
+            rest = tree
+        else:
+            units[lay.path] = tree
+    return merge_units(rest, units)
+
+
+@pytest.mark.parametrize("weight_format,hadamard", [("int4", True), ("fp8", False)])
+def test_smoothed_and_fp8_steps_are_exact_at_their_dequantized_weights(weight_format,
+                                                                       hadamard):
+    """As for INT8/INT4 above: the step's loss and gradients are the plain model's at the
+    weights the wire format delivers (rotated INT4; FP8 e4m3), forward and backward alike."""
+    block = 64
+    model = GPT(SMALL)
+    params = init_params(seed=13)
+    batch = tokens(16, seed=14)
+    cfg = zpp.ZeroPPConfig(qwz=True, weight_format=weight_format, qwz_hadamard=hadamard,
+                           block_size=block, compute_dtype="float32")
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=cfg)
+    _, out = make_step(with_grads=True)(state, batch)
+    deq = _dequantized_as_sent(state, block, weight_format, hadamard)
+    ref_loss, ref_grads = reference_loss_and_grads(model, deq, batch)
+    rho = fp32_gradient_rounding(model, deq, batch).rho
+    assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
+                                ref_loss, ref_grads, rho)

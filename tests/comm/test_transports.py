@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax.comm import transports
 from zeropp_jax.comm.partition import make_unit_layout
+from zeropp_jax.comm.transports.fp8 import Fp8Gather
 from zeropp_jax.comm.transports.hpz import SecondaryRegather
 from zeropp_jax.comm.transports.plain import PlainGather
 from zeropp_jax.comm.transports.qgz import QgzReduceScatter
@@ -26,7 +27,9 @@ from zeropp_jax.comm.transports.qwz import QwzGather
 from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
 from zeropp_jax.comm.transports.stored_quantized import StoredQuantizedGather
 from zeropp_jax.core.mesh import AXES
+from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
 from zeropp_jax.quant.quantization import dequantize_flat, quantize_flat
+from zeropp_jax.quant.rotation import hadamard_signs
 
 SHARD = 512  # elements per device: two 256-element quantization blocks
 
@@ -62,11 +65,14 @@ def _value_transports(dtype):
         "plain_two_hop": PlainGather(dtype, hierarchical=True),
         "qwz8": QwzGather(8, 256, dtype, "xla"),
         "qwz4_shard_scale": QwzGather(4, None, dtype, "xla"),
+        "qwz4_hadamard": QwzGather(4, 256, dtype, "xla", hadamard=True),
+        "fp8": Fp8Gather(256, dtype),
     }
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4)])
-@pytest.mark.parametrize("name", ["plain", "plain_two_hop", "qwz8", "qwz4_shard_scale"])
+@pytest.mark.parametrize("name", ["plain", "plain_two_hop", "qwz8", "qwz4_shard_scale",
+                                  "qwz4_hadamard", "fp8"])
 def test_gather_is_the_wire_format_and_regather_is_bitwise(shape, name):
     mesh = zpp.make_mesh(*shape, devices=jax.devices()[: shape[0] * shape[1]])
     devices = shape[0] * shape[1]
@@ -81,6 +87,13 @@ def test_gather_is_the_wire_format_and_regather_is_bitwise(shape, name):
     # What the wire format promises: the bf16 cast, or each shard's own dequantized blocks.
     if name.startswith("plain"):
         expect = np.asarray(jnp.asarray(w).astype(jnp.bfloat16))
+    elif name == "fp8":
+        v, s = quantize_fp8_flat(jnp.asarray(w), block_size=256)
+        expect = np.asarray(dequantize_fp8_flat(v, s, block_size=256, dtype=jnp.bfloat16))
+    elif name == "qwz4_hadamard":  # the fixed key's signs: rotated, quantized, rotated back
+        kw = dict(bits=4, block_size=256, implementation="xla", signs=hadamard_signs(None, 256))
+        v, s = quantize_flat(jnp.asarray(w), **kw)
+        expect = np.asarray(dequantize_flat(v, s, dtype=jnp.bfloat16, **kw))
     else:
         block = t.block_size or SHARD
         v, s = quantize_flat(jnp.asarray(w), bits=t.bits, block_size=block, implementation="xla")
@@ -172,6 +185,17 @@ def test_config_picks_the_transports():
     assert isinstance(transports.weight_transport(frozen_cfg, lay), StoredQuantizedGather)
     # Frozen weights stored in the param dtype travel like trainable ones.
     assert isinstance(transports.weight_transport(z3, lay), PlainGather)
+    # The wire format and the smoothing switches reach the transports.
+    fp8 = transports.weight_transport(zpp.ZeroPPConfig(qwz=True, weight_format="fp8",
+                                                       qwz_hadamard=True))
+    assert isinstance(fp8, Fp8Gather) and fp8.hadamard and fp8.fmt == "e4m3"
+    int4 = transports.weight_transport(zpp.ZeroPPConfig(qwz=True, weight_format="int4",
+                                                        qwz_hadamard=True))
+    assert isinstance(int4, QwzGather) and (int4.bits, int4.hadamard) == (4, True)
+    smooth = transports.gradient_transport(zpp.ZeroPPConfig(qgz=True, qgz_hadamard=True,
+                                                            stochastic_rounding=True))
+    assert (smooth.hadamard, smooth.stochastic_rounding) == (True, True)
+    assert (g.hadamard, g.stochastic_rounding) == (False, False)  # off by default
     # Transports are static data: equal configs give equal (hashable) transports.
     assert hash(transports.weight_transport(zpp_cfg)) == hash(transports.weight_transport(
         zpp.ZeroPPConfig.zeropp()))

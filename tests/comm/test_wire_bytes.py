@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax.comm.transports import unit_transports
 from zeropp_jax.comm.transports.base import gradient_bytes, weight_bytes
+from zeropp_jax.comm.transports.fp8 import Fp8Gather
 from zeropp_jax.comm.transports.hierarchical_reduce_scatter import HierarchicalReduceScatter
 from zeropp_jax.comm.transports.hpz import SecondaryRegather
 from zeropp_jax.comm.transports.plain import PlainGather
@@ -42,6 +43,9 @@ def _weight_transports():
         "plain_two_hop": PlainGather(BF16, hierarchical=True),
         "qwz8": QwzGather(8, BLOCK, BF16, "xla"),
         "qwz4": QwzGather(4, BLOCK, BF16, "xla"),
+        "qwz4_hadamard": QwzGather(4, BLOCK, BF16, "xla", hadamard=True),
+        "fp8": Fp8Gather(BLOCK, BF16),
+        "fp8_hadamard_two_hop": Fp8Gather(BLOCK, BF16, hierarchical=True, hadamard=True),
         "stored8": StoredQuantizedGather(8, BLOCK, BF16, "xla"),
         "stored4_two_hop": StoredQuantizedGather(4, BLOCK, BF16, "xla", hierarchical=True),
         "hpz_plain": SecondaryRegather(PlainGather(BF16)),
@@ -55,6 +59,8 @@ def _gradient_transports():
         "hierarchical": HierarchicalReduceScatter(),
         "qgz4": QgzReduceScatter(4, BLOCK, 1, "xla", FlatReduceScatter()),
         "qgz8_two_stages": QgzReduceScatter(8, BLOCK, 2, "xla", FlatReduceScatter()),
+        "qgz4_hadamard_stochastic": QgzReduceScatter(4, BLOCK, 2, "xla", FlatReduceScatter(),
+                                                     hadamard=True, stochastic_rounding=True),
     }
 
 
@@ -125,6 +131,27 @@ def test_closed_forms_on_a_64_node_mesh():
     qgz = gradient_bytes(QgzReduceScatter(4, BLOCK, 1, "xla", FlatReduceScatter()), n, F32,
                          nodes, local)
     assert qgz.cross == pytest.approx((nodes - 1) * n * (0.5 + 4 / BLOCK), rel=1e-12)
+
+
+def test_smoothing_and_fp8_move_the_same_bytes():
+    """Hadamard smoothing and stochastic rounding change values, not bytes: qgZ and qwZ
+    move exactly what they move without them; FP8 weights move INT8 qwZ's bytes (one per
+    value, four per block)."""
+    nodes, local, n = 64, 8, 64 * 8 * 4 * BLOCK
+    flat = FlatReduceScatter()
+    for bits in (4, 8):
+        plain = gradient_bytes(QgzReduceScatter(bits, BLOCK, 2, "xla", flat), n, F32, nodes,
+                               local)
+        for kw in ({"hadamard": True}, {"stochastic_rounding": True},
+                   {"hadamard": True, "stochastic_rounding": True}):
+            smooth = QgzReduceScatter(bits, BLOCK, 2, "xla", flat, **kw)
+            assert gradient_bytes(smooth, n, F32, nodes, local) == plain
+        qwz = weight_bytes(QwzGather(bits, BLOCK, BF16, "xla"), n, F32, nodes, local)
+        rotated = QwzGather(bits, BLOCK, BF16, "xla", hadamard=True)
+        assert weight_bytes(rotated, n, F32, nodes, local) == qwz
+    qwz8 = weight_bytes(QwzGather(8, BLOCK, BF16, "xla"), n, F32, nodes, local)
+    assert weight_bytes(Fp8Gather(BLOCK, BF16), n, F32, nodes, local) == qwz8
+    assert weight_bytes(Fp8Gather(BLOCK, BF16, hadamard=True), n, F32, nodes, local) == qwz8
 
 
 class _TwoLayers(nn.Module):

@@ -275,3 +275,53 @@ def test_from_deepspeed_refuses_features_that_change_what_trains():
         "curriculum_learning": {"enabled": False}, "elasticity": {"enabled": False},
         "compression_training": {"weight_quantization": {"shared_parameters":
                                                          {"enabled": False}}}, **zo})
+
+
+def test_weight_format_and_weight_bits_are_one_setting():
+    """weight_format is the new name; weight_bits (8 | 4) keeps working as its alias, both
+    are resolved on creation (so equal settings compare and hash equal), and a pair that
+    disagrees raises naming both."""
+    assert (ZeroPPConfig().weight_format, ZeroPPConfig().weight_bits) == ("int8", 8)
+    assert ZeroPPConfig(weight_bits=4) == ZeroPPConfig(weight_format="int4")
+    assert hash(ZeroPPConfig(weight_bits=4)) == hash(ZeroPPConfig(weight_format="int4"))
+    assert ZeroPPConfig(weight_format="int4").weight_bits == 4
+    assert ZeroPPConfig(weight_bits=4).weight_format == "int4"
+    fp8 = ZeroPPConfig(qwz=True, weight_format="fp8")
+    assert fp8.weight_bits == 8 and fp8 != ZeroPPConfig(qwz=True)
+    assert ZeroPPConfig(qwz=True, weight_format="fp8", weight_bits=8) == fp8
+    for fmt, bits in (("int4", 8), ("fp8", 4), ("int8", 4)):
+        with pytest.raises(ValueError, match=f"weight_format='{fmt}' and weight_bits={bits} "
+                                             "disagree"):
+            ZeroPPConfig(weight_format=fmt, weight_bits=bits)
+    with pytest.raises(ValueError, match=r"valid formats are \('int8', 'int4', 'fp8'\)"):
+        ZeroPPConfig(weight_format="int2")
+    with pytest.raises(ValueError, match="must be even"):
+        ZeroPPConfig(weight_format="int4", block_size=33)
+    # dataclasses.replace copies both names: changing one alone is a disagreement, and the
+    # error says how to change it.
+    with pytest.raises(ValueError, match="pass weight_bits=None"):
+        dataclasses.replace(ZeroPPConfig(), weight_format="int4")
+    assert dataclasses.replace(ZeroPPConfig(), weight_format="int4", weight_bits=None) == \
+        ZeroPPConfig(weight_bits=4)
+    # DeepSpeed has no key for the weight format: an override sets it.
+    ds = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
+    from_ds = ZeroPPConfig.from_deepspeed(ds, weight_format="fp8")
+    assert (from_ds.qwz, from_ds.weight_format, from_ds.weight_bits) == (True, "fp8", 8)
+
+
+def test_smoothing_and_stochastic_rounding_switches():
+    c = ZeroPPConfig.zeropp()
+    assert (c.qgz_hadamard, c.qwz_hadamard, c.stochastic_rounding) == (False, False, False)
+    on = ZeroPPConfig.zeropp(qgz_hadamard=True, qwz_hadamard=True, stochastic_rounding=True,
+                             weight_format="int4")
+    assert (on.qgz_hadamard, on.qwz_hadamard, on.stochastic_rounding) == (True, True, True)
+    with pytest.raises(ValueError, match="qgz_hadamard: .*power of 2.*block_size=96; use e.g. 128"):
+        ZeroPPConfig(qgz=True, qgz_hadamard=True, block_size=96)
+    with pytest.raises(ValueError, match="qwz_hadamard: .*power of 2"):
+        ZeroPPConfig(qwz=True, qwz_hadamard=True, block_size=96)
+    with pytest.raises(ValueError, match="qwz_hadamard .*needs blockwise=True"):
+        ZeroPPConfig(qwz=True, qwz_hadamard=True, blockwise=False)
+    ZeroPPConfig(qgz_hadamard=True, block_size=96)  # without qgZ: unused, so unchecked
+    for name in ("qgz_hadamard", "qwz_hadamard", "stochastic_rounding"):
+        with pytest.raises(ValueError, match=f"{name} must be True or False"):
+            ZeroPPConfig(**{name: 1})

@@ -14,11 +14,15 @@ from zeropp_jax.quant.quantization import compiled_kernels
 from helpers import SMALL, init_params, make_step, tokens
 
 
-@pytest.mark.parametrize("weight_bits", [8, 4])
-def test_zeropp_step_with_pallas_kernels_lowers_for_cuda(weight_bits):
+@pytest.mark.parametrize("weight_bits,smooth", [(8, False), (4, False), (4, True)])
+def test_zeropp_step_with_pallas_kernels_lowers_for_cuda(weight_bits, smooth):
+    """``smooth``: Hadamard-rotated INT4 weights and gradients, stochastically rounded
+    gradients: the fused rotating / stochastic kernels lower inside the step too."""
     mesh = zpp.make_mesh(2, 4)
     cfg = zpp.ZeroPPConfig.zeropp(block_size=32, weight_bits=weight_bits,
-                                  qgz_pipeline_stages=2, quantization_impl="pallas")
+                                  qgz_pipeline_stages=2, quantization_impl="pallas",
+                                  qwz_hadamard=smooth, qgz_hadamard=smooth,
+                                  stochastic_rounding=smooth)
     state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
                                   mesh=mesh, config=cfg)
     step = make_step()
@@ -31,3 +35,9 @@ def test_zeropp_step_with_pallas_kernels_lowers_for_cuda(weight_bits):
     # the reorder+quantize, the fused middle hop and the final reduction (qgZ).
     assert kernels >= units * 2 + units * 2 * 3, kernels
     assert "div.rn.f32" in text  # exact division on CUDA (see pallas_kernels/quantize.py)
+    if smooth:  # the kernels' names say which options they were built with
+        for name in ("quantize_int4_rotated", "dequantize_int4_rotated",
+                     "reorder_quantize_int4_rotated_stochastic",
+                     "dequantize_reduce_requantize_int4_int4_stochastic",
+                     "dequantize_reduce_int4_rotated"):
+            assert f'"{name}"' in text, name

@@ -182,6 +182,20 @@ def unpack_rows(buf: jax.Array, value_bytes: int, value_dtype: Any
     return values, scales
 
 
+def _gather_packed(values: jax.Array, scales: jax.Array, axes: tuple[str, ...], *,
+                   distinct: bool, hierarchical: bool) -> tuple[jax.Array, jax.Array]:
+    """All-gathers 1-byte ``values [a]`` and fp32 ``scales [b]`` in one byte buffer
+    (``pack_rows``): uint8 on the wire, int8 for ``distinct`` (same bytes, a type XLA
+    cannot merge with the forward's). Returns ``[size * a]`` values and ``[size * b]``
+    scales in row-major device order."""
+    buf = pack_rows(values, scales, 1).reshape(-1)
+    if distinct:
+        buf = jax.lax.bitcast_convert_type(buf, jnp.int8)
+    gathered = gather_tiled(buf, axes, hierarchical=hierarchical)
+    v, sc = unpack_rows(gathered.reshape(axis_size(axes), -1), values.shape[0], values.dtype)
+    return v.reshape(-1), sc.reshape(-1)
+
+
 def qwz_all_gather(
     shard: jax.Array,
     *,
@@ -192,6 +206,8 @@ def qwz_all_gather(
     implementation: str | None = None,
     distinct: bool = False,
     hierarchical: bool = False,
+    hadamard: bool = False,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """qwZ: quantize the local shard in blocks, all-gather values and scales, dequantize.
 
@@ -208,27 +224,83 @@ def qwz_all_gather(
       distinct: move the bits under other integer types so XLA cannot merge this gather
         with an identical one (used for backward regathers; see ``_wire_dtype``).
       hierarchical: gather over the two mesh axes in two hops (``gather_tiled``).
+      hadamard: rotate each block by a randomized Walsh–Hadamard transform before
+        quantizing it and back after dequantizing (``pallas_kernels/hadamard.py``; fused
+        into both kernels with ``implementation="pallas"``; ``block_size`` a power of 2):
+        outliers no longer set a block's scale alone, which is what makes INT4 usable.
+        Same bytes on the wire.
+      key: PRNG key the rotation's signs come from, the same on every device; None: the
+        fixed key (``quant.rotation.fixed_key``). Quantization stays deterministic for a
+        key, so a regather sees the forward's weights bit for bit.
     Returns:
       ``[k * size]``: the dequantized shards of all devices in row-major device order —
       exactly ``all_gather`` of each device's dequantized shard.
     """
     from zeropp_jax.quant.quantization import check_settings, dequantize_flat, quantize_flat
+    from zeropp_jax.quant.rotation import hadamard_signs
 
-    check_settings(bits, block_size)
+    check_settings(bits, block_size, hadamard=hadamard)
     (k,) = shard.shape
     if k % block_size:
         raise ValueError(f"qwz_all_gather: shard length {k=} must be a multiple of {block_size=}")
     out_dtype = shard.dtype if out_dtype is None else out_dtype
-    axes = _as_tuple(axis_names)
-    values, scales = quantize_flat(shard, bits=bits, block_size=block_size,
-                                   implementation=implementation)
-    # Values and scales in one buffer, one gather. Forward moves it as uint8, a backward
-    # regather (distinct) as int8: same bytes, a type XLA cannot merge with the forward's.
-    buf = pack_rows(values, scales, 1).reshape(-1)
-    if distinct:
-        buf = jax.lax.bitcast_convert_type(buf, jnp.int8)
-    gathered = gather_tiled(buf, axes, hierarchical=hierarchical)
-    v, sc = unpack_rows(gathered.reshape(axis_size(axes), -1), values.shape[0], values.dtype)
-    values, scales = v.reshape(-1), sc.reshape(-1)
-    return dequantize_flat(values, scales, bits=bits, block_size=block_size, dtype=out_dtype,
-                           implementation=implementation)
+    signs = hadamard_signs(key, block_size) if hadamard else None
+    kw = dict(bits=bits, block_size=block_size, implementation=implementation, signs=signs)
+    values, scales = quantize_flat(shard, **kw)
+    # Values and scales in one buffer, one gather.
+    values, scales = _gather_packed(values, scales, _as_tuple(axis_names), distinct=distinct,
+                                    hierarchical=hierarchical)
+    return dequantize_flat(values, scales, dtype=out_dtype, **kw)
+
+
+def fp8_all_gather(
+    shard: jax.Array,
+    *,
+    axis_names: AxisNames = AXES,
+    block_size: int = 256,
+    fmt: str = "e4m3",
+    out_dtype: Any = None,
+    distinct: bool = False,
+    hierarchical: bool = False,
+    hadamard: bool = False,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """qwZ with FP8 values: block-scaled e4m3 (or e5m2) plus one fp32 scale per block.
+
+    Runs inside ``shard_map``; communicates over ``axis_names``: one byte per value and 4
+    per block, in one uint8 buffer per device, as INT8 qwZ (``quant/fp8.py`` for the
+    numerics). The dequantize is plain jnp, which XLA may fuse into the consumer of the
+    weights. Arguments as ``qwz_all_gather``; ``hadamard`` rotates each block (in jnp)
+    before it is quantized.
+
+    Returns:
+      ``[k * size]`` of ``out_dtype`` (default ``shard.dtype``): all devices' dequantized
+      shards in row-major device order.
+    """
+    from pallas_kernels.hadamard import rotate_reference, unrotate_reference
+    from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
+    from zeropp_jax.quant.rotation import hadamard_signs
+
+    (k,) = shard.shape
+    if not isinstance(block_size, int) or block_size <= 0 or k % block_size:
+        raise ValueError(f"fp8_all_gather: shard length {k=} must be a multiple of a "
+                         f"positive {block_size=}")
+    out_dtype = shard.dtype if out_dtype is None else out_dtype
+    x = shard
+    signs = hadamard_signs(key, block_size) if hadamard else None
+    if hadamard:
+        x = rotate_reference(x, signs, block_size=block_size)
+    values, scales = quantize_fp8_flat(x, block_size=block_size, fmt=fmt)
+    values, scales = _gather_packed(values, scales, _as_tuple(axis_names), distinct=distinct,
+                                    hierarchical=hierarchical)
+    if not hadamard:
+        return dequantize_fp8_flat(values, scales, block_size=block_size, dtype=out_dtype)
+    full = dequantize_fp8_flat(values, scales, block_size=block_size, dtype=jnp.float32)
+    return unrotate_reference(full, signs, block_size=block_size).astype(out_dtype)
+
+
+# qgZ's reduce-scatter is a collective of the data path too; it lives in comm/qgz.py (which
+# imports this module inside its functions), and is importable from here as well
+# (``zeropp_jax.collectives.qgz_reduce_scatter``). Imported last, so that neither module
+# needs the other to be complete first.
+from zeropp_jax.comm.qgz import hierarchical_reduce_scatter, qgz_reduce_scatter  # noqa: E402,F401

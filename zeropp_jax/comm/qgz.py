@@ -21,6 +21,17 @@ quantizes the same blocks and gives bit-identical results.
 One node (``N = 1``): there is no cross-node hop to save, and quantizing the node-local hop
 only adds error, so by default qgZ falls back to a full-precision reduce-scatter, as
 DeepSpeed does (``single_node="quantize"`` keeps the quantized path).
+
+Hadamard smoothing (``hadamard=True``): step 1 rotates every block before quantizing it
+(``pallas_kernels/hadamard.py``: random ±1 signs, a Walsh–Hadamard transform within the
+block), with signs every device derives from the same key. The rotation is linear, so the
+sums of steps 3 and 5 add rotated blocks and give the rotation of the sum: the middle hop
+requantizes in the rotated domain as it is (its blocks are the rotated partial sums, as
+smooth as the inputs), and step 5 rotates the final sum back. The reordering is unchanged
+and so are the bytes on the wire (same values, same scales). Stochastic rounding
+(``stochastic_rounding=True``) rounds the quantizations of steps 1 and 3 up or down at
+random with the probabilities that make them unbiased (``pallas_kernels/quantize.py``),
+with seeds per device, stage and hop (``quant/rotation.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import jax.numpy as jnp
 from pallas_kernels import reduce as _reduce
 from pallas_kernels import reorder as _reorder
 from zeropp_jax.quant.quantization import _interpret, _resolve, check_settings
+from zeropp_jax.quant.rotation import hadamard_signs, rounding_key, rounding_seed
 
 SINGLE_NODE_MODES = ("reduce_scatter", "quantize")
 
@@ -95,19 +107,27 @@ def hierarchical_reduce_scatter(
 
 
 def _one_stage(x, *, nodes, local, bits, block_size, stages, stage, impl, node_axis,
-               local_axis):
+               local_axis, signs=None, rkey=None):
+    """One pipeline stage: ``signs`` (or None) rotate the blocks, ``rkey`` (or None) seeds
+    stochastic rounding of this stage's two quantizations (hop 0, hop 1)."""
     kw = dict(bits=bits, block_size=block_size)
+
+    def seed(hop: int):
+        return None if rkey is None else rounding_seed(rkey, stage, hop)
+
     values, scales = _reorder_quantize(x, impl, nodes=nodes, local=local, stages=stages,
-                                       stage=stage, **kw)
+                                       stage=stage, signs=signs, seed=seed(0), **kw)
     if local > 1:
         # Hop 1, inside the node: chunk j (the N slots bound for local peer j) goes to j.
         values, scales = _exchange(values, scales, local, local_axis)
         if nodes == 1:
-            return _dequantize_reduce(values, scales, impl, **kw)
-        values, scales = _dequantize_reduce_requantize(values, scales, impl, **kw)
+            return _dequantize_reduce(values, scales, impl, signs=signs, **kw)
+        # The partial sums stay rotated: the next hop quantizes rotated blocks too.
+        values, scales = _dequantize_reduce_requantize(values, scales, impl, seed=seed(1),
+                                                       **kw)
     # Hop 2, across nodes: the partial sum of slice i'*L + j goes to node i'.
     values, scales = _exchange(values, scales, nodes, node_axis)
-    return _dequantize_reduce(values, scales, impl, **kw)
+    return _dequantize_reduce(values, scales, impl, signs=signs, **kw)
 
 
 def _exchange(values: jax.Array, scales: jax.Array, rows: int, axis: str
@@ -132,6 +152,9 @@ def qgz_reduce_scatter(
     stages: int = 1,
     single_node: str = "reduce_scatter",
     implementation: str | None = None,
+    hadamard: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """Quantized hierarchical reduce-scatter; same placement as
     ``psum_scatter(x, (node_axis, local_axis), tiled=True)``.
@@ -147,11 +170,21 @@ def qgz_reduce_scatter(
       stages: pipeline stages (each slice cut into this many independent chunks).
       single_node: with one node, ``"reduce_scatter"`` (default) uses an unquantized
         reduce-scatter in ``x``'s dtype; ``"quantize"`` runs the quantized local hop.
+      hadamard: rotate every block by a randomized Walsh–Hadamard transform before it is
+        quantized and the sum back after (``block_size`` a power of 2). Same bytes on the
+        wire.
+      stochastic_rounding: round both quantizations stochastically (unbiased) instead of
+        to nearest.
+      key: PRNG key, the same on every device (e.g. ``jax.random.fold_in(key, step)``):
+        the Hadamard signs come from it, and the rounding seeds from it folded with the
+        device index. None: a fixed key (``quant.rotation.fixed_key``; the same signs
+        every call), and for rounding that key folded with a checksum of the device's
+        ``x``, so the dither still changes with the gradient.
     Returns:
       fp32 ``[n / P]``: the sum over all devices of this device's slice (within the
       quantization error).
     """
-    check_settings(bits, block_size)
+    check_settings(bits, block_size, hadamard=hadamard)
     if single_node not in SINGLE_NODE_MODES:
         raise ValueError(f"single_node={single_node!r}; valid values are {SINGLE_NODE_MODES}")
     if not isinstance(stages, int) or stages < 1:
@@ -176,10 +209,15 @@ def qgz_reduce_scatter(
         # puts them.
         x = jnp.pad(x.reshape(num, m), ((0, 0), (0, m_pad - m))).reshape(-1)
     impl = _resolve(implementation)
+    signs = hadamard_signs(key, block_size) if hadamard else None
+    rkey = None
+    if stochastic_rounding:
+        device = jax.lax.axis_index(node_axis) * local + jax.lax.axis_index(local_axis)
+        rkey = rounding_key(key, x, device)
     parts = [
         _one_stage(x, nodes=nodes, local=local, bits=bits, block_size=block_size,
                    stages=stages, stage=s, impl=impl, node_axis=node_axis,
-                   local_axis=local_axis)
+                   local_axis=local_axis, signs=signs, rkey=rkey)
         for s in range(stages)
     ]
     out = parts[0] if stages == 1 else jnp.concatenate(parts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ import numpy as np
 
 _VALID_STAGES = (1, 2, 3)
 _VALID_BITS = (4, 8)
+# weight_format -> the weight_bits it means (weight_bits is the older name of the INT ones).
+_WEIGHT_FORMATS = {"int8": 8, "int4": 4, "fp8": 8}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 _IMPLEMENTATIONS = (None, "xla", "pallas")
@@ -30,6 +33,30 @@ def _dtype_name(dtype: Any) -> str:
         raise ValueError(f"{dtype!r} is not a dtype; use one of {_FLOAT_DTYPES}") from e
 
 
+def _weight_format(fmt: Any, bits: Any) -> tuple[str, int]:
+    """``(weight_format, weight_bits)`` from either or both (None: not given); a pair
+    that disagrees raises, naming both."""
+    if fmt is None:
+        bits = 8 if bits is None else bits
+        if bits not in _VALID_BITS:
+            raise ValueError(f"weight_bits={bits!r} is invalid; valid values are {_VALID_BITS}"
+                             f" (or weight_format, one of {tuple(_WEIGHT_FORMATS)})")
+        return f"int{bits}", bits
+    if fmt not in _WEIGHT_FORMATS:
+        raise ValueError(f"weight_format={fmt!r} is invalid; valid formats are "
+                         f"{tuple(_WEIGHT_FORMATS)}")
+    if bits is not None and bits != _WEIGHT_FORMATS[fmt]:
+        older = {b: f for f, b in reversed(_WEIGHT_FORMATS.items())}.get(bits)
+        raise ValueError(
+            f"weight_format={fmt!r} and weight_bits={bits!r} disagree: weight_format={fmt!r} "
+            f"is {_WEIGHT_FORMATS[fmt]}-bit" + (f", weight_bits={bits} is weight_format="
+                                                f"{older!r}" if older else "")
+            + ". Give one of them (weight_bits is the older name of 'int8' and 'int4'); "
+            "dataclasses.replace copies both, so pass weight_bits=None with a new "
+            "weight_format, or weight_format=None with a new weight_bits")
+    return fmt, _WEIGHT_FORMATS[fmt]
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroPPConfig:
     """Settings of one ZeRO / ZeRO++ run.
@@ -37,11 +64,22 @@ class ZeroPPConfig:
     Attributes:
       stage: ZeRO stage, DeepSpeed's meaning. 1: optimizer state sharded over all devices;
         2: + gradients sharded; 3: + parameters sharded and gathered per unit just before use.
-      qwz: quantize weights (block-wise INT8, or INT4 with ``weight_bits=4``) before the
+      qwz: quantize weights (block-wise INT8, INT4 or FP8: ``weight_format``) before the
         forward all-gather.
       hpz: keep a secondary weight partition inside each node for the backward gather.
       qgz: INT4 hierarchical all-to-all gradient reduce-scatter.
-      weight_bits: bits of qwZ's quantized weights (8 or 4).
+      weight_bits: bits of qwZ's quantized weights (8 or 4): the older name of
+        ``weight_format`` ``"int8"`` / ``"int4"``. Either may be given; they are resolved to
+        each other (``"fp8"`` is 8 bits), and a pair that disagrees raises. None (default):
+        from ``weight_format``, else 8.
+      weight_format: how qwZ's weights travel: ``"int8"`` (default), ``"int4"`` (two per
+        byte; see ``qwz_hadamard``) or ``"fp8"`` (e4m3 with one fp32 scale per block:
+        INT8's bytes, a relative instead of an absolute error per element, which measured
+        5x INT8's error on the demo GPT's weights, ``benchmarks/qgz_accuracy.py``;
+        dequantized in plain jnp, which XLA can fuse into the consumer, whatever
+        ``quantization_impl`` says). DeepSpeed has no key for it (``zero_quantized_weights`` is INT8): pass it
+        to ``from_deepspeed`` as an override. Frozen weights stored quantized
+        (``quantize_frozen``) are INT8 with ``"fp8"`` and are not rotated.
       grad_bits: bits of qgZ's quantized gradients (8 or 4).
       block_size: elements per quantization block (one fp32 scale each).
       hpz_group_size: devices in one hpZ secondary group: ``k * L`` for ``k`` whole nodes
@@ -110,13 +148,31 @@ class ZeroPPConfig:
         are cast to this dtype when the compute dtype is narrower, so the loss and the
         metrics are computed in fp32 (jmp's ``output=float32``; PyTorch autocast runs
         losses in fp32 too). None keeps the model's output dtype.
+      qgz_hadamard: with qgZ, rotate every gradient block by a randomized Walsh–Hadamard
+        transform before it is quantized (random ±1 signs, the same on every device) and
+        the sum back after, in both hops: an outlier no longer sets its block's scale
+        alone. Same bytes on the wire; ``block_size`` must be a power of 2 and
+        ``blockwise`` True. Off by default until a convergence study says otherwise (the
+        rotation costs ``log2(block_size)`` additions per element on each end).
+      qwz_hadamard: the same rotation for qwZ's weight blocks (any ``weight_format``). It
+        helps blocks with outliers and hurts near-uniform ones (INT4, measured by
+        ``benchmarks/qgz_accuracy.py``: heavy-tailed weights 0.28 -> 0.12 relative error,
+        the demo GPT's light-tailed trained weights 0.10 -> 0.13), so whether it makes
+        ``"int4"`` usable depends on the model: off by default. The signs come from a
+        fixed key (the gathers know no step; forward and backward must decode the same
+        weights).
+      stochastic_rounding: with qgZ, round the gradient quantizations up or down at random
+        with the probabilities that make them unbiased (the expected dequantized value is
+        the input), instead of to nearest. Each device draws its own bits, seeded from its
+        gradient (``quant/rotation.py``). Off by default: it doubles the variance of the
+        rounding error for an unbiased mean.
     """
 
     stage: int = 3
     qwz: bool = False
     hpz: bool = False
     qgz: bool = False
-    weight_bits: int = 8
+    weight_bits: int | None = None
     grad_bits: int = 4
     block_size: int = 256
     hpz_group_size: int | None = None
@@ -136,6 +192,10 @@ class ZeroPPConfig:
     prefetch: int = 1
     keep_last_unit: bool = True
     output_dtype: str | None = "float32"
+    qgz_hadamard: bool = False
+    qwz_hadamard: bool = False
+    weight_format: str | None = None
+    stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
         # Normalise dtypes to canonical names so equal configs hash equal.
@@ -143,12 +203,18 @@ class ZeroPPConfig:
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         if self.output_dtype is not None:
             object.__setattr__(self, "output_dtype", _dtype_name(self.output_dtype))
+        # weight_format and its older name weight_bits, resolved to each other, so that
+        # ZeroPPConfig(weight_bits=4) == ZeroPPConfig(weight_format="int4").
+        fmt, bits = _weight_format(self.weight_format, self.weight_bits)
+        object.__setattr__(self, "weight_format", fmt)
+        object.__setattr__(self, "weight_bits", bits)
         self._validate()
 
     def _validate(self) -> None:
         if self.stage not in _VALID_STAGES:
             raise ValueError(f"stage={self.stage!r} is invalid; valid stages are {_VALID_STAGES}")
-        for name in ("qwz", "hpz", "qgz", "blockwise", "skip_nonfinite", "quantize_frozen"):
+        for name in ("qwz", "hpz", "qgz", "blockwise", "skip_nonfinite", "quantize_frozen",
+                     "qgz_hadamard", "qwz_hadamard", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("weight_bits", "grad_bits"):
@@ -168,6 +234,17 @@ class ZeroPPConfig:
                 f"qgZ with grad_bits=4 packs two values per byte: block_size="
                 f"{self.block_size} must be even (or grad_bits=8)"
             )
+        for name, technique in (("qgz_hadamard", "qgz"), ("qwz_hadamard", "qwz")):
+            if not (getattr(self, name) and getattr(self, technique)):
+                continue  # like grad_bits without qgZ: unused, so unchecked
+            if not self.blockwise:
+                raise ValueError(f"{name} rotates each quantization block: it needs "
+                                 "blockwise=True (one scale per block_size elements)")
+            if self.block_size < 2 or self.block_size & (self.block_size - 1):
+                raise ValueError(
+                    f"{name}: the Walsh–Hadamard transform needs block_size a power of 2, "
+                    f"got block_size={self.block_size}; use e.g. "
+                    f"{1 << max(1, round(math.log2(self.block_size)))}")
         if self.quantization_impl not in _IMPLEMENTATIONS:
             raise ValueError(
                 f"quantization_impl={self.quantization_impl!r} is invalid; valid values are "

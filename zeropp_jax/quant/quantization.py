@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import quantize as _kernels
+from pallas_kernels.hadamard import check_block_size
 
 IMPLEMENTATIONS = ("xla", "pallas")
 _FLOAT_INPUTS = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -100,13 +101,15 @@ def _resolve(implementation: str | None) -> str:
     return impl
 
 
-def check_settings(bits: int, block_size: int) -> None:
+def check_settings(bits: int, block_size: int, *, hadamard: bool = False) -> None:
     if bits not in _kernels.VALID_BITS:
         raise ValueError(f"bits={bits!r} is invalid; valid values are {_kernels.VALID_BITS}")
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if bits == 4 and block_size % 2:
         raise ValueError(f"INT4 packs two values per byte: block_size={block_size} must be even")
+    if hadamard:
+        check_block_size(block_size)
 
 
 def quantize_blockwise(
@@ -153,14 +156,18 @@ def dequantize_blockwise(
 
 
 def quantize_flat(
-    x: jax.Array, *, bits: int, block_size: int, implementation: str | None = None
+    x: jax.Array, *, bits: int, block_size: int, implementation: str | None = None,
+    signs: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """1-D ``x`` of whole blocks -> ``(values, scales)`` (no padding, no metadata)."""
+    """1-D ``x`` of whole blocks -> ``(values, scales)`` (no padding, no metadata).
+    ``signs`` (fp32 ±1 ``[block_size]``, ``rotation.hadamard_signs``): rotate every block
+    before quantizing it (``pallas_kernels/hadamard.py``)."""
     if x.shape[0] % block_size:
         raise ValueError(f"n={x.shape[0]} must be a multiple of block_size={block_size}")
     if _resolve(implementation) == "pallas":
-        return _kernels.quantize(x, bits=bits, block_size=block_size, interpret=_interpret(x))
-    return _kernels.quantize_reference(x, bits=bits, block_size=block_size)
+        return _kernels.quantize(x, bits=bits, block_size=block_size, interpret=_interpret(x),
+                                 signs=signs)
+    return _kernels.quantize_reference(x, bits=bits, block_size=block_size, signs=signs)
 
 
 def dequantize_flat(
@@ -171,9 +178,11 @@ def dequantize_flat(
     block_size: int,
     dtype: Any,
     implementation: str | None = None,
+    signs: jax.Array | None = None,
 ) -> jax.Array:
-    """Inverse of ``quantize_flat``: ``[len(scales) * block_size]`` of ``dtype``."""
-    kwargs = dict(bits=bits, block_size=block_size, dtype=jnp.dtype(dtype))
+    """Inverse of ``quantize_flat``: ``[len(scales) * block_size]`` of ``dtype`` (with
+    ``signs``: each block rotated back, in fp32, before the cast)."""
+    kwargs = dict(bits=bits, block_size=block_size, dtype=jnp.dtype(dtype), signs=signs)
     if _resolve(implementation) == "pallas":
         return _kernels.dequantize(values, scales, interpret=_interpret(values), **kwargs)
     return _kernels.dequantize_reference(values, scales, **kwargs)

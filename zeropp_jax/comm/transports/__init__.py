@@ -6,13 +6,16 @@ asks the transport it was given; nothing else branches on ``config.qwz`` / ``hpz
 
 Weights (``base.WeightTransport``):
   ``plain``             ZeRO-3: the shard in the compute dtype, all-gathered.
-  ``qwz``               qwZ: block-quantized INT8/INT4 values plus scales on the wire.
+  ``qwz``               qwZ: block-quantized INT8/INT4 values plus scales on the wire
+                        (optionally Hadamard-rotated blocks).
+  ``fp8``               qwZ with block-scaled FP8 (e4m3) values plus scales.
   ``stored_quantized``  frozen weights stored quantized: moved as stored, dequantized after.
   ``hpz``               wraps one of the above: backward regathers inside the node group.
 Gradients (``base.GradientTransport``):
   ``flat``              one reduce-scatter over all devices.
   ``hierarchical``      two hops (inside the node, then across), unquantized.
-  ``qgz``               two hops carrying quantized blocks (optionally switched at run time).
+  ``qgz``               two hops carrying quantized blocks (optionally switched at run time,
+                        Hadamard-smoothed, rounded stochastically).
 
 Adding a transport: a file with a frozen dataclass implementing the interface and a
 ``from_config``, and one entry in ``WEIGHTS``, ``FROZEN`` or ``GRADIENTS`` below.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-from zeropp_jax.comm.transports import hpz, plain, qgz, qwz, reduce_scatter, stored_quantized
+from zeropp_jax.comm.transports import fp8, hpz, plain, qgz, qwz, reduce_scatter, stored_quantized
 from zeropp_jax.comm.transports import hierarchical_reduce_scatter as hierarchical
 from zeropp_jax.comm.transports.base import (
     GradientTransport,
@@ -35,6 +38,7 @@ from zeropp_jax.comm.transports.base import (
 WEIGHTS: dict[str, Callable[[Any], WeightTransport]] = {
     "plain": plain.PlainGather.from_config,
     "qwz": qwz.QwzGather.from_config,
+    "fp8": fp8.Fp8Gather.from_config,
 }
 # Frozen weights stored in another form than the param dtype, by ``frozen_format(config)``
 # (frozen weights stored in the param dtype travel like trainable ones).
@@ -48,7 +52,11 @@ GRADIENTS: dict[str, Callable[[Any], GradientTransport]] = {
 
 
 def weight_format(config: Any) -> str:
-    return "qwz" if config.qwz else "plain"
+    """The ``WEIGHTS`` entry of the config: plain without qwZ; with it, by
+    ``config.weight_format`` (INT8 and INT4 are qwZ's, FP8 its own)."""
+    if not config.qwz:
+        return "plain"
+    return "fp8" if config.weight_format == "fp8" else "qwz"
 
 
 def frozen_format(config: Any) -> str | None:
@@ -79,7 +87,8 @@ def gradient_transport(config: Any) -> GradientTransport:
         return plain_rs
     return qgz.QgzReduceScatter(
         config.grad_bits, config.block_size if config.blockwise else None,
-        config.qgz_pipeline_stages, config.quantization_impl, plain_rs)
+        config.qgz_pipeline_stages, config.quantization_impl, plain_rs,
+        hadamard=config.qgz_hadamard, stochastic_rounding=config.stochastic_rounding)
 
 
 @dataclasses.dataclass(frozen=True)

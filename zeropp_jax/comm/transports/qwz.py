@@ -1,4 +1,5 @@
-"""qwZ: the fp32 primary shard block-quantized to INT8/INT4, gathered, dequantized."""
+"""qwZ: the fp32 primary shard block-quantized to INT8/INT4 (optionally Hadamard-rotated
+first), gathered, dequantized."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ class QwzGather(DirectGather):
       dtype: the compute dtype of the full weights.
       implementation: ``"xla"`` or ``"pallas"`` (``quant.quantization``).
       hierarchical: two hops, over ``"node"`` then ``"local"``.
+      hadamard: rotate each block by a randomized Walsh–Hadamard transform before
+        quantizing (``config.qwz_hadamard``), with the fixed key's signs
+        (``quant.rotation.fixed_key``: a gather has no step counter, and forward and
+        backward must decode the same weights). Same bytes on the wire.
     """
 
     bits: int
@@ -31,12 +36,13 @@ class QwzGather(DirectGather):
     dtype: Any
     implementation: str
     hierarchical: bool = False
+    hadamard: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> "QwzGather":
         return cls(config.weight_bits, config.block_size if config.blockwise else None,
                    config.compute_jnp_dtype, config.quantization_impl,
-                   config.all_gather == "hierarchical")
+                   config.all_gather == "hierarchical", config.qwz_hadamard)
 
     def gather(self, stored: Buffers, *, backward: bool = False) -> tuple[jax.Array, Buffers]:
         shard = stored[0]
@@ -44,7 +50,7 @@ class QwzGather(DirectGather):
             shard, axis_names=AXES, bits=self.bits,
             block_size=self.block_size or shard.shape[0], out_dtype=self.dtype,
             implementation=self.implementation, distinct=backward,
-            hierarchical=self.hierarchical,
+            hierarchical=self.hierarchical, hadamard=self.hadamard,
         )
         return full, (full,)
 

@@ -28,9 +28,11 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -73,19 +75,20 @@ def run_nodes(cluster: cl.Cluster, port: int, script: str, flags: list[str],
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    procs = []
+    procs, logs = [], []
     for i in range(cluster.nodes):
         cmd = ["ip", "netns", "exec", cl.node_ns(i), sys.executable, str(ROOT / script),
                *process_flags(i, port), *flags]
         if i == 0:
             cmd += ["--json", str(json_path)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True,
-                                      env=env))
-    logs = [p.communicate(timeout=1800)[0] for p in procs]
+        logs.append(json_path.with_suffix(f".node{i}.log"))
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                          text=True, env=env))
     for i, (p, log) in enumerate(zip(procs, logs)):
-        if p.returncode != 0:
-            raise SystemExit(f"{script} node {i} failed ({p.returncode}):\n{log[-3000:]}")
+        if p.wait(timeout=1800) != 0:
+            raise SystemExit(f"{script} node {i} failed ({p.returncode}):\n"
+                             f"{log.read_text()[-3000:]}")
     return json.loads(json_path.read_text())
 
 
@@ -100,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     gen_flags = model + ["--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
                          "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds),
                          "--local-devices", str(args.local)]
-    tmp = args.out / f"{args.name}_runs"
-    tmp.mkdir(parents=True, exist_ok=True)
+    # Each run's JSON and its processes' logs (kept, and named, only if a run fails).
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f"{args.name}_runs_"))
     port = [args.port]
 
     def gen_process(i: int, p: int) -> list[str]:
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(cell)
     finally:
         cluster.teardown()
+    shutil.rmtree(tmp, ignore_errors=True)
     result = {"nodes": args.nodes, "local": args.local, "args": vars(args) | {
         "out": str(args.out)}, "cells": cells, "ratios": ratios(cells),
         "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -31,6 +31,13 @@ MODES = {
     "qgz": {"qgz": True},
     "zeropp": {"qwz": True, "hpz": True, "qgz": True},
     "zeropp (INT4 weights)": {"qwz": True, "hpz": True, "qgz": True, "weight_bits": 4},
+    # Beyond ZeRO++: smoothing and FP8 move the same bytes as their unsmoothed formats.
+    "zeropp + Hadamard": {"qwz": True, "hpz": True, "qgz": True, "qgz_hadamard": True},
+    "zeropp (INT4 weights + Hadamard, Hadamard grads)": {
+        "qwz": True, "hpz": True, "qgz": True, "weight_format": "int4", "qwz_hadamard": True,
+        "qgz_hadamard": True},
+    "zeropp (FP8 weights, Hadamard grads)": {
+        "qwz": True, "hpz": True, "qgz": True, "weight_format": "fp8", "qgz_hadamard": True},
 }
 
 
@@ -93,6 +100,8 @@ def main() -> None:
     zpp_b = results["modes"]["zeropp"]["lowered_bytes_per_node"]
     int4_b = results["modes"]["zeropp (INT4 weights)"]["lowered_bytes_per_node"]
     results["vs_regather_all"] = {"zeropp": zpp_b / every, "zeropp_int4": int4_b / every}
+    results["vs_regather_all_by_mode"] = {
+        name: row["lowered_bytes_per_node"] / every for name, row in results["modes"].items()}
     print(f"against zero3 regathering every unit (the paper's ZeRO-3): zeropp "
           f"{zpp_b / every:.3f}, INT4 {int4_b / every:.3f}")
     write_json(args.out, f"comm_volume_{args.nodes}x{args.local}.json", results)

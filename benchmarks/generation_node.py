@@ -110,12 +110,13 @@ def main(argv: list[str] | None = None) -> dict:
     timers = {"kv": kv, "gather": gather}
     if not args.no_cacheless:
         timers["cacheless"] = cacheless
-    for fn in timers.values():  # compile
-        fn()
+    for name, fn in timers.items():  # compile
+        print(f"{name}: first call {fn():.2f} s", file=sys.stderr, flush=True)
     times: dict[str, list[float]] = {k: [] for k in timers}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for name, fn in timers.items():
             times[name].append(fn())
+            print(f"round {r} {name}: {times[name][-1]:.3f} s", file=sys.stderr, flush=True)
     out: dict = {"mode": args.mode, "mesh": dict(mesh.shape), "processes": jax.process_count(),
                  "batch": args.batch, "prompt_len": args.prompt_len,
                  "new_tokens": args.new_tokens, "compute_dtype": args.compute_dtype,
@@ -123,12 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
                  "times_s": times,
                  "tokens_per_s": {k: args.batch * args.new_tokens / float(np.median(v))
                                   for k, v in times.items() if k != "gather"}}
+    # Every process lowers the same programs (gather_secondary runs a collective: all of
+    # them call it); process 0 reports.
+    secondary = gather_secondary(state)
+    step = comm_report(lower_generation_step(state, prompts, args.new_tokens, model=twin), mesh)
+    old = comm_report(lower_decode_step(state, secondary, buffer, args.prompt_len), mesh)
+    once = comm_report(gather_secondary.lower(state), mesh)
     if jax.process_index() == 0:
-        step = comm_report(lower_generation_step(state, prompts, args.new_tokens, model=twin),
-                           mesh)
-        old = comm_report(lower_decode_step(state, gather_secondary(state), buffer,
-                                            args.prompt_len), mesh)
-        once = comm_report(gather_secondary.lower(state), mesh)
         out["cross_node_bytes_per_node"] = {
             "kv_token": step.cross_node_bytes / mesh.shape["node"],
             "cacheless_token": old.cross_node_bytes / mesh.shape["node"],

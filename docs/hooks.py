@@ -161,6 +161,7 @@ def comm_volume(data: dict, view: str | None) -> str:
     """``benchmarks/comm_volume.py``: cross-node bytes per node per step, lowered and compiled."""
     _no_view(view, "comm_volume")
     rows = []
+    paper = data.get("vs_regather_all_by_mode", {})
     for name, v in data["modes"].items():
         rows.append([
             COMM_MODES.get(name, name),
@@ -168,8 +169,9 @@ def comm_volume(data: dict, view: str | None) -> str:
             f"{v['ratio_lowered']:.3f}",
             _int(v["compiled_bytes_per_node"]), f"{v['compiled_per_M']:.3f}",
             f"{v['ratio_compiled']:.3f}",
-        ])
-    header = ["mode", "lowered B", "/ M", "vs zero3", "compiled B", "/ M", "vs zero3"]
+        ] + ([f"{paper[name]:.3f}"] if paper else []))
+    header = ["mode", "lowered B", "/ M", "vs zero3", "compiled B", "/ M", "vs zero3"] + (
+        ["lowered, vs the paper's ZeRO-3"] if paper else [])
     va = data["vs_regather_all"]
     caption = (
         f"M = {data['params']:,} parameters, {data['nodes']} nodes x {data['local']} devices; "
@@ -437,8 +439,15 @@ def overhead(data: dict, view: str | None) -> str:
 
 
 def qgz_accuracy(data: dict, view: str | None) -> str:
-    """``benchmarks/qgz_accuracy.py``: relative L2 error of reduce-scatters of real gradients."""
-    _no_view(view, "qgz_accuracy")
+    """``benchmarks/qgz_accuracy.py``: relative L2 error of reduce-scatters of real gradients
+    (no view), of qgZ with Hadamard smoothing and stochastic rounding (``smoothing``), of one
+    quantization of gradients per format (``formats``) and of weight round trips
+    (``weights``)."""
+    views = {"smoothing": _qgz_smoothing, "formats": _qgz_formats, "weights": _qgz_weights}
+    if view is not None:
+        if view not in views:
+            raise TableError(f"qgz_accuracy views: none or one of {sorted(views)}; got {view!r}")
+        return views[view](data)
     rows = []
     for when, e in data["errors"].items():
         q, ring = e["qgz (1 quantization/hop)"], e["ring (7 requantizations)"]
@@ -451,6 +460,40 @@ def qgz_accuracy(data: dict, view: str | None) -> str:
     return (_table(header, rows) + f"\n\n{data['nodes']} nodes x {data['local']} devices "
             f"(the one-node columns: 1 x {data['nodes'] * data['local']}), block "
             f"{data['block_size']}.")
+
+
+def _qgz_smoothing(data: dict) -> str:
+    rs = data["reduce_scatter"]
+    whens = list(rs)
+    rows = [[name] + [f"{rs[w][name]['4']:.3f} / {rs[w][name]['8']:.4f}" for w in whens]
+            for name in rs[whens[0]]]
+    return (_table(["qgZ reduce-scatter (INT4 / INT8)"] + [f"gradients at {w}" for w in whens],
+                    rows)
+            + f"\n\nRelative L2 error against the exact sum, {data['nodes']} nodes x "
+              f"{data['local']} devices, block {data['block_size']}. \"mean of 8 keys\": the "
+              "average of 8 reduce-scatters with different rounding keys (what unbiased "
+              "rounding buys over steps).")
+
+
+def _qgz_formats(data: dict) -> str:
+    gq = data["gradient_quantization"]
+    whens = list(gq)
+    rows = [[name] + [f"{gq[w][name]:.4f}" for w in whens] for name in gq[whens[0]]]
+    return (_table(["one quantization of the gradients"] + [f"at {w}" for w in whens], rows)
+            + f"\n\nRelative L2 error of quantize-dequantize, block {data['block_size']}.")
+
+
+def _qgz_weights(data: dict) -> str:
+    wg = data["weight_gather"]
+    sets = [k for k, v in wg.items() if isinstance(v, dict)]
+    names = {"trained": "demo GPT, trained", "student_t3_synthetic": "Student-t (3 dof) weights"}
+    rows = [[fmt] + [f"{wg[k][fmt]:.4f}" for k in sets] for fmt in wg[sets[0]]]
+    kurt = wg.get("trained_median_block_excess_kurtosis")
+    return (_table(["weight format"] + [names.get(k, k) for k in sets], rows)
+            + f"\n\nRelative L2 error of a weight gather's round trip, block "
+              f"{data['block_size']}"
+            + (f"; the trained GPT's blocks have a median excess kurtosis of {kurt:.2f} "
+               "(lighter tails than a Gaussian)." if kurt is not None else "."))
 
 
 QUANT_DATA = {"gpt_init": "GPT at init", "gpt_trained": "same GPT after training",
@@ -516,6 +559,87 @@ def ulysses(data: dict, view: str | None) -> str:
 # --------------------------------------------------------------------------- dispatch
 
 
+# --------------------------------------------------------------------------- generation
+
+
+def generation(data: dict, view: str | None) -> str:
+    """``benchmarks/generation.py``. Views: ``exactness``, ``bytes``, ``speed``."""
+    views = {"exactness": _gen_exactness, "bytes": _gen_bytes, "speed": _gen_speed}
+    if view not in views:
+        raise TableError(f"generation results need a view, one of {sorted(views)}; got {view!r}")
+    return views[view](data)
+
+
+def _gen_exactness(data: dict) -> str:
+    rows = []
+    for r in data["exactness"]:
+        where = ("mesh " + "x".join(map(str, r["mesh"])) if "mesh" in r
+                 else ("hpZ" if r["hpz"] else "no hpZ") + ", mesh " + "x".join(map(str, data["mesh"])))
+        own = r.get("mismatches_vs_transformers_generate")
+        rows.append([r["model"], where, _int(r["tokens"]), str(r["mismatches_vs_one_device"]),
+                     "" if own is None else str(own)])
+    return _table(["model", "run", "generated tokens", "differ from one device's decoding",
+                   "differ from transformers' generate"], rows)
+
+
+def _gen_bytes(data: dict) -> str:
+    rows = []
+    for r in data["bytes_per_token"]:
+        once = r.get("secondary_gather_cross_node_bytes_per_node")
+        rows.append([r["config"], _int(r["cross_node_bytes_per_node_per_token"]),
+                     "" if once is None else _int(once)])
+    return _table(["config", "cross-node bytes per node, per generated token",
+                   "once per generate call (hpZ's secondary)"], rows)
+
+
+def _gen_speed(data: dict) -> str:
+    s = data["speed"]
+    n = s["batch"] * s["new_tokens"]
+    rows = [[k, f"{v:.0f}", f"{n / max(s['times_s'][k]):.0f}-{n / min(s['times_s'][k]):.0f}"]
+            for k, v in s["tokens_per_s"].items()]
+    caption = (f"One device, {s['batch']} prompts of {s['prompt_len']} tokens, "
+               f"{s['new_tokens']} new tokens, median of {len(next(iter(s['times_s'].values())))}"
+               f" rounds; zpp.generate / plain jit {_x(s['kv_over_plain_jit'])}, / cache-less "
+               f"{_x(s['kv_over_cacheless'])}; same tokens: {'yes' if s['same_tokens'] else 'no'}.")
+    return _table(["generator", "tokens/s (median)", "range over rounds"], rows) + "\n\n" + caption
+
+
+def cluster_generate(data: dict, view: str | None) -> str:
+    """``benchmarks/cluster_generate.py``: generation and RLHF phases per link and mode."""
+    _no_view(view, "cluster_generate")
+    rows = []
+    for c in data["cells"]:
+        g = c["generation"]
+        n = g["batch"] * g["new_tokens"]
+        kv = [n / t for t in g["times_s"]["kv"]]
+        r = c.get("rlhf", {}).get("median_s", {})
+        rows.append([_bandwidth(c["bandwidth"]), c["mode"],
+                     f"{g['tokens_per_s']['kv']:.1f} ({min(kv):.1f}-{max(kv):.1f})",
+                     f"{g['tokens_per_s']['cacheless']:.1f}" if "cacheless" in g["tokens_per_s"] else "",
+                     _int(g["cross_node_bytes_per_node"]["kv_token"]),
+                     f"{r['generate_s']:.2f}" if r else "", f"{r['train_s']:.3f}" if r else ""])
+    table = _table(["link", "mode", "KV tokens/s (range)", "cache-less tokens/s",
+                    "cross-node B per node per token", "RLHF generate s", "RLHF train s"], rows)
+    ratios = []
+    for r in data["ratios"]:
+        parts = [f"hpZ / ZeRO-3 tokens/s {_x(r['hpz_over_zero3_tokens_per_s'])}"]
+        for mode in ("zero3", "zeropp"):
+            if f"kv_over_cacheless_{mode}" in r:
+                parts.append(f"KV / cache-less ({mode}) {_x(r[f'kv_over_cacheless_{mode}'])}")
+        for phase in ("generate", "train"):
+            k = f"rlhf_{phase}_zero3_over_zeropp"
+            if k in r:
+                parts.append(f"RLHF {phase} ZeRO-3 / ZeRO++ time {_x(r[k])}")
+        ratios.append(f"- {_bandwidth(r['bandwidth'])}: " + "; ".join(parts))
+    g = data["cells"][0]["generation"]
+    caption = (f"{data['nodes']} node processes x {data['local']} devices; GPT of "
+               f"{g['params']:,} parameters ({g['compute_dtype']}); {g['batch']} prompts of "
+               f"{g['prompt_len']} tokens, {g['new_tokens']} new tokens. The cache-less "
+               "generator always rebuilds every unit from hpZ's secondary (its only mode), so "
+               "its zero3 row also gathers inside the node per token.")
+    return table + "\n\n" + caption + "\n\n" + "\n".join(ratios)
+
+
 def _no_view(view: str | None, shape: str) -> None:
     if view is not None:
         raise TableError(f"{shape} results have one table; drop '/{view}'")
@@ -526,6 +650,8 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("cluster", {"bandwidths", "cells", "runs", "model", "rounds"}, cluster),
     ("cluster_checkpoint", {"rows", "equal", "stores", "written_on"}, cluster_checkpoint),
     ("comm_volume", {"modes", "vs_regather_all", "params"}, comm_volume),
+    ("cluster_generate", {"cells", "ratios", "nodes", "local"}, cluster_generate),
+    ("generation", {"exactness", "bytes_per_token", "speed"}, generation),
     ("convergence", {"settings", "runs", "targets"}, convergence),
     ("gpu_check", {"versions", "kernels", "bandwidth", "train_step"}, gpu_check),
     ("lora_finetune", {"args", "runs"}, lora),
@@ -537,6 +663,8 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
+         "generation": ["exactness", "bytes", "speed"],
+         "qgz_accuracy": [None, "smoothing", "formats", "weights"],
          "memory": ["state", "paper", "depth"],
          "quantization": ["block_vs_tensor", "sweep"]}
 

@@ -37,6 +37,16 @@ CONFIGS = {
     "zeropp, qgZ first 50%": (["--mode", "zeropp", "--qgz-until", "0.5"], "2.1340 (+0.6%)", None),
     "qwZ + hpZ": (["--mode", "qwz_hpz"], "2.1217 (0.0%)", 0.5),
     "zeropp, non-blocked": (["--mode", "zeropp", "--non-blocked"], "diverges", None),
+    # Beyond ZeRO++: smoothed 4-bit gradients, INT4 and FP8 weights (targets: +0.5% for
+    # zeropp + Hadamard, +1.0% for the INT4-weight row, whose bytes are <= 0.18x ZeRO-3's).
+    "zeropp + Hadamard": (["--mode", "zeropp", "--qgz-hadamard"], "", 0.5),
+    "zeropp + Hadamard + SR": (["--mode", "zeropp", "--qgz-hadamard", "--stochastic-rounding"],
+                               "", None),
+    "INT4 weights + Hadamard, INT4 Hadamard grads": (
+        ["--mode", "zeropp", "--weight-format", "int4", "--qwz-hadamard", "--qgz-hadamard"],
+        "", 1.0),
+    "FP8 weights, INT4 Hadamard grads": (
+        ["--mode", "zeropp", "--weight-format", "fp8", "--qgz-hadamard"], "", None),
 }
 
 

@@ -55,6 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="units whose forward gather may run ahead (default 1)")
     p.add_argument("--weight-bits", type=int, default=8, choices=[4, 8], help="qwZ bits")
     p.add_argument("--grad-bits", type=int, default=4, choices=[4, 8], help="qgZ bits")
+    p.add_argument("--weight-format", default=None, choices=["int8", "int4", "fp8"],
+                   help="qwZ wire format (overrides --weight-bits)")
+    p.add_argument("--qgz-hadamard", action="store_true",
+                   help="Hadamard-smoothed qgZ gradient blocks")
+    p.add_argument("--qwz-hadamard", action="store_true",
+                   help="Hadamard-smoothed qwZ weight blocks")
+    p.add_argument("--stochastic-rounding", action="store_true",
+                   help="unbiased stochastic rounding of qgZ's quantizations")
     p.add_argument("--non-blocked", action="store_true",
                    help="quantize with one scale per message instead of per 256-element "
                         "block (the paper's non-blocked baseline)")
@@ -97,8 +105,11 @@ def make_config(args: argparse.Namespace):
     import zeropp_jax as zpp
 
     kw = dict(compute_dtype=args.compute_dtype, gradient_clipping=args.clip,
-              weight_bits=args.weight_bits, grad_bits=args.grad_bits,
-              blockwise=not args.non_blocked, remat=args.remat, prefetch=args.prefetch)
+              weight_bits=None if args.weight_format else args.weight_bits,
+              weight_format=args.weight_format, grad_bits=args.grad_bits,
+              blockwise=not args.non_blocked, remat=args.remat, prefetch=args.prefetch,
+              qgz_hadamard=args.qgz_hadamard, qwz_hadamard=args.qwz_hadamard,
+              stochastic_rounding=args.stochastic_rounding)
     if args.qgz_until is not None:
         kw.update(qgz_until=float(args.qgz_until), planned_steps=args.steps)
     if args.stage == 3:
@@ -279,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
         "compile_and_first_step_s": times[0] if times else None,
         "config": {k: getattr(config, k) for k in (
             "qwz", "hpz", "qgz", "weight_bits", "grad_bits", "blockwise", "qgz_until",
-            "gradient_clipping")},
+            "gradient_clipping", "weight_format", "qgz_hadamard", "qwz_hadamard",
+            "stochastic_rounding")},
     }
     print()
     print(f"zeropp_jax train_gpt — {args.mode} (stage {args.stage}) on {args.nodes} node(s) x "

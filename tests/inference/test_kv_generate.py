@@ -76,6 +76,25 @@ def test_gpt_greedy_equals_one_device_with_and_without_cache(hpz):
         assert step.cross_node_bytes >= 4 * n_pad / 2, step.table()
 
 
+def test_hpz_groups_of_two_nodes_exchange_inside_the_group_only():
+    """hpz_group_size = 2 nodes: each token rebuilds every unit from the group's secondary
+    slices, the very exchange training's backward regather does, so its cross-node bytes per
+    token equal the sum of the units' backward bytes (``Engine.wire_bytes``, counted from
+    the transports) and are above zero; ZeRO-3's per token equal its forward gathers'. The
+    tokens are the same."""
+    params = init_params(seed=41)
+    prompts = tokens(8, 4, seed=42)[:, :4]
+    grouped = _state(GPT(SMALL), params, (4, 2), hpz=True, hpz_group_size=4)
+    plain = _state(GPT(SMALL), params, (4, 2))
+    out = np.asarray(zpp.generate(grouped, prompts, 6, model=GPT(DECODE)))
+    np.testing.assert_array_equal(out, reference_generate(GPT(DECODE), params, prompts, 6))
+    for state, part in ((grouped, "backward"), (plain, "forward")):
+        per_token = comm_report(lower_generation_step(state, prompts, 6, model=GPT(DECODE)),
+                                state.mesh).cross_node_bytes
+        expected = sum(row[part].cross for row in state.engine.wire_bytes().values())
+        assert per_token == expected > 0, (part, per_token, expected)
+
+
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (1, 8), (4, 2)])
 def test_sampling_is_the_same_on_every_mesh_and_follows_lengths_and_stops(mesh_shape):
     params = init_params(seed=11)

@@ -1,15 +1,17 @@
 """Convergence parity (paper Table 5): does ZeRO++ train as well as ZeRO-3?
 
 Trains the example GPT on the embedded real-text corpus (the Python standard library's
-source, 5% held out) with the same seed, data and hyperparameters under five configs:
+source, 5% held out) with the same seed, data and hyperparameters under these configs:
 zero3; zeropp; zeropp with qgZ for the first 50% of steps; qwZ + hpZ; zeropp with
-non-blocked quantization (one scale per message). Each run is examples/train_gpt.py in its
+non-blocked quantization (one scale per message); and past ZeRO++, zeropp with
+Hadamard-smoothed gradients (with and without stochastic rounding), INT4 Hadamard-smoothed
+weights with smoothed gradients, FP8 weights with smoothed gradients (``--only`` picks). Each run is examples/train_gpt.py in its
 own process (it simulates its own CPU devices). Prints the table of final validation loss
 and its difference to zero3, and writes OUT/NAME.json, OUT/NAME.png and each run's JSON
 under OUT/NAME_runs/ (OUT: ``--out``, default the git-ignored benchmarks/out/; NAME:
 ``--name``, default convergence, convergence_quick with ``--quick``).
 
-    .venv/bin/python benchmarks/convergence.py            # ~30 min on 2 CPU cores
+    .venv/bin/python benchmarks/convergence.py            # ~35 min on 2 CPU cores
     .venv/bin/python benchmarks/convergence.py --quick    # 2-minute smoke run (numbers meaningless)
     .venv/bin/python benchmarks/convergence.py --out benchmarks/results   # the tracked results
 """

@@ -131,18 +131,21 @@ def reference_train(model, params, tx, batches, *, with_grads: bool = False):
     return (params, losses, grads) if with_grads else (params, losses)
 
 
-def dequantized_params(state, block: int, bits: int) -> dict:
-    """The weights a qwZ step computes with: every unit's flat buffer through Q and Q^-1."""
+def dequantized_params(state, block: int, bits: int, roundtrip=None) -> dict:
+    """The weights a qwZ step computes with: every unit's flat buffer through Q and Q^-1
+    (``roundtrip(flat) -> fp32 flat``; default INT``bits`` blocks of ``block``)."""
     from pallas_kernels.quantize import dequantize_reference, quantize_reference
     from zeropp_jax.comm.partition import REST, merge_units
 
-    engine = state.engine
+    if roundtrip is None:
+        def roundtrip(flat):
+            v, s = quantize_reference(flat, bits=bits, block_size=block)
+            return dequantize_reference(v, s, bits=bits, block_size=block, dtype=jnp.float32)
+
     units, rest = {}, {}
-    for name, lay in engine.layouts.items():
+    for name, lay in state.engine.layouts.items():
         flat = jnp.asarray(np.asarray(state.params.units[name]))
-        v, s = quantize_reference(flat, bits=bits, block_size=block)
-        deq = dequantize_reference(v, s, bits=bits, block_size=block, dtype=jnp.float32)
-        tree = jax.tree_util.tree_map(np.asarray, lay.unflatten(deq))
+        tree = jax.tree_util.tree_map(np.asarray, lay.unflatten(roundtrip(flat)))
         if name == REST:
             rest = tree
         else:

@@ -158,27 +158,20 @@ def _dequantized_as_sent(state, block: int, weight_format: str, hadamard: bool) 
     """The weights a qwZ step computes with in ``weight_format`` (with the fixed key's
     Hadamard signs when ``hadamard``): every unit's flat buffer through Q and Q^-1."""
     from pallas_kernels.hadamard import rotate_reference, unrotate_reference
-    from zeropp_jax.comm.partition import REST, merge_units
     from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
     from zeropp_jax.quant.rotation import hadamard_signs
 
     signs = hadamard_signs(None, block) if hadamard else None
-    units, rest = {}, {}
-    for name, lay in state.engine.layouts.items():
-        flat = jnp.asarray(np.asarray(state.params.units[name]))
+
+    def roundtrip(flat):
         if weight_format == "fp8":
             x = rotate_reference(flat, signs, block_size=block) if hadamard else flat
             deq = dequantize_fp8_flat(*quantize_fp8_flat(x, block_size=block), block_size=block)
-            deq = unrotate_reference(deq, signs, block_size=block) if hadamard else deq
-        else:
-            kw = dict(bits=int(weight_format[3:]), block_size=block, signs=signs)
-            deq = dequantize_reference(*quantize_reference(flat, **kw), dtype=jnp.float32, **kw)
-        tree = jax.tree_util.tree_map(np.asarray, lay.unflatten(deq))
-        if name == REST:
-            rest = tree
-        else:
-            units[lay.path] = tree
-    return merge_units(rest, units)
+            return unrotate_reference(deq, signs, block_size=block) if hadamard else deq
+        kw = dict(bits=int(weight_format[3:]), block_size=block, signs=signs)
+        return dequantize_reference(*quantize_reference(flat, **kw), dtype=jnp.float32, **kw)
+
+    return dequantized_params(state, block, 8, roundtrip)
 
 
 @pytest.mark.parametrize("weight_format,hadamard", [("int4", True), ("fp8", False)])

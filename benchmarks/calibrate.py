@@ -52,6 +52,7 @@ from zeropp_jax.plan.workload import (
 # Collectives inside a process are in the compute floor: the intra link costs nothing more.
 FREE = Link(1e15, 0.0)
 VOCAB = 256  # zeropp_demo.data.VOCAB_SIZE
+PROBE_K = 32  # chained psums per probe_psum "step" (cluster.py's)
 
 
 def demo_shape(args: argparse.Namespace) -> ModelShape:
@@ -71,9 +72,29 @@ def demo_shape(args: argparse.Namespace) -> ModelShape:
                                name=f"demo GPT {args.layers}L d{args.d_model}")
 
 
-def row_config(mode: str) -> ZeroPPConfig:
+def row_config(row: str, local: int = 1) -> ZeroPPConfig:
+    """The configuration of a zeropp_jax row of ``cluster.py`` (``MODE`` or ``MODE@opts``
+    with the options that change the configuration: ``unbucketed``, ``groupK``)."""
+    mode, _, opts = row.partition("@")
+    overrides: dict[str, Any] = {}
+    for opt in filter(None, opts.split("+")):
+        if opt == "unbucketed":
+            overrides["bucket"] = False
+        elif opt.startswith("group") and opt[5:].isdigit():
+            overrides["hpz_group_size"] = int(opt[5:]) * local
+        else:
+            raise ValueError(f"row {row!r}: option {opt!r} does not name a configuration")
     return ZeroPPConfig.from_mode(mode, reduce_scatter="hierarchical",
-                                  all_gather="hierarchical")
+                                  all_gather="hierarchical", **overrides)
+
+
+def config_row(row: str) -> bool:
+    """True if ``row`` is a zeropp_jax row whose options only change the configuration
+    (its floor is its mode's: the same compute)."""
+    mode, _, opts = row.partition("@")
+    return mode in ("zero3", "qwz", "hpz", "qgz", "zeropp") and all(
+        o == "unbucketed" or (o.startswith("group") and o[5:].isdigit())
+        for o in filter(None, opts.split("+")))
 
 
 def tokens_per_device(args: argparse.Namespace) -> float:
@@ -86,9 +107,27 @@ def constants(args: argparse.Namespace, floors: dict[str, float],
     collective between processes per bandwidth."""
     shape, tokens = demo_shape(args), tokens_per_device(args)
     zero3 = config_workload(row_config("zero3"), shape, args.nodes, args.local, tokens)
-    return {"flops_per_s": zero3.flops_per_device / floors["zero3"],
-            "inter_latency_s": dict(probe_s), "floors_s": dict(floors),
-            "flops_per_device": zero3.flops_per_device, "tokens_per_device": tokens}
+    out = {"flops_per_s": zero3.flops_per_device / floors["zero3"],
+           "inter_latency_s": dict(probe_s), "floors_s": dict(floors),
+           "flops_per_device": zero3.flops_per_device, "tokens_per_device": tokens}
+    # qwZ's dequantization: what its floor adds to zero3's, per element it dequantizes.
+    weight_mode = next((m for m in ("qwz", "zeropp") if m in floors), None)
+    if weight_mode is not None:
+        w = config_workload(row_config(weight_mode), shape, args.nodes, args.local, tokens)
+        base = "hpz" if weight_mode == "zeropp" and "hpz" in floors else "zero3"
+        extra = floors[weight_mode] - floors[base]
+        weight_elems = w.quant_elems_per_device - w.grad_quant_elems_per_device
+        if extra > 0 and weight_elems > 0:
+            out["quant_elems_per_s"] = weight_elems / extra
+    return out
+
+
+def grad_quant_elems(args: argparse.Namespace, row: str) -> float:
+    """Elements one device runs through qgZ's gradient path per step in ``mode``: the
+    work a compute floor lacks (one node alone: qgZ falls back to an unquantized
+    reduce-scatter there)."""
+    return config_workload(row_config(row, args.local), demo_shape(args), args.nodes,
+                           args.local, tokens_per_device(args)).grad_quant_elems_per_device
 
 
 def hardware(args: argparse.Namespace, const: dict[str, Any], bw: str, bits: float
@@ -96,12 +135,15 @@ def hardware(args: argparse.Namespace, const: dict[str, Any], bw: str, bits: flo
     """The emulated cluster at one link speed, with the probes' and the fit's constants."""
     return Hardware(args.nodes, args.local, FREE,
                     Link(bits / 8 * const.get("eta", 1.0), const["inter_latency_s"][bw]),
-                    const["flops_per_s"] * const.get("kappa", 1.0) ** -1, float("inf"), 0.0,
-                    f"emulated cluster calibrated at {bw}")
+                    const["flops_per_s"] * const.get("kappa", 1.0) ** -1,
+                    const.get("quant_elems_per_s", float("inf")), 0.0,
+                    f"emulated cluster calibrated at {bw}",
+                    const.get("grad_quant_elems_per_s"))
 
 
 def _terms(c: dict, run: dict, const: dict[str, Any]) -> tuple[float, float, float]:
-    """(standalone floor s, cross-node bytes per node / rate in s, fixed s) of a cell."""
+    """(standalone floor s, cross-node bytes per node / rate in s, fixed s) of a cell
+    (the floor of a mode with qgZ lacks its gradient path: ``grad_quant_elems``)."""
     w = report_workload(CommReport.from_json(run["predicted"]["compiled_report"]))
     raw = w.cross_bytes_per_node / (c["bandwidth_bits_per_s"] / 8)
     return (const["floors_s"][c["mode"]], raw,
@@ -110,7 +152,7 @@ def _terms(c: dict, run: dict, const: dict[str, Any]) -> tuple[float, float, flo
 
 def _ours(c: dict, runs: dict, const: dict[str, Any]) -> bool:
     run = runs[c["row"]]
-    return (c["row"] == c["mode"] and c["mode"] in const["floors_s"]
+    return (config_row(c["row"]) and c["mode"] in const["floors_s"]
             and bool((run.get("predicted") or {}).get("compiled_report")))
 
 
@@ -145,6 +187,19 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
     kappa, inv_eta = np.linalg.lstsq(a, y, rcond=None)[0]
     const["kappa"], const["eta"] = float(kappa), float(1.0 / inv_eta)
     fit_bw = max(args.bandwidths, key=lambda b: _bits(cells, b))
+    # qgZ's gradient path, which no floor holds: its rate fitted on one cell, the fastest
+    # link's cell of the qgz row (zeropp's where there is none), where wire time is least.
+    q_fit = next((c for m in ("qgz", "zeropp") for c in cells
+                  if c["row"] == m == c["mode"] and c["bandwidth"] == fit_bw
+                  and _ours(c, runs, const)), None)
+    if q_fit is not None:
+        floor, raw, fixed = _terms(q_fit, runs[q_fit["row"]], const)
+        extra = q_fit["step_time_median_s"] - (kappa * floor + raw / const["eta"] + fixed)
+        # No time left over (a backend whose gradient path is free): an infinite rate.
+        const["grad_quant_elems_per_s"] = (grad_quant_elems(args, q_fit["row"]) / extra
+                                           if extra > 0 else float("inf"))
+        const["grad_quant_fitted_on"] = f"{q_fit['row']} at {fit_bw}"
+    grad_rate = const.get("grad_quant_elems_per_s", float("inf"))
     fsdp2_compute = None
     errors: dict[str, list[float]] = {}
     for c in sorted(cells, key=lambda c: c["mode"] != "torch_fsdp2" or c["bandwidth"] != fit_bw):
@@ -161,10 +216,12 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
             n_x = fsdp2_workload(args, runs[c["row"]]["params"]).cross_node_collectives
         elif _ours(c, runs, const):
             floor, raw, fixed = _terms(c, runs[c["row"]], const)
-            compute, wire = const["kappa"] * floor, raw / const["eta"]
+            compute = (const["kappa"] * floor
+                       + grad_quant_elems(args, c["row"]) / grad_rate)
+            wire = raw / const["eta"]
             n_x = report_workload(CommReport.from_json(
                 runs[c["row"]]["predicted"]["compiled_report"])).cross_node_collectives
-            c["predicted_fitted"] = c["mode"] == "zero3"
+            c["predicted_fitted"] = c["row"] == "zero3" or c is q_fit
         else:
             continue
         step = compute + wire + fixed
@@ -174,8 +231,10 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
                   "predicted_over_measured": step / c["step_time_median_s"]})
         if not c.get("predicted_fitted"):
             errors.setdefault(c["row"], []).append(c["predicted_over_measured"])
+    q_note = (f"; qgZ's gradient path rate on {const['grad_quant_fitted_on']}"
+              if "grad_quant_fitted_on" in const else "")
     return {"constants": const, "fitted_on": "zero3 (kappa, eta); FSDP2's compute on "
-                                             f"its {fit_bw} cell",
+                                             f"its {fit_bw} cell" + q_note,
             "fsdp2_compute_s": fsdp2_compute,
             "fsdp2_fitted_on": fit_bw if fsdp2_compute is not None else None,
             "predicted_over_measured": errors,
@@ -187,17 +246,15 @@ def auto_choices(args: argparse.Namespace, result: dict, const: dict[str, Any]) 
     """Per bandwidth: ``plan``'s choice among the measured zeropp_jax rows (calibrated
     hardware, the demo GPT's shape) against the fastest measured of them."""
     cells = result["cells"]
-    modes = [c["mode"] for c in cells if c["row"] == c["mode"] and c["mode"] in
-             ("zero3", "qwz", "hpz", "qgz", "zeropp")]
-    modes = list(dict.fromkeys(modes))
+    modes = list(dict.fromkeys(c["row"] for c in cells if config_row(c["row"])))
+    configs = [row_config(m, args.local) for m in modes]
     out = []
     for bw in args.bandwidths:
-        here = {c["mode"]: c for c in cells if c["bandwidth"] == bw and c["row"] == c["mode"]
-                and c["mode"] in modes}
+        here = {c["row"]: c for c in cells if c["bandwidth"] == bw and c["row"] in modes}
         hw = hardware(args, const, bw, next(iter(here.values()))["bandwidth_bits_per_s"])
         p = plan(demo_shape(args), hardware=hw, tokens_per_device=tokens_per_device(args),
-                 configs=[row_config(m) for m in modes])
-        chosen = modes[[row_config(m) for m in modes].index(p.chosen.config)]
+                 configs=configs)
+        chosen = modes[configs.index(p.chosen.config)]
         fastest = min(here, key=lambda m: here[m]["step_time_median_s"])
         ratio = here[chosen]["step_time_median_s"] / here[fastest]["step_time_median_s"]
         out.append({"bandwidth": bw, "chosen": chosen, "fastest_measured": fastest,
@@ -222,6 +279,15 @@ def summary_lines(calib: dict, choices: list[dict]) -> list[str]:
              + f"), in the cluster x{const['kappa']:.3f}; link at {const['eta']:.3f} of the "
              "rate (both fitted on zero3); per collective between processes "
              + ", ".join(f"{b} {s * 1e3:.2f} ms" for b, s in const["inter_latency_s"].items())]
+    if "quant_elems_per_s" in const or "grad_quant_elems_per_s" in const:
+        lines.append(
+            "quantization: weight path "
+            + (f"{const['quant_elems_per_s'] / 1e6:.0f} M elements/s (from the floors)"
+               if "quant_elems_per_s" in const else "free")
+            + ", qgZ's gradient path "
+            + (f"{const['grad_quant_elems_per_s'] / 1e6:.0f} M elements/s (fitted on "
+               f"{const['grad_quant_fitted_on']})" if "grad_quant_elems_per_s" in const
+               else "free"))
     if calib["fsdp2_compute_s"] is not None:
         lines.append(f"FSDP2 compute fitted on the {calib['fsdp2_fitted_on']} cell: "
                      f"{calib['fsdp2_compute_s'] * 1e3:.1f} ms")
@@ -239,3 +305,43 @@ def median_probe(cells: list[dict], probe_k: int) -> dict[str, float]:
     """Per bandwidth: the probe's step time / k (one collective between processes)."""
     return {c["bandwidth"]: statistics.median(c["times_s"]) / probe_k
             for c in cells if c["mode"] == "probe_psum"}
+
+
+def recalibrate(path: str, write: bool = False) -> dict:
+    """The calibration and predictions of a saved ``cluster.py --predict`` run, made again
+    from its measurements (the probe row, the floors, each row's compiled collectives) by
+    this version of the model; ``write=True`` stores them back in the JSON."""
+    import json
+    import pathlib
+
+    result = json.loads(pathlib.Path(path).read_text())
+    model = result["model"]
+    args = argparse.Namespace(nodes=result["nodes"], local=result["local"],
+                              bandwidths=result["bandwidths"], **{
+                                  k: model[k] for k in ("layers", "d_model", "heads",
+                                                        "seq_len", "batch")})
+    floors = result["calibration"]["constants"]["floors_s"]
+    const = constants(args, floors, median_probe(result["cells"], PROBE_K))
+    calibration = predict_cells(args, result, const)
+    calibration["auto"] = auto_choices(args, result, const)
+    result["calibration"] = calibration
+    if write:
+        pathlib.Path(path).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Calibrate the cost model again from saved "
+                                "cluster.py --predict runs (no cluster needed).")
+    p.add_argument("runs", nargs="+", help="JSON files written by cluster.py --predict")
+    p.add_argument("--write", action="store_true", help="store the new calibration in them")
+    args = p.parse_args(argv)
+    for path in args.runs:
+        result = recalibrate(path, args.write)
+        print(f"{path}: {result['nodes']} nodes x {result['local']} devices")
+        for line in summary_lines(result["calibration"], result["calibration"]["auto"]):
+            print("  " + line)
+
+
+if __name__ == "__main__":
+    main()

@@ -63,7 +63,11 @@ per rank instead of 1), ``agflat`` (zeropp_jax modes: one flat weight all-gather
 devices, ``ZeroPPConfig(all_gather="flat")``, instead of this script's two-hop gathers;
 ``ag2`` names the two-hop default explicitly), ``regather`` (zeropp_jax modes, not with
 the instrumented options: ``ZeroPPConfig(keep_last_unit=False)``, the last unit regathers
-its weights in backward as every other unit does).
+its weights in backward as every other unit does), ``unbucketed`` (likewise:
+``ZeroPPConfig(bucket=False)``, the rest unit's gather and reduce-scatter run as collectives
+of their own instead of inside the first unit's), ``groupK`` (likewise, for modes with hpZ:
+``ZeroPPConfig(hpz_group_size=K x local)``, the secondary copy spread over groups of ``K``
+nodes instead of one node, so backward regathers cross between the group's nodes).
 
 zeropp_jax rows use two-hop weight all-gathers (``all_gather="hierarchical"``: over nodes,
 then inside the node, so each remote byte crosses into a node once) with the hierarchical
@@ -82,6 +86,7 @@ import json
 import os
 import pathlib
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -111,7 +116,7 @@ FSDP2_ROW = "torch_fsdp2"
 NATIVE_ROW = "zero3 (native f32 RS)"
 # MODE@opt+opt: per-row variants for profiling (see the module docstring).
 ROW_OPTIONS = ("eigen1", "pin", "inst", "nosync", "block", "trace", "t2", "ag2", "agflat",
-               "regather")
+               "regather", "unbucketed")
 
 # Default model: wide and shallow with few tokens per step, so that the bytes per step
 # (proportional to parameters) weigh more than the CPU's compute (parameters x tokens):
@@ -189,7 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = []
     for m in a.modes:
         base, opts = split_row(m)
-        if base not in MODES + PEERS + PROBES or any(o not in ROW_OPTIONS for o in opts):
+        if base not in MODES + PEERS + PROBES or any(
+                o not in ROW_OPTIONS and not re.fullmatch(r"group[1-9]\d*", o) for o in opts):
             bad.append(m)
     if bad:
         p.error(f"unknown modes {bad}; valid: {MODES + PEERS}, each optionally @opt+opt "
@@ -472,10 +478,14 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
         cmd += ["--reduce-scatter", reduce_scatter]
     if base in MODES:  # two-hop weight gathers unless the row asks for the flat one
         cmd += ["--all-gather", "flat" if "agflat" in opts else "hierarchical"]
-    if "regather" in opts:
-        if instrumented or base not in MODES:
-            raise SystemExit(f"row {spec!r}: @regather applies to plain zeropp_jax rows only")
-        cmd += ["--regather-all"]
+    for opt in opts:
+        flags = {"regather": ["--regather-all"], "unbucketed": ["--unbucketed"]}.get(opt)
+        if opt.startswith("group"):  # hpZ's secondary over that many nodes
+            flags = ["--hpz-group-size", str(int(opt[5:]) * args.local)]
+        if flags is not None:
+            if instrumented or base not in MODES:
+                raise SystemExit(f"row {spec!r}: @{opt} applies to plain zeropp_jax rows only")
+            cmd += flags
     if i == 0:
         cmd += ["--comm-report"]
     env = {}
@@ -894,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.predict:
         import calibrate
 
-        probe = calibrate.median_probe(result["cells"], 32)
+        probe = calibrate.median_probe(result["cells"], calibrate.PROBE_K)
         const = calibrate.constants(args, floors, probe)
         calibration = calibrate.predict_cells(args, result, const)
         calibration["auto"] = calibrate.auto_choices(args, result, const)

@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ZeroPPConfig.all_gather (default: the config's)")
     t.add_argument("--regather-all", action="store_true",
                    help="ZeroPPConfig(keep_last_unit=False)")
+    t.add_argument("--unbucketed", action="store_true", help="ZeroPPConfig(bucket=False)")
+    t.add_argument("--hpz-group-size", type=int, default=None,
+                   help="ZeroPPConfig.hpz_group_size (devices per hpZ group)")
     add_model_arguments(t)
     r = p.add_argument_group("run without --control")
     r.add_argument("--json", type=pathlib.Path, default=None,
@@ -188,6 +191,11 @@ def build(args: argparse.Namespace) -> dict:
         overrides["all_gather"] = args.all_gather
     if args.regather_all:
         overrides["keep_last_unit"] = False
+    # examples/multihost.py's parser has neither flag.
+    if getattr(args, "unbucketed", False):
+        overrides["bucket"] = False
+    if getattr(args, "hpz_group_size", None) is not None:
+        overrides["hpz_group_size"] = args.hpz_group_size
     if args.stage == 3:
         config = zpp.ZeroPPConfig.from_mode(args.mode, compute_dtype=args.compute_dtype,
                                             **overrides)

@@ -41,20 +41,59 @@ def test_the_fit_recovers_kappa_and_eta_and_predicts_the_other_rows():
     calib = calibrate.predict_cells(args, {"cells": cells, "runs": runs}, const)
     assert const["kappa"] == pytest.approx(kappa, rel=1e-9)
     assert const["eta"] == pytest.approx(eta, rel=1e-9)
-    # zero3 is fitted (not counted); zeropp's three cells are checked and exact here.
+    # zero3 is fitted (not counted), and zeropp's fastest-link cell (qgZ's gradient-path
+    # rate, none planted here); zeropp's two other cells are checked and exact here.
+    assert const["grad_quant_fitted_on"] == "zeropp at 10gbit"
     assert list(calib["predicted_over_measured"]) == ["zeropp"]
-    assert calib["predicted_over_measured"]["zeropp"] == pytest.approx([1.0] * 3, rel=1e-9)
-    assert calib["within_15pct"] == calib["checked_cells"] == 3
+    assert calib["predicted_over_measured"]["zeropp"] == pytest.approx([1.0] * 2, rel=1e-9)
+    assert calib["within_15pct"] == calib["checked_cells"] == 2
     for c in cells:
-        assert c["predicted_fitted"] == (c["mode"] == "zero3")
+        assert c["predicted_fitted"] == (c["mode"] == "zero3" or c["bandwidth"] == "10gbit")
         assert c["predicted_cross_node_collectives"] == shape[c["mode"]][1]
-    # A model that is wrong shows: double zeropp's measured times and its cells miss.
+    # A model that is wrong shows: double zeropp's measured times on the checked cells and
+    # they miss.
     for c in cells:
-        if c["mode"] == "zeropp":
+        if c["mode"] == "zeropp" and c["bandwidth"] != "10gbit":
             c["step_time_median_s"] *= 2
     calib = calibrate.predict_cells(args, {"cells": cells, "runs": runs}, const)
-    assert calib["predicted_over_measured"]["zeropp"] == pytest.approx([0.5] * 3, rel=1e-9)
+    assert calib["predicted_over_measured"]["zeropp"] == pytest.approx([0.5] * 2, rel=1e-9)
     assert calib["within_15pct"] == 0
+
+
+def test_the_gradient_path_rate_is_fitted_on_one_qgz_cell_and_predicts_the_others():
+    """qgZ's quantized reduce-scatter is missing from every compute floor (one node alone
+    reduces unquantized): its rate is fitted on the qgz row's fastest-link cell and must
+    then predict the qgz row's other cells, and zeropp's."""
+    kappa, eta, rate = 1.1, 0.9, 5e7
+    floors = {"zero3": 0.20, "qgz": 0.19, "zeropp": 0.21}
+    latency = {"100mbit": 2e-3, "1gbit": 1.5e-3, "10gbit": 1e-3}
+    bits = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}
+    shape = {"zero3": (9e6, 14), "qgz": (6e6, 14), "zeropp": (2.5e6, 11)}
+    args = argparse.Namespace(nodes=2, local=2, bandwidths=list(bits), layers=1, d_model=32,
+                              heads=2, seq_len=16, batch=4)
+    runs = {m: {"params": 1000, "predicted": {"compiled_report": _report(*shape[m])}}
+            for m in shape}
+    cells = []
+    for m in shape:
+        grad_elems = calibrate.grad_quant_elems(args, m)
+        assert (grad_elems > 0) == (m != "zero3")
+        for bw in bits:
+            x, n = shape[m]
+            t = (kappa * floors[m] + grad_elems / rate + x / (eta * bits[bw] / 8)
+                 + n * latency[bw])
+            cells.append({"row": m, "mode": m, "bandwidth": bw, "bandwidth_bits_per_s": bits[bw],
+                          "step_time_median_s": t})
+    const = {"floors_s": floors, "inter_latency_s": latency, "flops_per_s": 1e9}
+    calib = calibrate.predict_cells(args, {"cells": cells, "runs": runs}, const)
+    assert const["grad_quant_elems_per_s"] == pytest.approx(rate, rel=1e-9)
+    assert const["grad_quant_fitted_on"] == "qgz at 10gbit"
+    assert calib["predicted_over_measured"]["qgz"] == pytest.approx([1.0] * 2, rel=1e-9)
+    assert calib["predicted_over_measured"]["zeropp"] == pytest.approx([1.0] * 3, rel=1e-9)
+    # Without the gradient path term every qgZ cell would be predicted short.
+    for c in cells:
+        if c["mode"] != "zero3":
+            assert c["predicted_step_s"] > c["step_time_median_s"] - 1e-12
+            assert c["predicted_compute_s"] > kappa * floors[c["mode"]] + 1e-4
 
 
 def test_fsdp2_under_gloo_moves_rings():

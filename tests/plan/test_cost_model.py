@@ -36,6 +36,18 @@ def test_a_step_by_hand():
     assert p.as_dict()["step_s"] == p.step_s
 
 
+def test_the_gradient_path_has_its_own_rate():
+    # 1e6 quantized elements, 4e5 of them qgZ's: 6e5 / 1e9 + 4e5 / 1e8 = 0.6 ms + 4 ms, so
+    # compute is 5 + 4.6 = 9.6 ms; without a rate of its own the path runs at 1e9/s (6 ms).
+    work = dataclasses.replace(WORK, grad_quant_elems_per_device=4e5)
+    assert predict_step(work, HW).compute_s == pytest.approx(6e-3, rel=1e-12)
+    slow = dataclasses.replace(HW, grad_quant_elems_per_s=1e8)
+    assert slow.grad_quant_rate == 1e8 and HW.grad_quant_rate == 1e9
+    assert predict_step(work, slow).compute_s == pytest.approx(9.6e-3, rel=1e-12)
+    with pytest.raises(ValueError, match="grad_quant_elems_per_s"):
+        dataclasses.replace(HW, grad_quant_elems_per_s=0.0)
+
+
 def test_overlap_hides_wire_time_up_to_the_compute_and_never_the_fixed_cost():
     full = dataclasses.replace(HW, overlap=1.0)
     # Wire 14 ms > compute 6 ms: 8 ms stay exposed.

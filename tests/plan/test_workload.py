@@ -26,6 +26,7 @@ CONFIGS = {
     "zeropp": zpp.ZeroPPConfig.zeropp(),
     "qwz int4 + hpz": zpp.ZeroPPConfig(qwz=True, weight_format="int4", hpz=True,
                                        reduce_scatter="hierarchical"),
+    "zeropp, unbucketed": zpp.ZeroPPConfig.zeropp(bucket=False),
 }
 
 

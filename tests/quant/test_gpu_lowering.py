@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax.units.bucket import config_allows
 from zeropp_jax.core import compat
 from zeropp_demo.gpt import GPT
 from zeropp_jax.quant.quantization import compiled_kernels
@@ -30,7 +31,9 @@ def test_zeropp_step_with_pallas_kernels_lowers_for_cuda(weight_bits, smooth):
     with compiled_kernels():
         text = compat.lower_for_cuda(step.jitted, state, batch).as_text()
     kernels = text.count(compat.TRITON_CALL_TARGET)
-    units = len(state.engine.layouts)
+    # Units moved by collectives of their own: the rest unit rides in the first unit's
+    # unless a Hadamard sign pattern or a rounding seed depends on its place (bucket).
+    units = len(state.engine.layouts) - config_allows(cfg)
     # At least: per unit a forward quantize and dequantize (qwZ), and per unit and stage
     # the reorder+quantize, the fused middle hop and the final reduction (qgZ).
     assert kernels >= units * 2 + units * 2 * 3, kernels

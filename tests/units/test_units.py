@@ -78,7 +78,8 @@ def test_backward_regathers_apart_from_forward_gathers(keep_last_unit):
     units = len(state.engine.layouts)
     forward = [t for t in gathers if t in ("u16", "ui16")]
     backward = [t for t in gathers if t in ("s16", "i16")]
-    assert len(forward) == units
+    # The rest unit's gather rides in the first unit's (wte's): config.bucket.
+    assert len(forward) == units - 1
     # Units whose backward needs their weights regather them: the blocks and the head,
     # not the token embedding (its weight gradient is a scatter of the cotangent) and not
     # the rest unit (wpe, ln_f, logit scale: gathered once per step, kept for backward).
@@ -104,6 +105,59 @@ def test_keeping_the_last_unit_changes_no_bit(mode):
     for a, b in zip(jax.tree_util.tree_leaves(outs[0]["grads"]),
                     jax.tree_util.tree_leaves(outs[1]["grads"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+BUCKET_MODES = {
+    "zero3": {},
+    "zero3 two-hop": dict(all_gather="hierarchical", reduce_scatter="hierarchical"),
+    "qwz int4": dict(qwz=True, weight_bits=4),
+    "hpz": dict(hpz=True),
+    "zeropp": dict(qwz=True, hpz=True, qgz=True),
+    "qgz int4, fp32": dict(qgz=True, grad_bits=4, compute_dtype="float32"),
+}
+
+
+@pytest.mark.parametrize("mode", list(BUCKET_MODES))
+def test_bucketing_changes_no_bit_and_saves_collectives(mode):
+    """The rest unit's gather and reduce-scatter riding in the first unit's (``bucket``)
+    give loss and gradients bit for bit those of separate collectives (every transport
+    here works element by element, with quantization blocks inside one unit), with one
+    forward gather and one reduce-scatter fewer (each two collectives when two-hop; qgZ's
+    reduce-scatter is more than one)."""
+    model, params = GPT(SMALL), init_params(seed=int(np.random.default_rng().integers(1000)))
+    batch = tokens(8, seed=int(np.random.default_rng().integers(1000)))
+    outs, counts = [], []
+    for bucket in (True, False):
+        config = zpp.ZeroPPConfig(bucket=bucket, block_size=16, **BUCKET_MODES[mode])
+        state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                      mesh=zpp.make_mesh(2, 2, devices=jax.devices()[:4]),
+                                      config=config)
+        step = make_step(with_grads=True)
+        counts.append(len(collectives(step.lower(state, batch).compile().as_text())))
+        outs.append(step(state, batch)[1])
+    assert float(outs[0]["loss"]) == float(outs[1]["loss"])
+    for a, b in zip(jax.tree_util.tree_leaves(outs[0]["grads"]),
+                    jax.tree_util.tree_leaves(outs[1]["grads"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hops = 2 if "two-hop" in mode else 1
+    assert counts[1] - counts[0] >= 2 * hops, counts
+
+
+@pytest.mark.parametrize("change", [dict(qgz=True, qgz_hadamard=True),
+                                    dict(qwz=True, blockwise=False)])
+def test_bucketing_skipped_where_a_value_would_change(change):
+    """A Hadamard sign pattern or one scale per shard depends on where a unit sits in the
+    buffer: such configurations keep the rest unit's collectives apart."""
+    model, params = GPT(SMALL), init_params(seed=3)
+    batch = tokens(8, seed=30)
+    counts = []
+    for bucket in (True, False):
+        state = zpp.TrainState.create(
+            model=model, params=params, tx=optax.sgd(0.1),
+            mesh=zpp.make_mesh(2, 2, devices=jax.devices()[:4]),
+            config=zpp.ZeroPPConfig(bucket=bucket, block_size=16, **change))
+        counts.append(len(collectives(make_step().lower(state, batch).compile().as_text())))
+    assert counts[0] == counts[1]
 
 
 def test_remat_choices_equal_single_device():

@@ -144,6 +144,14 @@ class ZeroPPConfig:
         stay live through the loss instead of being gathered again right after it (FSDP2
         keeps the root module's weights this way; DeepSpeed keeps parameters reused within
         ``stage3_max_reuse_distance``). False: every unit regathers.
+      bucket: True (default): the rest unit (parameters outside every unit: embeddings,
+        final norms the wrap policy left) shares its forward all-gather and its gradient's
+        reduce-scatter with the first unit the model calls, whose collectives run at the
+        same two moments of the step: two collectives fewer per step (four with two-hop
+        collectives), the same values bit for bit. Skipped where that could change a value
+        (one quantization scale per shard, Hadamard rotation, stochastic rounding) or
+        memory (the first unit called twice, kept, or with frozen parameters). DeepSpeed's
+        ``allgather_bucket_size`` / ``reduce_bucket_size`` merge collectives the same way.
       output_dtype: floating outputs of ``state.apply_fn`` (logits, a model-computed loss)
         are cast to this dtype when the compute dtype is narrower, so the loss and the
         metrics are computed in fp32 (jmp's ``output=float32``; PyTorch autocast runs
@@ -191,6 +199,7 @@ class ZeroPPConfig:
     remat: Any = "minimal"
     prefetch: int = 1
     keep_last_unit: bool = True
+    bucket: bool = True
     output_dtype: str | None = "float32"
     qgz_hadamard: bool = False
     qwz_hadamard: bool = False
@@ -266,6 +275,8 @@ class ZeroPPConfig:
                              f"{self.prefetch!r}")
         if not isinstance(self.keep_last_unit, bool):
             raise ValueError(f"keep_last_unit must be True or False, got {self.keep_last_unit!r}")
+        if not isinstance(self.bucket, bool):
+            raise ValueError(f"bucket must be True or False, got {self.bucket!r}")
         if not (self.remat in _REMATS or callable(self.remat)):
             raise ValueError(
                 f"remat={self.remat!r} is invalid; use one of {_REMATS} or a jax.checkpoint "

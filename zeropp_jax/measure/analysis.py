@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from zeropp_jax.train.engine import Engine
 from zeropp_jax.comm.hpz import group_nodes
+from zeropp_jax.comm.partition import REST
 from zeropp_jax.core.mesh import mesh_shape
 
 
 def secondary_bytes(engine: Engine) -> int:
     """Bytes of hpZ secondary weights one device holds during a step (0 without hpZ).
 
-    Each unit keeps ``n_pad / G`` elements in the compute dtype from its forward to its
+    Each unit but the rest unit keeps ``n_pad / G`` elements in the compute dtype from its forward to its
     backward (``G`` = hpZ group size in devices). They are rebuilt in every forward and
     live only until that unit's backward, so the peak is all units at once (the end of
     the forward pass), which is what this returns.
@@ -24,7 +25,9 @@ def secondary_bytes(engine: Engine) -> int:
     nodes, local = mesh_shape(engine.mesh)
     group = group_nodes(config.hpz_group_size, nodes, local) * local
     itemsize = config.compute_jnp_dtype.itemsize
-    return sum(lay.n_pad // group * itemsize for lay in engine.layouts.values())
+    # The rest unit keeps no secondary: its full weights stay gathered for the step.
+    return sum(lay.n_pad // group * itemsize for name, lay in engine.layouts.items()
+               if name != REST)
 
 
 from zeropp_jax.measure.comm_report import (  # noqa: E402,F401

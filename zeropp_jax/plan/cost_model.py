@@ -11,7 +11,8 @@ Pure arithmetic on frozen dataclasses, so every number can be checked by hand:
   its flops, the elements its quantization kernels read, and its memory.
 * ``predict_step(workload, hardware) -> StepPrediction``:
 
-  - compute = flops / flops_per_s + quantized elements / quant_elems_per_s
+  - compute = flops / flops_per_s + weight-path quantized elements / quant_elems_per_s
+    + gradient-path quantized elements / grad_quant_elems_per_s
   - intra = sum of intra-node bytes per device / intra bandwidth (each device's own link)
   - cross = sum of cross-node bytes per node / inter bandwidth (the node's network link)
   - fixed = (collectives spanning nodes) x inter latency + (the rest) x intra latency
@@ -71,6 +72,10 @@ class Hardware:
       flops_per_s: achieved compute per device on the step's math (not the datasheet peak).
       quant_elems_per_s: elements per second per device through the quantize / dequantize
         kernels (qwZ, qgZ); ``inf`` makes them free.
+      grad_quant_elems_per_s: the same for qgZ's gradient path alone (quantize, all-to-all
+        reorder, dequantize and sum, twice), where a backend runs it at another rate than
+        qwZ's dequantization (XLA's CPU backend: several times slower); None: as
+        ``quant_elems_per_s``.
       overlap: fraction in [0, 1] of the wire time the backend hides behind compute
         (0: collectives and compute run one after the other, as on XLA's CPU backend).
       name: what these constants describe, and where they came from.
@@ -84,6 +89,7 @@ class Hardware:
     quant_elems_per_s: float = float("inf")
     overlap: float = 0.0
     name: str = ""
+    grad_quant_elems_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.local < 1:
@@ -93,6 +99,14 @@ class Hardware:
             raise ValueError(f"overlap is a fraction in [0, 1], got {self.overlap}")
         if not self.flops_per_s > 0 or not self.quant_elems_per_s > 0:
             raise ValueError("flops_per_s and quant_elems_per_s must be > 0")
+        if self.grad_quant_elems_per_s is not None and not self.grad_quant_elems_per_s > 0:
+            raise ValueError("grad_quant_elems_per_s must be > 0 (or None)")
+
+    @property
+    def grad_quant_rate(self) -> float:
+        """Elements per second per device through qgZ's gradient path."""
+        return (self.quant_elems_per_s if self.grad_quant_elems_per_s is None
+                else self.grad_quant_elems_per_s)
 
     @property
     def devices(self) -> int:
@@ -133,7 +147,9 @@ class Workload:
     Attributes:
       collectives: every collective of the step.
       flops_per_device: the step's floating-point operations on one device.
-      quant_elems_per_device: elements one device quantizes or dequantizes per step.
+      quant_elems_per_device: elements one device quantizes or dequantizes per step, all
+        paths together.
+      grad_quant_elems_per_device: the part of them in qgZ's gradient path.
       memory_bytes_per_device: peak bytes one device holds for the step (model states,
         gathered weights, hpZ's secondary, plus any activation estimate given).
       label: the configuration it belongs to.
@@ -144,6 +160,7 @@ class Workload:
     quant_elems_per_device: float = 0.0
     memory_bytes_per_device: float = 0.0
     label: str = ""
+    grad_quant_elems_per_device: float = 0.0
 
     @property
     def cross_bytes_per_node(self) -> float:
@@ -187,8 +204,10 @@ class StepPrediction:
 def predict_step(workload: Workload, hardware: Hardware) -> StepPrediction:
     """Seconds per step and bytes per device of ``workload`` on ``hardware`` (formulas in
     the module docstring)."""
+    weight_quant = workload.quant_elems_per_device - workload.grad_quant_elems_per_device
     compute = (workload.flops_per_device / hardware.flops_per_s
-               + workload.quant_elems_per_device / hardware.quant_elems_per_s)
+               + weight_quant / hardware.quant_elems_per_s
+               + workload.grad_quant_elems_per_device / hardware.grad_quant_rate)
     intra = workload.intra_bytes_per_device / hardware.intra.bytes_per_s
     cross = (workload.cross_bytes_per_node / hardware.inter.bytes_per_s
              if hardware.nodes > 1 else 0.0)

@@ -65,15 +65,18 @@ def emulated_cpu(nodes: int, local: int, *, inter_gbps: float = 1.0,
     """The emulated cluster of ``benchmarks/cluster.py`` (node processes on one machine's
     CPU cores, links shaped with ``tc``). ``constants``: what ``cluster.py --predict``
     printed for your machine (``flops_per_s``, ``inter_latency_s``, ``intra_latency_s``,
-    ``intra_bytes_per_s``, ``quant_elems_per_s``); without them, rough values of a 2-core
-    machine, good for a ranking only."""
+    ``intra_bytes_per_s``, ``quant_elems_per_s``, ``grad_quant_elems_per_s``); without
+    them, rough values of a 2-core machine, good for a ranking only (qgZ's gradient path
+    runs several times slower than qwZ's dequantization on XLA's CPU backend)."""
     c = {"flops_per_s": 1e10, "inter_latency_s": 3e-3, "intra_latency_s": 2e-4,
-         "intra_bytes_per_s": 2e9, "quant_elems_per_s": 2e8, **(constants or {})}
+         "intra_bytes_per_s": 2e9, "quant_elems_per_s": 2e8, "grad_quant_elems_per_s": 1e8,
+         **(constants or {})}
     return Hardware(nodes, local, Link(c["intra_bytes_per_s"], c["intra_latency_s"]),
                     Link.gbps(inter_gbps, c["inter_latency_s"]), c["flops_per_s"],
                     c["quant_elems_per_s"], 0.0,
                     "emulated cluster on CPU " + ("(calibrated)" if constants else
-                                                  "(uncalibrated defaults)"))
+                                                  "(uncalibrated defaults)"),
+                    c["grad_quant_elems_per_s"])
 
 
 def for_devices(nodes: int | None = None, local: int | None = None,

@@ -16,6 +16,8 @@ and the count of collectives between nodes are what the library moves at that me
   called last when ``config.keep_last_unit`` (its weights stay from forward), and units
   whose backward needs no weights (an embedding lookup: XLA drops that gather);
 * gradients: every trainable unit's reduce-scatter;
+* with ``config.bucket``, the rest unit's gather and reduce-scatter travel inside the first
+  unit's (``units.bucket``): the same bytes, two collectives fewer;
 * one all-reduce of the step's scalars (loss and metrics share it).
 
 ``report_workload`` reads the same from a compiled program's ``CommReport`` instead.
@@ -43,7 +45,8 @@ from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.measure.comm_report import CommReport
 from zeropp_jax.plan.cost_model import CollectiveCost, Workload
-from zeropp_jax.units.apply import kept_unit
+from zeropp_jax.units.apply import first_unit, kept_unit
+from zeropp_jax.units.bucket import config_allows
 
 # Adam's two fp32 moments per parameter.
 ADAM_BYTES_PER_PARAM = 8
@@ -60,6 +63,9 @@ class ModelShape:
       no_regather: units whose backward needs no weights (embedding lookups).
       kept: the unit ``config.keep_last_unit`` keeps from forward to backward (the
         engine's choice once a step was traced: ``units.apply.kept_unit``), or None.
+      first: the unit called first, if no other unit is called between its calls
+        (``units.apply.first_unit``): with ``config.bucket`` it shares the rest unit's
+        forward gather and gradient reduce-scatter (``units.bucket``); None: no unit.
       flops_per_token: forward + backward flops per token of the whole model.
       activation_bytes_per_token: bytes of saved activations per token (0: not counted).
       name: what model this is.
@@ -69,6 +75,7 @@ class ModelShape:
     frozen: tuple[tuple[str, int], ...] = ()
     no_regather: frozenset[str] = frozenset()
     kept: str | None = None
+    first: str | None = None
     flops_per_token: float = 0.0
     activation_bytes_per_token: float = 0.0
     name: str = ""
@@ -102,7 +109,8 @@ def transformer_shape(layers: int, d_model: int, vocab: int, seq_len: int, *,
     matmul = layers * (4 * d_model * d_model + 2 * d_model * ffn) + embed
     flops = 6.0 * matmul + 12.0 * layers * d_model * seq_len
     return ModelShape(tuple(units), no_regather=frozenset({"wte"} if not tied else ()),
-                      kept=_last_called(units), flops_per_token=flops,
+                      kept=_last_called(units), first=None if tied else "wte",
+                      flops_per_token=flops,
                       name=name or f"GPT {layers}L d{d_model} ({sum(n for _, n in units):,})")
 
 
@@ -119,10 +127,13 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
     engine = state.engine
     units = [(name, lay.n) for name, lay in engine.layouts.items()]
     frozen = tuple((name, lay.n) for name, lay in engine.frozen_layouts.items())
-    kept = _last_called(units)
+    kept, first_called = _last_called(units), _first_called(units)
     traced = engine.memo.get("resident") or {}
     if traced:
-        calls = list(traced.values())[-1][1]
+        resident, calls = list(traced.values())[-1]
+        path = first_unit(calls)
+        first_called = (None if path is None or path in resident
+                        else "/".join(map(str, path)))
         first = {}
         for path in calls:
             first.setdefault("/".join(map(str, path)), len(first))
@@ -139,7 +150,7 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
         if name != REST and _only_embeddings(
             jax.tree_util.tree_unflatten(lay.treedef, [0] * len(lay.shapes))))
     return _shape(tuple(units), frozen, embeddings, kept, flops_per_token,
-                  activation_bytes_per_token)
+                  activation_bytes_per_token, first_called)
 
 
 def shape_of_params(params: Mapping[str, Any], units: Any = None, model: Any = None, *,
@@ -159,14 +170,14 @@ def shape_of_params(params: Mapping[str, Any], units: Any = None, model: Any = N
         sizes += ((REST, count(rest)),)
     embeddings = frozenset(unit_name(p) for p, sub in units.items() if _only_embeddings(sub))
     return _shape(sizes, (), embeddings, _last_called(sizes), flops_per_token,
-                  activation_bytes_per_token)
+                  activation_bytes_per_token, _first_called(sizes))
 
 
 def _shape(units: tuple[tuple[str, int], ...], frozen: tuple[tuple[str, int], ...],
            embeddings: frozenset[str], kept: str | None, flops_per_token: float | None,
-           activation_bytes_per_token: float) -> ModelShape:
+           activation_bytes_per_token: float, first: str | None = None) -> ModelShape:
     trainable = sum(n for _, n in units)
-    return ModelShape(units, frozen, embeddings, kept,
+    return ModelShape(units, frozen, embeddings, kept, first,
                       6.0 * trainable if flops_per_token is None else flops_per_token,
                       activation_bytes_per_token)
 
@@ -176,6 +187,12 @@ def _last_called(units: Any) -> str | None:
     ``keep_last_unit`` keeps when the units are in call order and each is called once)."""
     called = [name for name, _ in units if name != REST]
     return called[-1] if called else None
+
+
+def _first_called(units: Any) -> str | None:
+    """The first unit of ``(name, size)`` pairs other than the rest unit."""
+    called = [name for name, _ in units if name != REST]
+    return called[0] if called else None
 
 
 def _only_embeddings(tree: Any) -> bool:
@@ -217,17 +234,17 @@ def _costs(what: str, traced: tuple[TracedCollective, ...], nodes: int, local: i
 
 
 def _quantized_elems(config: ZeroPPConfig, n: int, gathers: int, reduced: bool,
-                     local: int) -> float:
-    """Elements one device runs through quantization kernels for one unit per step: qwZ
-    dequantizes the whole unit per gather (quantizing its own shard is 1/P of that); qgZ
-    quantizes the full gradient and requantizes the node's partial sums (``n + 2 n / L``);
-    a Hadamard rotation reads the data once more."""
-    elems = 0.0
+                     local: int) -> tuple[float, float]:
+    """Elements one device runs through quantization kernels for one unit per step, (weight
+    path, gradient path): qwZ dequantizes the whole unit per gather (quantizing its own
+    shard is 1/P of that); qgZ quantizes the full gradient and requantizes the node's
+    partial sums (``n + 2 n / L``); a Hadamard rotation reads the data once more."""
+    weights = grads = 0.0
     if config.qwz:
-        elems += gathers * n * (2 if config.qwz_hadamard else 1)
+        weights = gathers * n * (2 if config.qwz_hadamard else 1)
     if config.qgz and reduced:
-        elems += (n + 2 * n / local) * (2 if config.qgz_hadamard else 1)
-    return elems
+        grads = (n + 2 * n / local) * (2 if config.qgz_hadamard else 1)
+    return weights, grads
 
 
 def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,
@@ -244,16 +261,29 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     p_item = config.param_jnp_dtype.itemsize
     kept = shape.kept if config.keep_last_unit else None
     costs: list[CollectiveCost] = []
-    quant = 0.0
+    quant = grad_quant = 0.0
     largest = 0
+    sizes, frozen_names = dict(shape.units), dict(shape.frozen)
+    # The unit whose forward gather and gradient reduce-scatter carry the rest unit's too.
+    partner = shape.first if (
+        config_allows(config) and REST in sizes and REST not in frozen_names
+        and shape.first in sizes and shape.first != kept
+        and shape.first not in frozen_names) else None
     for name, n in shape.units:
         fwd, bwd, grad = _unit_phases(config, n, nodes, local)
+        if name == partner:  # one collective moves both: the padded lengths add up
+            pad = functools.partial(padded_length, num_shards=devices,
+                                    align=config.flat_alignment)
+            fwd, _, grad = _unit_phases(config, pad(n) + pad(sizes[REST]), nodes, local)
         regathers = name not in (REST, kept) and name not in shape.no_regather
-        costs += _costs(f"{name} forward", fwd, nodes, local)
+        if not (name == REST and partner):
+            costs += _costs(f"{name} forward", fwd, nodes, local)
         if regathers:
             costs += _costs(f"{name} backward", bwd, nodes, local)
-        costs += _costs(f"{name} gradient", grad, nodes, local)
-        quant += _quantized_elems(config, n, 1 + regathers, True, local)
+        if not (name == REST and partner):
+            costs += _costs(f"{name} gradient", grad, nodes, local)
+        w_elems, g_elems = _quantized_elems(config, n, 1 + regathers, True, local)
+        quant, grad_quant = quant + w_elems + g_elems, grad_quant + g_elems
         if name != REST:
             largest = max(largest, n)
     for name, n in shape.frozen:
@@ -281,10 +311,10 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     if config.hpz:
         group = group_nodes(config.hpz_group_size, nodes, local) * local
         secondary = sum(padded_length(n, devices, config.flat_alignment) / group * itemsize
-                        for _, n in shape.units + shape.frozen)
+                        for name, n in shape.units + shape.frozen if name != REST)
     memory = states + live + secondary + tokens_per_device * shape.activation_bytes_per_token
     return Workload(tuple(costs), tokens_per_device * shape.flops_per_token, quant, memory,
-                    label or config_label(config))
+                    label or config_label(config), grad_quant)
 
 
 def report_workload(report: CommReport, flops_per_device: float = 0.0,
@@ -313,7 +343,8 @@ def config_label(config: ZeroPPConfig) -> str:
                      else f"hpz[{config.hpz_group_size}]")
     if config.qgz:
         parts.append(f"qgz-int{config.grad_bits}" + ("-had" if config.qgz_hadamard else ""))
-    return "+".join(parts) or "zero3"
+    label = "+".join(parts) or "zero3"
+    return label if config.bucket else label + " unbucketed"
 
 
 __all__ = ["ModelShape", "config_label", "config_workload", "report_workload",

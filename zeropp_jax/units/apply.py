@@ -19,11 +19,12 @@ import jax.numpy as jnp
 
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST, STACKED_SHARD, UnitLayout, merge_units
-from zeropp_jax.comm.transports import UnitTransports
+from zeropp_jax.comm.transports import UnitTransports, unit_transports
 from zeropp_jax.core import compat
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.units import unit as unit_policies
 from zeropp_jax.units.adapters.base import ModelAdapter, Stacked
+from zeropp_jax.units.bucket import bucket_gather, bucketable
 from zeropp_jax.units.ordering import GatherOrder
 from zeropp_jax.units.unit import zero_unit
 
@@ -77,7 +78,8 @@ def apply_units(
             "{'params': state.params, 'frozen': state.frozen}"
         )
 
-    def unit_call(name: str, keep: bool = False) -> Callable[[Callable], Callable]:
+    def unit_call(name: str, keep: bool = False, arrived: tuple = ()
+                  ) -> Callable[[Callable], Callable]:
         layout, flayout = layouts.get(name), frozen_layouts.get(name)
         stored = () if flayout is None else frozen_local_shards(frozen, name)
         shard = shards[name] if layout is not None else None
@@ -85,7 +87,7 @@ def apply_units(
             unit = zero_unit(fn, layout, config, flayout, keep=keep,
                              transports=None if transports is None else transports[name])
             return lambda *arrays: unit(order.tie(shard) if shard is not None else None,
-                                        stored, *arrays, qgz_on=qgz_on)
+                                        stored, *arrays, qgz_on=qgz_on, arrived=arrived)
 
         return make
 
@@ -95,10 +97,14 @@ def apply_units(
     path_of = {name: (layouts.get(name) or frozen_layouts[name]).path for name in names}
     rest: PyTree = {}
     if REST in names:
-        # The rest unit's weights (outside every unit: small modules the wrap policy left,
-        # root-level parameters) are used wherever the model likes: gathered for the step.
-        rest = unit_call(REST)(lambda p: p)()
+        # Stand-ins with the rest unit's shapes while the model is probed (find_resident):
+        # the real gather waits until it is known which unit shares its collectives.
+        rest = jax.tree_util.tree_map(
+            lambda s: unit_policies.varying(jnp.zeros(s, config.compute_jnp_dtype)),
+            _unit_shapes(layouts.get(REST), frozen_layouts.get(REST)),
+            is_leaf=lambda x: isinstance(x, tuple))
     stacked_units: dict[tuple[str, ...], Any] = {}
+    stacked_shards: dict[tuple[str, ...], Any] = {}
     stacks: dict[tuple[str, ...], list[UnitLayout]] = {}
     for lay in layouts.values():
         if lay.layer is not None:
@@ -112,7 +118,8 @@ def apply_units(
         lays.sort(key=lambda lay: lay.layer)
         # Every layer has the same layout; nn.scan hands each iteration its row of this.
         stacked = jnp.stack([shards[lay.name] for lay in lays])  # [layers, shard_len]
-        rest = merge_units(rest, {path: {STACKED_SHARD: stacked}})
+        stacked_shards[path] = {STACKED_SHARD: stacked}
+        rest = merge_units(rest, {path: stacked_shards[path]})
 
         def make(fn: Callable, shard: jax.Array, layout: UnitLayout = lays[0]) -> Callable:
             unit = zero_unit(fn, layout, stack_config, transports=None if transports is None
@@ -137,13 +144,34 @@ def apply_units(
             "around them (TrainState.create(..., units=...)) to avoid it.", stacklevel=2)
     last = kept_unit(calls, {path_of[n]: _unit_size(layouts.get(n), frozen_layouts.get(n))
                               for n in names if n != REST})
+    last = last if config.keep_last_unit else None
+    partner = None
+    if REST in names:
+        # The rest unit's weights (outside every unit: small modules the wrap policy left,
+        # root-level parameters) are used wherever the model likes: gathered for the step.
+        # With config.bucket, the first unit the model calls shares its gather and its
+        # gradient's reduce-scatter (units.bucket): both run at the step's two ends anyway.
+        partner = _bucket_partner(config, calls, names, path_of, resident, last, layouts,
+                                  frozen_layouts, transports)
+        if partner is None:
+            # keep: its full weights are alive for the step anyway; a secondary or a
+            # regather would only add to them.
+            gathered_rest = unit_call(REST, keep=True)(lambda p: p)()
+        else:
+            rest_transports = (transports[REST] if transports is not None
+                               else unit_transports(config, layouts[REST]))
+            (rest_full, _), (full, moved) = bucket_gather(
+                rest_transports, (shards[REST], shards[partner]), config, qgz_on)
+            gathered_rest, arrived = layouts[REST].unflatten(rest_full), (full, *moved)
+        rest = merge_units(gathered_rest, stacked_shards)
     units: dict[tuple[str, ...], Any] = dict(stacked_units)
     for name in sorted(names - {REST}):
         if path_of[name] in resident:
             rest = merge_units(rest, {path_of[name]: unit_call(name)(lambda p: p)()})
+        elif name == partner:
+            units[path_of[name]] = unit_call(name, arrived=arrived)
         else:
-            keep = config.keep_last_unit and path_of[name] == last
-            units[path_of[name]] = unit_call(name, keep)
+            units[path_of[name]] = unit_call(name, path_of[name] == last)
     return adapter.run_units(units, rest, *args, method=method, order=order,
                              collections=collections, **kwargs)
 
@@ -194,6 +222,45 @@ def apply_from_source(
                 lambda name: lambda fn: lambda *arrays: fn(weights(name), *arrays))(name)
     return adapter.run_units(units, rest, *args, method=method, order=order,
                              collections=collections, **kwargs)
+
+
+def first_unit(calls: tuple[tuple[str, ...], ...]) -> tuple[str, ...] | None:
+    """The unit (or stack) path called first, if every call of it comes before any other
+    unit's call (``find_resident``'s ``calls``), else None: the unit whose gather can
+    ride with the rest unit's at the start of the step without holding its weights
+    longer."""
+    if not calls:
+        return None
+    lead = next((i for i, path in enumerate(calls) if path != calls[0]), len(calls))
+    return calls[0] if calls.count(calls[0]) == lead else None
+
+
+def _bucket_partner(config: ZeroPPConfig, calls: tuple[tuple[str, ...], ...], names: set[str],
+                    path_of: Mapping[str, tuple[str, ...]], resident: set[tuple[str, ...]],
+                    kept: tuple[str, ...] | None, layouts: Mapping[str, UnitLayout],
+                    frozen_layouts: Mapping[str, UnitLayout],
+                    transports: Mapping[str, UnitTransports] | None) -> str | None:
+    """The unit whose collectives the rest unit shares (``config.bucket``), or None.
+
+    The first unit the model calls, if no other unit is called between its calls (one
+    far later would hold its weights from the step's start to then), it is not a scanned stack, not
+    resident and not the kept unit, and neither it nor the rest unit has frozen parameters
+    or a transport that would change its values in a bucket (``bucket.bucketable``)."""
+    if not calls or REST not in layouts:
+        return None
+    by_path = {path_of[n]: n for n in names if n != REST}
+    first = first_unit(calls)
+    name = by_path.get(first)
+    if (name is None or first in resident or first == kept or name not in layouts
+            or REST in frozen_layouts or name in frozen_layouts):
+        return None
+    pair = ([transports[REST], transports[name]] if transports is not None else
+            [unit_transports(config, layouts[n]) for n in (REST, name)])
+    if not bucketable(config, pair):
+        return None
+    if layouts[REST].num_shards != layouts[name].num_shards:
+        return None
+    return name
 
 
 def _unit_size(layout: UnitLayout | None, frozen: UnitLayout | None) -> int:

@@ -111,7 +111,7 @@ class _Pullback:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 
-def _varying(x: Any) -> Any:
+def varying(x: Any) -> Any:
     """``x`` typed device-varying over ``("node", "local")``.
 
     A unit's array argument may be invariant (a RoPE table or float mask built from
@@ -154,7 +154,10 @@ def zero_unit(
       ``(values,)`` (``()`` without a frozen part). Forward gathers over ``("node",
       "local")``; backward regathers (hpZ: inside the group) and reduce-scatters. The
       gradient with respect to ``shard`` is this device's slice of the gradient averaged
-      over all devices; frozen storage gets none.
+      over all devices; frozen storage gets none. ``arrived=(full, *moved)``: the unit's
+      trainable weights already gathered by a bucket (``units.bucket``), so forward runs
+      no gather of its own and backward hands the full gradient back to the bucket as the
+      cotangent of ``full`` (the bucket reduce-scatters it); the regather is unchanged.
     """
     policy = remat_policy(config.remat)
     # Chosen once per run, by the plan: how the weights travel, and the gradient.
@@ -194,24 +197,30 @@ def zero_unit(
         out, pullback = jax.vjp(f, weights, frozen, arrays)
         return out, _Pullback.cut(pullback, weights + frozen)
 
-    def gather(shard: tuple, frozen: tuple) -> tuple[tuple, tuple, tuple]:
+    def gather(shard: tuple, frozen: tuple, arrived: tuple) -> tuple[tuple, tuple, tuple]:
         """-> (trainable full weights, frozen full weights, what backward keeps): the full
-        flat buffers themselves with ``keep``, else what rebuilds them."""
-        full = tuple(weights.gather((s,))[0] for s in shard)
+        flat buffers themselves with ``keep``, else what rebuilds them. ``arrived``: the
+        trainable weights already gathered in a bucket, ``(full, *moved)``, or ()."""
+        if arrived:
+            full, moved = arrived[:1], arrived[1:]
+        else:
+            full = tuple(weights.gather((s,))[0] for s in shard)
+            moved = full  # every trainable transport moves the full buffer itself
         # A wholly frozen unit has no trainable shard (and no trainable transport).
-        kept = full if keep or not shard else weights.keep(shard, full)
+        kept = full if keep or not shard else weights.keep(shard, moved)
         if not frozen:
             return full, (), (kept, ())
         ffull, moved = frozen_weights.gather(frozen)
         return full, (ffull,), (kept, (ffull,) if keep else frozen_weights.keep(frozen, moved))
 
     @jax.custom_vjp
-    def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> Any:
-        full, ffull, _ = gather(shard, frozen)
+    def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple, arrived: tuple) -> Any:
+        full, ffull, _ = gather(shard, frozen, arrived)
         return run(*split(full, ffull), arrays)
 
-    def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple) -> tuple[Any, tuple]:
-        full, ffull, kept = gather(shard, frozen)
+    def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple,
+                 arrived: tuple) -> tuple[Any, tuple]:
+        full, ffull, kept = gather(shard, frozen, arrived)
         w, f = split(full, ffull)
         # The pullback's residuals: what backward needs (all of it with "minimal", what the
         # policy saved plus the inputs otherwise). The weight arrays among them are dropped
@@ -223,10 +232,10 @@ def zero_unit(
             # ``embedding.T``): keep only matmul outputs and collectives instead, which
             # never holds weights, and recompute the elementwise rest.
             out, pullback = pullback_of(_minimal, w, f, arrays)
-        return out, (pullback, kept, flags)
+        return out, (pullback, kept, flags, len(arrived))
 
     def unit_bwd(res: tuple, g: Any) -> tuple:
-        pullback, kept, flags = res
+        pullback, kept, flags, n_arrived = res
         if keep:  # the forward's full weights, held since: nothing to gather
             full, ffull = kept
         else:
@@ -238,23 +247,26 @@ def zero_unit(
         w, f = split(full, ffull)
         g_w, _, g_arrays = pullback.restore(w + f)(g)
         g_full = flat(g_w)
+        if n_arrived:  # the bucket reduce-scatters this gradient with its other members'
+            return ((None,), (None,) * n_stored, g_arrays,
+                    (None,) * len(flags), g_full + (None,) * (n_arrived - 1))
         qgz_on = flags[0] if flags else None
         with jax.named_scope(scopes.REDUCED):  # marks the shards for train.axes' check
             g_shard = tuple(reduce_gradient(grads, gf, config.param_jnp_dtype, qgz_on)
                             for gf in g_full)
-        return g_shard, (None,) * n_stored, g_arrays, (None,) * len(flags)
+        return g_shard, (None,) * n_stored, g_arrays, (None,) * len(flags), ()
 
     unit.defvjp(unit_fwd, unit_bwd)
 
     def call(shard: jax.Array | None, frozen: tuple, *arrays: Any,
-             qgz_on: jax.Array | None = None) -> Any:
+             qgz_on: jax.Array | None = None, arrived: tuple = ()) -> Any:
         if layout is not None and shard.shape != (layout.shard_len,):
             raise ValueError(
                 f"unit {layout.name!r} expects its local primary shard of shape "
                 f"({layout.shard_len},) inside shard_map, got {shard.shape}"
             )
         shard_t = () if shard is None else (shard,)
-        return unit(shard_t, tuple(frozen), tuple(_varying(a) for a in arrays),
-                    () if qgz_on is None else (qgz_on,))
+        return unit(shard_t, tuple(frozen), tuple(varying(a) for a in arrays),
+                    () if qgz_on is None else (qgz_on,), tuple(arrived))
 
     return call

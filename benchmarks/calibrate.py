@@ -194,7 +194,8 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
                   and _ours(c, runs, const)), None)
     if q_fit is not None:
         floor, raw, fixed = _terms(q_fit, runs[q_fit["row"]], const)
-        extra = q_fit["step_time_median_s"] - (kappa * floor + raw / const["eta"] + fixed)
+        extra = float(q_fit["step_time_median_s"]
+                      - (const["kappa"] * floor + raw / const["eta"] + fixed))
         # No time left over (a backend whose gradient path is free): an infinite rate.
         const["grad_quant_elems_per_s"] = (grad_quant_elems(args, q_fit["row"]) / extra
                                            if extra > 0 else float("inf"))
@@ -238,7 +239,7 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
             "fsdp2_compute_s": fsdp2_compute,
             "fsdp2_fitted_on": fit_bw if fsdp2_compute is not None else None,
             "predicted_over_measured": errors,
-            "within_15pct": sum(abs(r - 1) <= 0.15 for v in errors.values() for r in v),
+            "within_15pct": int(sum(abs(r - 1) <= 0.15 for v in errors.values() for r in v)),
             "checked_cells": sum(len(v) for v in errors.values())}
 
 
@@ -320,13 +321,14 @@ def recalibrate(path: str, write: bool = False) -> dict:
                               bandwidths=result["bandwidths"], **{
                                   k: model[k] for k in ("layers", "d_model", "heads",
                                                         "seq_len", "batch")})
-    floors = result["calibration"]["constants"]["floors_s"]
+    floors = result.get("floors_s") or result["calibration"]["constants"]["floors_s"]
     const = constants(args, floors, median_probe(result["cells"], PROBE_K))
     calibration = predict_cells(args, result, const)
     calibration["auto"] = auto_choices(args, result, const)
     result["calibration"] = calibration
     if write:
-        pathlib.Path(path).write_text(json.dumps(result, indent=1))
+        pathlib.Path(path).write_text(json.dumps(
+            result, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
     return result
 
 

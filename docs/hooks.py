@@ -183,7 +183,13 @@ def cluster_predicted(data: dict, view: str | None) -> str:
         + ", ".join(f"{m} {1000 * t:.0f} ms" for m, t in const["floors_s"].items())
         + f"), the fixed cost per collective between processes ({lat}). Fitted on the zero3 "
         f"row (marked): the cluster's compute x{const['kappa']:.2f} of the floor, the link "
-        f"at {const['eta']:.2f} of the tc rate. {calib['within_15pct']} of "
+        f"at {const['eta']:.2f} of the tc rate. "
+        + (f"qwZ's dequantization {const['quant_elems_per_s'] / 1e6:.0f} M elements/s per "
+           "device (qwZ's floor over zero3's). " if "quant_elems_per_s" in const else "")
+        + (f"qgZ's gradient path {const['grad_quant_elems_per_s'] / 1e6:.0f} M elements/s "
+           f"per device, fitted on the {const['grad_quant_fitted_on']} cell (marked; no "
+           "single-node floor contains it). " if "grad_quant_fitted_on" in const else "")
+        + f"{calib['within_15pct']} of "
         f"{calib['checked_cells']} checked cells within 15%"
         + (f"; FSDP2's compute ({1000 * calib['fsdp2_compute_s']:.0f} ms) fitted on its "
            f"{_bandwidth(calib['fsdp2_fitted_on'])} cell." if calib.get("fsdp2_compute_s")

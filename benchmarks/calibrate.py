@@ -91,10 +91,13 @@ def row_config(row: str, local: int = 1) -> ZeroPPConfig:
 def config_row(row: str) -> bool:
     """True if ``row`` is a zeropp_jax row whose options only change the configuration
     (its floor is its mode's: the same compute)."""
-    mode, _, opts = row.partition("@")
-    return mode in ("zero3", "qwz", "hpz", "qgz", "zeropp") and all(
-        o == "unbucketed" or (o.startswith("group") and o[5:].isdigit())
-        for o in filter(None, opts.split("+")))
+    if row.partition("@")[0] not in ("zero3", "qwz", "hpz", "qgz", "zeropp"):
+        return False
+    try:
+        row_config(row)
+    except ValueError:  # an option that does not name a configuration (a profiling one)
+        return False
+    return True
 
 
 def tokens_per_device(args: argparse.Namespace) -> float:

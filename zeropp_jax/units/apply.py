@@ -4,7 +4,8 @@
 forward, regather and reduce-scatter in backward, through the unit's transports), ties each
 gather to an earlier unit's output (``GatherOrder``), finds the units whose weights are read
 outside their own calls (``find_resident``: they stay gathered for the step) and the unit
-that keeps its weights for backward (``keep_last_unit``), and asks the model's adapter to
+that keeps its weights for backward (``keep_last_unit``), lets the rest unit's collectives
+ride in the first unit's (``units.bucket``), and asks the model's adapter to
 run the call with unit calls routed to them.
 """
 

@@ -267,6 +267,57 @@ def auto_choices(args: argparse.Namespace, result: dict, const: dict[str, Any]) 
     return out
 
 
+# Step-time targets against PyTorch FSDP2 on the emulated cluster (3.32M GPT, 2 nodes x 2
+# devices): (link in bits/s, row, FSDP2's step time / the row's, at least).
+FSDP2_TARGETS = ((1e10, "zero3", 1.1), (1e9, "zero3", 1.3), (1e8, "zeropp", 6.0))
+
+
+def ceilings(result: dict, const: dict[str, Any],
+             targets: tuple[tuple[float, str, float], ...] = FSDP2_TARGETS) -> list[dict]:
+    """Each target whose cells the run has, measured, and the best FSDP2 / ours a step that
+    does not overlap communication with compute could reach with this row's compute and
+    bytes (XLA's CPU backend runs a device's collectives and compute on one thread):
+    FSDP2's measured time over ``compute + wire + fixed``, where ``compute`` is the row's
+    compute floor (times the fitted ``kappa`` where that is below 1: a cluster whose
+    processes compute faster than in the floor's run), ``wire`` its cross-node bytes per
+    node at the full ``tc`` rate and ``fixed`` its collectives between processes times the
+    probe's fixed cost. ``ceiling_without_fixed`` drops ``fixed``: what merging every
+    collective into one could give at most. A target above ``ceiling_without_fixed`` needs
+    less compute, fewer bytes or overlap; no bucketing can reach it."""
+    cells, runs = result["cells"], result["runs"]
+    at = {(c["row"], c["bandwidth"]): c for c in cells}
+    out = []
+    for bits, row, target in targets:
+        bw = next((c["bandwidth"] for c in cells
+                   if c["row"] == row and abs(c["bandwidth_bits_per_s"] - bits) < 1), None)
+        if bw is None or ("torch_fsdp2", bw) not in at or not _ours(at[(row, bw)], runs,
+                                                                    const):
+            continue
+        c = at[(row, bw)]
+        floor, wire, fixed = _terms(c, runs[row], const)
+        compute = min(1.0, const.get("kappa", 1.0)) * floor
+        fsdp2 = at[("torch_fsdp2", bw)]["step_time_median_s"]
+        measured = fsdp2 / c["step_time_median_s"]
+        out.append({"bandwidth": bw, "row": row, "target": target,
+                    "fsdp2_s": fsdp2, "measured_s": c["step_time_median_s"],
+                    "measured": measured, "met": measured >= target,
+                    "compute_s": compute, "wire_s": wire, "fixed_s": fixed,
+                    "ceiling": fsdp2 / (compute + wire + fixed),
+                    "ceiling_without_fixed": fsdp2 / (compute + wire)})
+    return out
+
+
+def calibrate(args: argparse.Namespace, result: dict, floors: dict[str, float]) -> dict:
+    """The whole calibration of a run: the probes' constants, the fit and every cell's
+    prediction (``predict_cells``), the automatic configuration's choices, the targets and
+    their no-overlap ceilings. Adds the predictions to ``result``'s cells."""
+    const = constants(args, floors, median_probe(result["cells"], PROBE_K))
+    calibration = predict_cells(args, result, const)
+    calibration["auto"] = auto_choices(args, result, const)
+    calibration["targets"] = ceilings(result, const)
+    return calibration
+
+
 def _torch_itemsize(run: dict) -> int:
     return 4 if run.get("worker", {}).get("torch_dtype") == "float32" else 2
 
@@ -302,6 +353,12 @@ def summary_lines(calib: dict, choices: list[dict]) -> list[str]:
     for ch in choices:
         lines.append(f"auto at {ch['bandwidth']}: chose {ch['chosen']}, fastest measured "
                      f"{ch['fastest_measured']} ({ch['chosen_over_fastest']:.3f}x its time)")
+    for t in calib.get("targets", []):
+        lines.append(
+            f"target {t['row']} >= {t['target']}x FSDP2 at {t['bandwidth']}: {t['measured']:.2f}x "
+            f"{'met' if t['met'] else 'MISSED'}; without overlap at most {t['ceiling']:.2f}x "
+            f"(compute {1e3 * t['compute_s']:.0f} + wire {1e3 * t['wire_s']:.0f} + fixed "
+            f"{1e3 * t['fixed_s']:.0f} ms), {t['ceiling_without_fixed']:.2f}x with no fixed cost")
     return lines
 
 
@@ -325,10 +382,7 @@ def recalibrate(path: str, write: bool = False) -> dict:
                                   k: model[k] for k in ("layers", "d_model", "heads",
                                                         "seq_len", "batch")})
     floors = result.get("floors_s") or result["calibration"]["constants"]["floors_s"]
-    const = constants(args, floors, median_probe(result["cells"], PROBE_K))
-    calibration = predict_cells(args, result, const)
-    calibration["auto"] = auto_choices(args, result, const)
-    result["calibration"] = calibration
+    result["calibration"] = calibrate(args, result, floors)
     if write:
         pathlib.Path(path).write_text(json.dumps(
             result, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o)))

@@ -153,8 +153,10 @@ def cluster_predicted(data: dict, view: str | None) -> str:
                        "within 5%"], rows) + (
             f"\n\n{data['nodes']} node processes x {data['local']} devices; the candidates are "
             "the measured zeropp_jax rows, ranked by the cost model with this run's constants.")
+    if view == "targets":
+        return _cluster_targets(data)
     if view != "predicted":
-        raise TableError("cluster --predict results: views measured, predicted, auto")
+        raise TableError("cluster --predict results: views measured, predicted, auto, targets")
     cells = data["cells"]
     order = [r for r in dict.fromkeys(c["row"] for c in cells)
              if any("predicted_step_s" in c for c in cells if c["row"] == r)]
@@ -195,6 +197,55 @@ def cluster_predicted(data: dict, view: str | None) -> str:
            f"{_bandwidth(calib['fsdp2_fitted_on'])} cell." if calib.get("fsdp2_compute_s")
            else "."))
     return _table(header, rows) + "\n\n" + caption
+
+
+def _cluster_targets(data: dict) -> str:
+    """The step-time targets against FSDP2, measured, and the most a step that runs its
+    compute and its collectives in turn could reach (``calibrate.ceilings``)."""
+    targets = data["calibration"].get("targets")
+    if not targets:
+        raise TableError("cluster --predict results: no targets (calibrate.py RUN.json --write)")
+    rows = [[_bandwidth(t["bandwidth"]), f"{t['row']} >= {t['target']}x",
+             f"{1000 * t['fsdp2_s']:.0f} ms / {1000 * t['measured_s']:.0f} ms = "
+             f"{_x(t['measured'])}" + (" (met)" if t["met"] else ""),
+             f"{1000 * t['compute_s']:.0f} + {1000 * t['wire_s']:.0f} + "
+             f"{1000 * t['fixed_s']:.0f} ms",
+             _x(t["ceiling"]), _x(t["ceiling_without_fixed"])]
+            for t in targets]
+    return _table(["link", "target (FSDP2 / ours)", "measured: FSDP2 / ours",
+                   "ours without overlap: compute + wire + fixed", "at most",
+                   "at most, no fixed cost"], rows) + (
+        f"\n\n{data['nodes']} node processes x {data['local']} devices. Compute: the row's "
+        "compute floor without a network (scaled by the fitted cluster factor where that is "
+        "below 1); wire: its cross-node bytes per node at the full tc rate; fixed: its "
+        "collectives between processes times the probe's cost per collective. \"At most\": "
+        "FSDP2's measured time over that sum; \"no fixed cost\": over compute + wire alone, "
+        "what merging every collective into one could give at most.")
+
+
+def weak_scaling(data: dict, view: str | None) -> str:
+    """``benchmarks/weak_scaling.py``: the step time of each row at each node count (one
+    device per node, the same rows per device), with the compute floors beneath."""
+    _no_view(view, "weak_scaling")
+    counts = [f["nodes"] for f in data["floors_s"]]
+    header = ["link", "row"] + [f"{n} nodes" for n in counts]
+    rows = []
+    for e in data["entries"]:
+        base = e["points"][0]["step_s"]
+        rows.append([_bandwidth(e["bandwidth"]), PEERS.get(e["row"], e["row"])] + [
+            f"{1000 * p['step_s']:.0f} ms ±{50 * p['spread']:.0f}% (x{p['step_s'] / base:.2f})"
+            for p in e["points"]])
+    for m in ("zero3", "zeropp"):
+        rows.append(["no network", f"{m}'s compute floor"]
+                    + [f"{1000 * f[m]:.0f} ms" for f in data["floors_s"]])
+    m = data["model"]
+    return _table(header, rows) + (
+        f"\n\nGPT of {m['params']:,} parameters, {data['rows_per_device']:g} sequences of "
+        f"{m['seq_len']} tokens per device per step, one device per node process, medians "
+        f"over {data['rounds']} rounds (± half the spread of the round medians; x: against "
+        f"{counts[0]} nodes). Runs: {', '.join(data['runs'])}. All node processes share "
+        "the same 2 CPU cores, so the compute floor (each node's step with no network, all "
+        "at once) grows with the node count as well.")
 
 
 def predict_paper(data: dict, view: str | None) -> str:
@@ -774,9 +825,10 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("qgz_accuracy", {"errors", "block_size"}, qgz_accuracy),
     ("quantization", {"block_vs_tensor", "sweep", "default_block_size"}, quantization),
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),
+    ("weak_scaling", {"entries", "floors_s", "rows_per_device"}, weak_scaling),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
-         "cluster_predicted": ["measured", "predicted", "auto"],
+         "cluster_predicted": ["measured", "predicted", "auto", "targets"],
          "generation": ["exactness", "bytes", "speed"],
          "qgz_accuracy": [None, "smoothing", "formats", "weights"],
          "memory": ["state", "paper", "depth"],

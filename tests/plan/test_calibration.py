@@ -110,3 +110,58 @@ def test_fsdp2_under_gloo_moves_rings():
     assert w.cross_bytes_per_node == pytest.approx(expected, rel=1e-12)
     assert calibrate.fsdp2_workload(args, 2 * block + 1000, 4).cross_bytes_per_node == \
         pytest.approx(2 * expected, rel=1e-12)
+
+
+def test_ceilings_are_fsdp2_over_compute_wire_and_fixed_cost_worked_by_hand():
+    """``calibrate.ceilings``: FSDP2's measured time over the row's compute floor + its
+    cross-node bytes at the full rate + its collectives x the probe's fixed cost; targets
+    whose cells the run lacks are left out; the floor is scaled only by a kappa below 1."""
+    runs = {"zero3": {"params": 1000, "predicted": {"compiled_report": _report(9e6, 10)}},
+            "torch_fsdp2": {"params": 1000}}
+    cells = [{"row": "zero3", "mode": "zero3", "bandwidth": "1gbit",
+              "bandwidth_bits_per_s": 1e9, "step_time_median_s": 0.35},
+             {"row": "torch_fsdp2", "mode": "torch_fsdp2", "bandwidth": "1gbit",
+              "bandwidth_bits_per_s": 1e9, "step_time_median_s": 0.40}]
+    const = {"floors_s": {"zero3": 0.2}, "inter_latency_s": {"1gbit": 2e-3}, "kappa": 1.3}
+    targets = ((1e10, "zero3", 1.1), (1e9, "zero3", 1.3), (1e8, "zeropp", 6.0))
+    (t,) = calibrate.ceilings({"cells": cells, "runs": runs}, const, targets)
+    # 9e6 bytes at 1e9 / 8 bytes/s = 72 ms; 10 collectives x 2 ms = 20 ms.
+    assert (t["bandwidth"], t["row"], t["target"]) == ("1gbit", "zero3", 1.3)
+    assert (t["compute_s"], t["wire_s"], t["fixed_s"]) == pytest.approx((0.2, 0.072, 0.02))
+    assert t["measured"] == pytest.approx(0.40 / 0.35) and not t["met"]
+    assert t["ceiling"] == pytest.approx(0.40 / 0.292)
+    assert t["ceiling_without_fixed"] == pytest.approx(0.40 / 0.272)
+    # A cluster that computes faster than the floor (kappa < 1) lowers the compute term.
+    const["kappa"] = 0.5
+    (t,) = calibrate.ceilings({"cells": cells, "runs": runs}, const, targets)
+    assert t["compute_s"] == pytest.approx(0.1)
+    assert t["ceiling"] == pytest.approx(0.40 / 0.192)
+    # A target met is marked met.
+    (t,) = calibrate.ceilings({"cells": cells, "runs": runs}, const, ((1e9, "zero3", 1.1),))
+    assert t["met"]
+
+
+def _run(nodes: int, batch: int, times: dict[str, float]) -> dict:
+    cells = [{"row": r, "bandwidth": "1gbit", "step_time_median_s": t,
+              "round_medians_s": [t * 0.98, t, t * 1.02], "predicted_step_s": t * 1.1}
+             for r, t in times.items()]
+    return {"nodes": nodes, "local": 1, "bandwidths": ["1gbit"], "rounds": 3,
+            "model": {"layers": 4, "d_model": 256, "batch": batch}, "cells": cells,
+            "floors_s": {"zero3": 0.1 * nodes, "zeropp": 0.12 * nodes}}
+
+
+def test_weak_scaling_puts_the_runs_side_by_side_and_refuses_other_batches():
+    from benchmarks import weak_scaling
+
+    rows = ("zero3", "zeropp", "torch_fsdp2")
+    a = _run(2, 4, dict(zip(rows, (0.2, 0.15, 0.25))))
+    b = _run(4, 8, dict(zip(rows, (0.3, 0.35, 0.4))))
+    out = weak_scaling.combine([a, b], ["a", "b"])
+    e = next(e for e in out["entries"] if e["row"] == "zeropp")
+    assert [p["step_s"] for p in e["points"]] == [0.15, 0.35]
+    assert e["points"][1]["spread"] == pytest.approx(0.04)
+    assert [f["zero3"] for f in out["floors_s"]] == pytest.approx([0.2, 0.4])
+    with pytest.raises(ValueError, match="rows per device"):
+        weak_scaling.combine([a, _run(4, 4, dict(zip(rows, (1, 1, 1))))], ["a", "c"])
+    with pytest.raises(ValueError, match="no torch_fsdp2 cell"):
+        weak_scaling.combine([a, _run(4, 8, {"zero3": 1, "zeropp": 1})], ["a", "d"])

@@ -74,7 +74,8 @@ def demo_shape(args: argparse.Namespace) -> ModelShape:
 
 def row_config(row: str, local: int = 1) -> ZeroPPConfig:
     """The configuration of a zeropp_jax row of ``cluster.py`` (``MODE`` or ``MODE@opts``
-    with the options that change the configuration: ``unbucketed``, ``groupK``)."""
+    with the options that change the configuration: ``unbucketed``, ``groupK``,
+    ``prefetchK``)."""
     mode, _, opts = row.partition("@")
     overrides: dict[str, Any] = {}
     for opt in filter(None, opts.split("+")):
@@ -82,6 +83,8 @@ def row_config(row: str, local: int = 1) -> ZeroPPConfig:
             overrides["bucket"] = False
         elif opt.startswith("group") and opt[5:].isdigit():
             overrides["hpz_group_size"] = int(opt[5:]) * local
+        elif opt.startswith("prefetch") and opt[8:].isdigit():
+            overrides["prefetch"] = int(opt[8:])
         else:
             raise ValueError(f"row {row!r}: option {opt!r} does not name a configuration")
     return ZeroPPConfig.from_mode(mode, reduce_scatter="hierarchical",

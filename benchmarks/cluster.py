@@ -67,7 +67,9 @@ its weights in backward as every other unit does), ``unbucketed`` (likewise:
 ``ZeroPPConfig(bucket=False)``, the rest unit's gather and reduce-scatter run as collectives
 of their own instead of inside the first unit's), ``groupK`` (likewise, for modes with hpZ:
 ``ZeroPPConfig(hpz_group_size=K x local)``, the secondary copy spread over groups of ``K``
-nodes instead of one node, so backward regathers cross between the group's nodes).
+nodes instead of one node, so backward regathers cross between the group's nodes),
+``prefetchK`` (likewise: ``ZeroPPConfig(prefetch=K)``, each unit's forward gather may start
+once the unit ``K + 1`` calls before it is done, instead of the default 1).
 
 zeropp_jax rows use two-hop weight all-gathers (``all_gather="hierarchical"``: over nodes,
 then inside the node, so each remote byte crosses into a node once) with the hierarchical
@@ -195,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for m in a.modes:
         base, opts = split_row(m)
         if base not in MODES + PEERS + PROBES or any(
-                o not in ROW_OPTIONS and not re.fullmatch(r"group[1-9]\d*", o) for o in opts):
+                o not in ROW_OPTIONS and not re.fullmatch(r"(group|prefetch)[1-9]\d*", o) for o in opts):
             bad.append(m)
     if bad:
         p.error(f"unknown modes {bad}; valid: {MODES + PEERS}, each optionally @opt+opt "
@@ -482,6 +484,8 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
         flags = {"regather": ["--regather-all"], "unbucketed": ["--unbucketed"]}.get(opt)
         if opt.startswith("group"):  # hpZ's secondary over that many nodes
             flags = ["--hpz-group-size", str(int(opt[5:]) * args.local)]
+        if opt.startswith("prefetch"):
+            flags = ["--prefetch", opt[8:]]
         if flags is not None:
             if instrumented or base not in MODES:
                 raise SystemExit(f"row {spec!r}: @{opt} applies to plain zeropp_jax rows only")

@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--regather-all", action="store_true",
                    help="ZeroPPConfig(keep_last_unit=False)")
     t.add_argument("--unbucketed", action="store_true", help="ZeroPPConfig(bucket=False)")
+    t.add_argument("--prefetch", type=int, default=None, help="ZeroPPConfig.prefetch")
     t.add_argument("--hpz-group-size", type=int, default=None,
                    help="ZeroPPConfig.hpz_group_size (devices per hpZ group)")
     add_model_arguments(t)
@@ -191,9 +192,11 @@ def build(args: argparse.Namespace) -> dict:
         overrides["all_gather"] = args.all_gather
     if args.regather_all:
         overrides["keep_last_unit"] = False
-    # examples/multihost.py's parser has neither flag.
+    # examples/multihost.py's parser has none of these flags.
     if getattr(args, "unbucketed", False):
         overrides["bucket"] = False
+    if getattr(args, "prefetch", None) is not None:
+        overrides["prefetch"] = args.prefetch
     if getattr(args, "hpz_group_size", None) is not None:
         overrides["hpz_group_size"] = args.hpz_group_size
     if args.stage == 3:

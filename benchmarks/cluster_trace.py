@@ -4,6 +4,9 @@
 
     .venv/bin/python benchmarks/cluster_trace.py benchmarks/out/NAME_traces [--json OUT.json]
 
+``--json`` writes ``{"trace_summaries": [...]}``, one summary per trace (the docs render
+its per-device overlap as a table).
+
 Per trace (one node, one timed phase of ``steps`` steps), per step:
 
 * ``wall``: the phase's wall time (first to last event of the Python thread's steps);
@@ -13,6 +16,9 @@ Per trace (one node, one timed phase of ``steps`` steps), per step:
   in practice): time in collective thunks (all-gather, all-to-all, reduce-scatter,
   all-reduce, psum, collective-permute: gloo, including the wait for the peers),
   in compute thunks (every other op: fusions, YNNPACK matmuls, copies) and idle;
+* per device (the ``device_ordinal`` of its thunks, on whichever thread they ran): the time
+  covered by its collective thunks, by its compute thunks, and by both at once, the overlap
+  of communication with compute that XLA's thunk executor gave;
 * the top ops by time.
 """
 
@@ -30,6 +36,50 @@ from typing import Any
 COLLECTIVE = re.compile(r"all[-_]gather|all[-_]to[-_]all|reduce[-_]scatter|all[-_]reduce|psum"
                         r"|collective[-_]permute|ppermute", re.I)
 ENVELOPE = re.compile(r"^ThunkExecutor::Execute")
+
+
+def _union(spans: list[tuple[float, float]]) -> list[list[float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _covered(spans: list[list[float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersection(xs: list[list[float]], ys: list[list[float]]) -> float:
+    """Time covered by both of two sorted, disjoint span lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        total += max(0.0, min(xs[i][1], ys[j][1]) - max(xs[i][0], ys[j][0]))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def device_overlap(ops: list[dict], n: int) -> dict[str, dict[str, float]]:
+    """Per device ordinal, per step: seconds covered by its collective thunks, by its compute
+    thunks, and by both at once. ``ops``: trace events of thunks (``args`` with ``hlo_op``
+    and ``device_ordinal``)."""
+    out = {}
+    for dev in sorted({e["args"]["device_ordinal"] for e in ops}):
+        mine = [e for e in ops if e["args"]["device_ordinal"] == dev]
+        coll = _union([(e["ts"], e["ts"] + e["dur"]) for e in mine
+                       if COLLECTIVE.search(e["name"])])
+        comp = _union([(e["ts"], e["ts"] + e["dur"]) for e in mine
+                       if not COLLECTIVE.search(e["name"])])
+        out[str(dev)] = {"collective_per_step_s": _covered(coll) / 1e6 / n,
+                         "compute_per_step_s": _covered(comp) / 1e6 / n,
+                         "both_per_step_s": _intersection(coll, comp) / 1e6 / n}
+    return out
 
 
 def summarize(path: pathlib.Path, steps: int | None = None, top: int = 12) -> dict[str, Any]:
@@ -70,6 +120,9 @@ def summarize(path: pathlib.Path, steps: int | None = None, top: int = 12) -> di
                                  "executing_per_step_s": env / n,
                                  "idle_per_step_s": max(0.0, wall - coll - comp) / n}
     out["top_ops_per_step_ms"] = {k: round(v / 1e3 / n, 2) for k, v in ops.most_common(top)}
+    out["devices"] = device_overlap(
+        [e for e in xs if t0 <= e["ts"] <= t1 and "hlo_op" in (e.get("args") or {})
+         and "device_ordinal" in e["args"]], n)
     return out
 
 
@@ -86,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for f in files:
         s = summarize(f, top=a.top)
-        results.append(s)
         rel = f.relative_to(a.root).parts
         rel = rel[:rel.index("plugins")] if "plugins" in rel else rel
+        s["trace"] = "/".join(rel)  # ROW/BANDWIDTH/node<i>
+        results.append(s)
         print(f"== {'/'.join(rel)}: {s['steps']} steps, wall {s['wall_per_step_s'] * 1e3:.1f} "
               f"ms/step, python host {1e3 * (s['host_per_step_s'] or 0):.1f} ms/step, "
               f"python waiting {s['wait_per_step_s'] * 1e3:.1f} ms/step")
@@ -96,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {t[:26]:<26} collective {v['collective_per_step_s'] * 1e3:7.1f}  "
                   f"compute {v['compute_per_step_s'] * 1e3:7.1f}  "
                   f"idle {v['idle_per_step_s'] * 1e3:7.1f} ms/step")
+        for d, v in s["devices"].items():
+            print(f"   device {d:<19} collective {v['collective_per_step_s'] * 1e3:7.1f}  "
+                  f"compute {v['compute_per_step_s'] * 1e3:7.1f}  "
+                  f"both at once {v['both_per_step_s'] * 1e3:7.1f} ms/step")
         print("   top ops (ms/step, summed over threads): " + ", ".join(
             f"{k} {v}" for k, v in s["top_ops_per_step_ms"].items()))
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+        a.json.write_text(json.dumps({"trace_summaries": results}, indent=1))
     return 0
 
 

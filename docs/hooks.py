@@ -104,15 +104,19 @@ def cluster(data: dict, view: str | None) -> str:
     ours = [r for r in cols if r not in PEERS and not r.startswith("probe")]
     header = ["link"] + [PEERS.get(r, ROW_NAMES.get(r, r)) for r in cols]
     rows = []
+    def spread(c: dict) -> str:  # half the spread of the round medians, where recorded
+        m = c.get("round_medians_s")
+        return f" ±{50 * (max(m) - min(m)) / c['step_time_median_s']:.0f}%" if m else ""
+
     for bw in bandwidths:
         ref_s = t[(ref, bw)]["step_time_median_s"]
-        row = [_bandwidth(bw), f"{1000 * ref_s:.0f} ms"]
+        row = [_bandwidth(bw), f"{1000 * ref_s:.0f} ms{spread(t[(ref, bw)])}"]
         for r in cols[1:]:
             c = t.get((r, bw))
             if c is None:
                 row.append("")
                 continue
-            cell = _x(ref_s / c["step_time_median_s"])
+            cell = _x(ref_s / c["step_time_median_s"]) + spread(c)
             if ref != "zero3" and r in ours and r != "zero3" and ("zero3", bw) in t:
                 cell += f" ({_x(t[('zero3', bw)]['step_time_median_s'] / c['step_time_median_s'])} zero3)"
             row.append(cell)
@@ -131,7 +135,8 @@ def cluster(data: dict, view: str | None) -> str:
         f"{m['heads']} heads, sequence {m['seq_len']}, batch {m['batch']}, "
         f"{m['compute_dtype']}); {data['nodes']} node processes x {data['local']} devices; "
         f"median step time over {data['rounds']} interleaved rounds; "
-        f"reference column: {PEERS.get(ref, ref)} in ms, other columns: its time / theirs."
+        f"reference column: {PEERS.get(ref, ref)} in ms, other columns: its time / theirs "
+        "(± half the spread of the row's round medians)."
     )
     notes = {r.get("worker", {}).get("torch_dtype_note") for r in data["runs"].values()} - {None}
     caption += "".join(f" {n}." for n in sorted(notes))
@@ -246,6 +251,27 @@ def weak_scaling(data: dict, view: str | None) -> str:
         f"{counts[0]} nodes). Runs: {', '.join(data['runs'])}. All node processes share "
         "the same 2 CPU cores, so the compute floor (each node's step with no network, all "
         "at once) grows with the node count as well.")
+
+
+def trace_overlap(data: dict, view: str | None) -> str:
+    """``benchmarks/cluster_trace.py --json``: per traced node and device, the time per step
+    its collective thunks and its compute thunks covered, and both at once."""
+    _no_view(view, "trace_overlap")
+    rows = []
+    for s in data["trace_summaries"]:
+        row, bw, node = (s["trace"].split("/") + ["", "", ""])[:3]
+        for dev, v in s["devices"].items():
+            both = v["both_per_step_s"]
+            rows.append([row, _bandwidth(bw), node, dev, f"{1000 * s['wall_per_step_s']:.0f} ms",
+                         f"{1000 * v['collective_per_step_s']:.0f} ms",
+                         f"{1000 * v['compute_per_step_s']:.0f} ms",
+                         f"{1000 * both:.0f} ms ({_pct(both / s['wall_per_step_s'], 0)})"])
+    steps = sorted({s["steps"] for s in data["trace_summaries"]})
+    return _table(["row", "link", "node", "device", "step", "in collectives", "in compute",
+                   "both at once (of the step)"], rows) + (
+        f"\n\nFrom JAX profiler traces of {'/'.join(map(str, steps))} steps per node: the "
+        "time each device's collective thunks covered, its compute thunks covered (on "
+        "whichever executor thread they ran), and both at once.")
 
 
 def predict_paper(data: dict, view: str | None) -> str:
@@ -826,6 +852,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("quantization", {"block_vs_tensor", "sweep", "default_block_size"}, quantization),
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),
     ("weak_scaling", {"entries", "floors_s", "rows_per_device"}, weak_scaling),
+    ("trace_overlap", {"trace_summaries"}, trace_overlap),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "cluster_predicted": ["measured", "predicted", "auto", "targets"],

@@ -141,27 +141,12 @@ def test_ceilings_are_fsdp2_over_compute_wire_and_fixed_cost_worked_by_hand():
     assert t["met"]
 
 
-def _run(nodes: int, batch: int, times: dict[str, float]) -> dict:
-    cells = [{"row": r, "bandwidth": "1gbit", "step_time_median_s": t,
-              "round_medians_s": [t * 0.98, t, t * 1.02], "predicted_step_s": t * 1.1}
-             for r, t in times.items()]
-    return {"nodes": nodes, "local": 1, "bandwidths": ["1gbit"], "rounds": 3,
-            "model": {"layers": 4, "d_model": 256, "batch": batch}, "cells": cells,
-            "floors_s": {"zero3": 0.1 * nodes, "zeropp": 0.12 * nodes}}
 
-
-def test_weak_scaling_puts_the_runs_side_by_side_and_refuses_other_batches():
-    from benchmarks import weak_scaling
-
-    rows = ("zero3", "zeropp", "torch_fsdp2")
-    a = _run(2, 4, dict(zip(rows, (0.2, 0.15, 0.25))))
-    b = _run(4, 8, dict(zip(rows, (0.3, 0.35, 0.4))))
-    out = weak_scaling.combine([a, b], ["a", "b"])
-    e = next(e for e in out["entries"] if e["row"] == "zeropp")
-    assert [p["step_s"] for p in e["points"]] == [0.15, 0.35]
-    assert e["points"][1]["spread"] == pytest.approx(0.04)
-    assert [f["zero3"] for f in out["floors_s"]] == pytest.approx([0.2, 0.4])
-    with pytest.raises(ValueError, match="rows per device"):
-        weak_scaling.combine([a, _run(4, 4, dict(zip(rows, (1, 1, 1))))], ["a", "c"])
-    with pytest.raises(ValueError, match="no torch_fsdp2 cell"):
-        weak_scaling.combine([a, _run(4, 8, {"zero3": 1, "zeropp": 1})], ["a", "d"])
+def test_row_options_name_their_configuration_and_profiling_ones_do_not():
+    c = calibrate.row_config("zeropp@unbucketed+group2+prefetch3", local=2)
+    assert (c.bucket, c.hpz_group_size, c.prefetch) == (False, 4, 3)
+    assert calibrate.row_config("zero3") == calibrate.row_config("zero3@prefetch1")
+    assert calibrate.config_row("hpz@prefetch2") and not calibrate.config_row("zero3@trace")
+    assert not calibrate.config_row("torch_fsdp2")
+    with pytest.raises(ValueError, match="does not name a configuration"):
+        calibrate.row_config("zero3@pin")

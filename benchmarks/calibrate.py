@@ -7,7 +7,8 @@ Probes (run by ``cluster.py`` in the same session as the rows):
   step time / ``--probe-k`` is the fixed cost of one collective between processes.
 * the compute floor of every zeropp_jax row's configuration (``cluster_floor.run_config``:
   each node's share of the step in ``--nodes`` standalone processes at once, no network;
-  the collectives inside a process are in it).
+  the collectives inside a process are in it), and FSDP2's (each torch rank alone, in
+  process groups of one) when the run has its row.
 * the link: ``tc``'s rate.
 
 Prediction for a zeropp_jax cell: ``kappa x floor + cross-node bytes / (eta x rate) +
@@ -20,8 +21,9 @@ TCP under the shaper). Every other row's cells check the model.
 
 FSDP2 (torch's compute is not XLA's): its collectives are gloo's (a ring all-gather of every
 block in forward and again in backward, the root's once, and a reduce-scatter done as a ring
-all-reduce: ``fsdp2_workload``), priced with the same eta and fixed cost; its compute is
-fitted on the fastest link's cell, and its other cells check it.
+all-reduce: ``fsdp2_workload``), priced with the same eta and fixed cost; its compute is its
+own floor times kappa, and every FSDP2 cell checks it (runs without that floor: fitted on
+the fastest link's cell, the other cells check it).
 
 The automatic configuration is ranked with the hardware constants a user would have
 (``presets.emulated_cpu`` filled from these probes: one compute throughput from zero3's
@@ -214,7 +216,11 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
         if c["mode"] == "torch_fsdp2":
             p = predict_step(fsdp2_workload(args, runs[c["row"]]["params"],
                                             _torch_itemsize(runs[c["row"]])), hw)
-            if c["bandwidth"] == fit_bw:
+            if "torch_fsdp2" in const["floors_s"]:
+                # Measured: torch's own floor (its ranks alone, no network), slowed by
+                # running in the cluster as zero3's fit says; every FSDP2 cell checks it.
+                fsdp2_compute = const["kappa"] * const["floors_s"]["torch_fsdp2"]
+            elif c["bandwidth"] == fit_bw:
                 fsdp2_compute = c["step_time_median_s"] - p.exposed_s - p.fixed_s
                 c["predicted_fitted"] = True
             if fsdp2_compute is None:
@@ -240,10 +246,13 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
             errors.setdefault(c["row"], []).append(c["predicted_over_measured"])
     q_note = (f"; qgZ's gradient path rate on {const['grad_quant_fitted_on']}"
               if "grad_quant_fitted_on" in const else "")
-    return {"constants": const, "fitted_on": "zero3 (kappa, eta); FSDP2's compute on "
-                                             f"its {fit_bw} cell" + q_note,
+    f_measured = "torch_fsdp2" in const["floors_s"]
+    f_note = ("; FSDP2's compute: its floor x kappa" if f_measured
+              else f"; FSDP2's compute on its {fit_bw} cell")
+    return {"constants": const, "fitted_on": "zero3 (kappa, eta)" + f_note + q_note,
             "fsdp2_compute_s": fsdp2_compute,
-            "fsdp2_fitted_on": fit_bw if fsdp2_compute is not None else None,
+            "fsdp2_fitted_on": (fit_bw if fsdp2_compute is not None and not f_measured
+                                else None),
             "predicted_over_measured": errors,
             "within_15pct": int(sum(abs(r - 1) <= 0.15 for v in errors.values() for r in v)),
             "checked_cells": sum(len(v) for v in errors.values())}
@@ -305,6 +314,7 @@ def ceilings(result: dict, const: dict[str, Any],
                     "fsdp2_s": fsdp2, "measured_s": c["step_time_median_s"],
                     "measured": measured, "met": measured >= target,
                     "compute_s": compute, "wire_s": wire, "fixed_s": fixed,
+                    "fsdp2_floor_s": const["floors_s"].get("torch_fsdp2"),
                     "ceiling": fsdp2 / (compute + wire + fixed),
                     "ceiling_without_fixed": fsdp2 / (compute + wire)})
     return out
@@ -346,9 +356,12 @@ def summary_lines(calib: dict, choices: list[dict]) -> list[str]:
             + (f"{const['grad_quant_elems_per_s'] / 1e6:.0f} M elements/s (fitted on "
                f"{const['grad_quant_fitted_on']})" if "grad_quant_elems_per_s" in const
                else "free"))
-    if calib["fsdp2_compute_s"] is not None:
+    if calib["fsdp2_compute_s"] is not None and calib["fsdp2_fitted_on"] is not None:
         lines.append(f"FSDP2 compute fitted on the {calib['fsdp2_fitted_on']} cell: "
                      f"{calib['fsdp2_compute_s'] * 1e3:.1f} ms")
+    elif calib["fsdp2_compute_s"] is not None:
+        lines.append(f"FSDP2 compute from its floor ({const['floors_s']['torch_fsdp2'] * 1e3:.1f}"
+                     f" ms) x kappa: {calib['fsdp2_compute_s'] * 1e3:.1f} ms")
     for row, rs in calib["predicted_over_measured"].items():
         lines.append(f"  {row:<14} predicted / measured: " + ", ".join(f"{r:.2f}" for r in rs))
     lines.append(f"within 15%: {calib['within_15pct']} of {calib['checked_cells']} checked "

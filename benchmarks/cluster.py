@@ -748,13 +748,16 @@ def compute_floors(args: argparse.Namespace) -> dict[str, float]:
 
     ns = argparse.Namespace(nodes=args.nodes, local=args.local, batch=args.batch,
                             seq_len=args.seq_len, layers=args.layers, d_model=args.d_model,
-                            heads=args.heads, steps=max(args.steps_fast, 4), warmup=2)
+                            heads=args.heads, steps=max(args.steps_fast, 4), warmup=2,
+                            compute_dtype=args.compute_dtype)
+    impls = {mode: f"zpp:{mode}" for mode in dict.fromkeys(
+        split_row(m)[0] for m in args.modes if split_row(m)[0] in MODES)}
+    if FSDP2_ROW in args.modes:  # torch's own compute, each rank alone
+        impls[FSDP2_ROW] = FSDP2_ROW
     floors: dict[str, list[float]] = {}
     for rep in range(2):  # interleaved, so drifts of the machine hit both
-        for mode in dict.fromkeys(split_row(m)[0] for m in args.modes
-                                  if split_row(m)[0] in MODES):
-            floors.setdefault(mode, []).extend(cluster_floor.run_config(ns, f"zpp:{mode}",
-                                                                        "default"))
+        for mode, impl in impls.items():
+            floors.setdefault(mode, []).extend(cluster_floor.run_config(ns, impl, "default"))
     out = {m: statistics.median(v) for m, v in floors.items()}
     log("compute floors (no network): " + ", ".join(f"{m} {t * 1e3:.1f} ms"
                                                    for m, t in out.items()))

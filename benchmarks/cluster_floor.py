@@ -37,7 +37,8 @@ def run_config(args: argparse.Namespace, impl: str, variant: str) -> list[float]
                "--process-id", "0", "--local-devices", str(args.local),
                "--batch", str(args.batch), "--seq-len", str(args.seq_len),
                "--layers", str(args.layers), "--d-model", str(args.d_model),
-               "--heads", str(args.heads), "--steps", "1000"]
+               "--heads", str(args.heads), "--steps", "1000",
+               "--compute-dtype", getattr(args, "compute_dtype", "bfloat16")]
         if kind == "zpp":
             cmd += ["--mode", mode or "zero3", "--reduce-scatter", "hierarchical"]
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="global batch (each process: / nodes)")
+    p.add_argument("--compute-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--json", type=pathlib.Path, default=None)
     a = p.parse_args(argv)
     configs = [(i, v) for i in a.impls.split(",") for v in a.variants.split(",")]

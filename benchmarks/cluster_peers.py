@@ -76,11 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="trace the first phase with this label (default: the first phase; "
                         "'*each*': the first phase of every label, to DIR/LABEL/node<i>)")
     p.add_argument("--standalone", action="store_true",
-                   help="JAX impls: no jax.distributed and no network: one process with "
+                   help="no jax.distributed and no network: one process with "
                         "--local-devices devices training one node's share of the batch "
-                        "(--batch / --num-processes), collectives in-process; the step's "
-                        "compute floor for one node (run --num-processes of them at once to "
-                        "share the cores as the cluster's node processes do)")
+                        "(--batch / --num-processes), collectives in-process (torch_fsdp2: "
+                        "each rank alone in a process group of one); the step's compute "
+                        "floor for one node (run --num-processes of them at once to share "
+                        "the cores as the cluster's node processes do)")
     p.add_argument("--probe-k", type=int, default=32, help="probe_psum: chained psums per step")
     p.add_argument("--probe-elems", type=int, default=256, help="probe_psum: f32 elements each")
     p.add_argument("--torch-threads", type=int, default=1)
@@ -454,14 +455,20 @@ def torch_rank(args: argparse.Namespace, local_rank: int, conn: Any) -> None:
     torch.set_num_threads(args.torch_threads)
     nodes, local = args.num_processes, args.local_devices
     world, rank = nodes * local, args.process_id * local + local_rank
-    dist.init_process_group("gloo", init_method=f"tcp://{args.coordinator}", rank=rank,
-                            world_size=world,
-                            timeout=__import__("datetime").timedelta(seconds=600))
+    per = args.batch // world
+    if args.standalone:
+        # The compute floor: this rank alone (a process group of one, no network), the
+        # same model, optimizer and rows of the batch as in the cluster.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://{args.coordinator}", rank=rank,
+                                world_size=world,
+                                timeout=__import__("datetime").timedelta(seconds=600))
     torch.manual_seed(args.seed)
     model = torch_gpt(VOCAB_SIZE, args.seq_len, args.layers, args.d_model, args.heads)
     n_params = sum(p.numel() for p in model.parameters())
     predicted = fsdp2_predicted_bytes(model, nodes, 2 if torch_dtype(args) == "bfloat16" else 4)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     bf16 = torch.bfloat16 if torch_dtype(args) == "bfloat16" else torch.float32
     mp = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
     for blk in model.blocks:
@@ -469,7 +476,6 @@ def torch_rank(args: argparse.Namespace, local_rank: int, conn: Any) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     data, _ = train_val_split(stdlib_corpus())
-    per = args.batch // world
     counter = {"step": 0}
 
     def one_step() -> tuple[float, float]:

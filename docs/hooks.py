@@ -187,7 +187,7 @@ def cluster_predicted(data: dict, view: str | None) -> str:
         f"predicted ÷ measured. {data['nodes']} node processes x {data['local']} devices, GPT "
         f"of {data['model']['params']:,} parameters. From this run's probes: each row's "
         "compute floor without a network ("
-        + ", ".join(f"{m} {1000 * t:.0f} ms" for m, t in const["floors_s"].items())
+        + ", ".join(f"{PEERS.get(m, m)} {1000 * t:.0f} ms" for m, t in const["floors_s"].items())
         + f"), the fixed cost per collective between processes ({lat}). Fitted on the zero3 "
         f"row (marked): the cluster's compute x{const['kappa']:.2f} of the floor, the link "
         f"at {const['eta']:.2f} of the tc rate. "
@@ -199,7 +199,10 @@ def cluster_predicted(data: dict, view: str | None) -> str:
         + f"{calib['within_15pct']} of "
         f"{calib['checked_cells']} checked cells within 15%"
         + (f"; FSDP2's compute ({1000 * calib['fsdp2_compute_s']:.0f} ms) fitted on its "
-           f"{_bandwidth(calib['fsdp2_fitted_on'])} cell." if calib.get("fsdp2_compute_s")
+           f"{_bandwidth(calib['fsdp2_fitted_on'])} cell." if calib.get("fsdp2_fitted_on")
+           else f"; FSDP2's compute: torch's own floor without a network "
+           f"({1000 * const['floors_s']['torch_fsdp2']:.0f} ms) x{const['kappa']:.2f}, "
+           "nothing fitted on its cells." if calib.get("fsdp2_compute_s")
            else "."))
     return _table(header, rows) + "\n\n" + caption
 
@@ -217,9 +220,14 @@ def _cluster_targets(data: dict) -> str:
              f"{1000 * t['fixed_s']:.0f} ms",
              _x(t["ceiling"]), _x(t["ceiling_without_fixed"])]
             for t in targets]
-    return _table(["link", "target (FSDP2 / ours)", "measured: FSDP2 / ours",
-                   "ours without overlap: compute + wire + fixed", "at most",
-                   "at most, no fixed cost"], rows) + (
+    header = ["link", "target (FSDP2 / ours)", "measured: FSDP2 / ours",
+              "ours without overlap: compute + wire + fixed", "at most",
+              "at most, no fixed cost"]
+    if all(t.get("fsdp2_floor_s") for t in targets):
+        header.append("FSDP2's compute floor")
+        for row, t in zip(rows, targets):
+            row.append(f"{1000 * t['fsdp2_floor_s']:.0f} ms")
+    return _table(header, rows) + (
         f"\n\n{data['nodes']} node processes x {data['local']} devices. Compute: the row's "
         "compute floor without a network (scaled by the fitted cluster factor where that is "
         "below 1); wire: its cross-node bytes per node at the full tc rate; fixed: its "

@@ -150,3 +150,34 @@ def test_row_options_name_their_configuration_and_profiling_ones_do_not():
     assert not calibrate.config_row("torch_fsdp2")
     with pytest.raises(ValueError, match="does not name a configuration"):
         calibrate.row_config("zero3@pin")
+
+
+def test_fsdp2_with_its_own_floor_is_predicted_on_every_cell_with_nothing_fitted():
+    """With torch's floor measured, FSDP2's compute is that floor x kappa (zero3's fit) and
+    all its cells are checks; a planted FSDP2 that runs 10% slower shows as 0.91."""
+    kappa, eta = 1.2, 0.9
+    floors = {"zero3": 0.20, "torch_fsdp2": 0.15}
+    latency = {"100mbit": 2e-3, "1gbit": 1.5e-3, "10gbit": 1e-3}
+    bits = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}
+    args = argparse.Namespace(nodes=2, local=2, bandwidths=list(bits), layers=1, d_model=32,
+                              heads=2, seq_len=16, batch=4)
+    runs = {"zero3": {"params": 1000, "predicted": {"compiled_report": _report(9e6, 14)}},
+            "torch_fsdp2": {"params": 20_000}}
+    const = {"floors_s": floors, "inter_latency_s": latency, "flops_per_s": 1e9}
+    cells = []
+    for bw in bits:
+        cells.append({"row": "zero3", "mode": "zero3", "bandwidth": bw,
+                      "bandwidth_bits_per_s": bits[bw],
+                      "step_time_median_s": kappa * 0.2 + 9e6 / (eta * bits[bw] / 8)
+                      + 14 * latency[bw]})
+    for bw in bits:
+        hw = calibrate.hardware(args, {**const, "kappa": kappa, "eta": eta}, bw, bits[bw])
+        p = calibrate.predict_step(calibrate.fsdp2_workload(args, 20_000), hw)
+        cells.append({"row": "torch_fsdp2", "mode": "torch_fsdp2", "bandwidth": bw,
+                      "bandwidth_bits_per_s": bits[bw],
+                      "step_time_median_s": 1.1 * (kappa * 0.15 + p.exposed_s + p.fixed_s)})
+    calib = calibrate.predict_cells(args, {"cells": cells, "runs": runs}, const)
+    assert calib["fsdp2_fitted_on"] is None
+    assert calib["fsdp2_compute_s"] == pytest.approx(kappa * 0.15)
+    assert calib["predicted_over_measured"]["torch_fsdp2"] == pytest.approx([1 / 1.1] * 3)
+    assert not any(c.get("predicted_fitted") for c in cells if c["mode"] == "torch_fsdp2")

@@ -261,6 +261,30 @@ def weak_scaling(data: dict, view: str | None) -> str:
         "at once) grows with the node count as well.")
 
 
+def cluster_floor(data: dict, view: str | None) -> str:
+    """``benchmarks/cluster_floor.py --json``: each implementation's step with no network
+    (every node's share at once, as the cluster's node processes share the cores)."""
+    _no_view(view, "cluster_floor")
+    import statistics
+
+    a = data["args"]
+    names = {"zpp": "zeropp_jax", "jax_dp": "plain jax.jit, data parallel",
+             "jax_fsdp": "JAX FSDP (GSPMD)", "torch_fsdp2": "PyTorch FSDP2, each rank alone"}
+    rows = []
+    for key, times in data["results"].items():
+        impl, _, variant = key.partition(" ")
+        kind, _, mode = impl.partition(":")
+        label = names.get(kind, kind) + (f" {mode}" if mode else "")
+        rows.append([label, variant, f"{1000 * statistics.median(times):.0f} ms",
+                     f"{1000 * min(times):.0f}-{1000 * max(times):.0f} ms"])
+    return _table(["step", "variant", "median", "range"], rows) + (
+        f"\n\nEach node's share of the step with no network: {a['nodes']} processes of "
+        f"{a['local']} devices at once on the same cores, GPT {a['layers']}L d{a['d_model']}, "
+        f"sequence {a['seq_len']}, global batch {a['batch']}, "
+        f"{a.get('compute_dtype', 'bfloat16')}; {a['reps']} repetitions of {a['steps']} "
+        "steps, every process's median.")
+
+
 def trace_overlap(data: dict, view: str | None) -> str:
     """``benchmarks/cluster_trace.py --json``: per traced node and device, the time per step
     its collective thunks and its compute thunks covered, and both at once."""
@@ -861,6 +885,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),
     ("weak_scaling", {"entries", "floors_s", "rows_per_device"}, weak_scaling),
     ("trace_overlap", {"trace_summaries"}, trace_overlap),
+    ("cluster_floor", {"args", "results"}, cluster_floor),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "cluster_predicted": ["measured", "predicted", "auto", "targets"],

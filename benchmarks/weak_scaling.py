@@ -65,8 +65,7 @@ def combine(runs: list[dict], names: list[str]) -> dict[str, Any]:
             entries.append({"bandwidth": bw, "row": row, "points": points})
     # What each node count costs with no network at all: on a machine of few cores the node
     # processes share the cores, so the compute grows with their number too.
-    floors = [{"nodes": run["nodes"], **{m: run["floors_s"].get(m) for m in ROWS[:2]},
-               "torch_fsdp2_fitted": run.get("calibration", {}).get("fsdp2_compute_s")}
+    floors = [{"nodes": run["nodes"], **{m: run["floors_s"].get(m) for m in ROWS}}
               for run in runs]
     return {"model": model, "rows_per_device": rows_per_device(first),
             "rounds": first["rounds"], "bandwidths": first["bandwidths"],
@@ -80,7 +79,9 @@ def lines(result: dict) -> list[str]:
         out.append(f"{e['bandwidth']:>8} {e['row']:<12} " + "  ".join(
             f"{p['nodes']} nodes {1e3 * p['step_s']:7.0f} ms ±{50 * p['spread']:.0f}% "
             f"(x{p['step_s'] / base:.2f})" for p in e["points"]))
-    for m in ROWS[:2]:
+    for m in ROWS:
+        if any(f[m] is None for f in result["floors_s"]):
+            continue
         out.append(f"{'no link':>8} {m + ' floor':<12} " + "  ".join(
             f"{f['nodes']} nodes {1e3 * f[m]:7.0f} ms" for f in result["floors_s"]))
     return out

@@ -248,9 +248,10 @@ def weak_scaling(data: dict, view: str | None) -> str:
         rows.append([_bandwidth(e["bandwidth"]), PEERS.get(e["row"], e["row"])] + [
             f"{1000 * p['step_s']:.0f} ms ±{50 * p['spread']:.0f}% (x{p['step_s'] / base:.2f})"
             for p in e["points"]])
-    for m in ("zero3", "zeropp"):
-        rows.append(["no network", f"{m}'s compute floor"]
-                    + [f"{1000 * f[m]:.0f} ms" for f in data["floors_s"]])
+    for m in ("zero3", "zeropp", "torch_fsdp2"):
+        if all(f.get(m) for f in data["floors_s"]):
+            rows.append(["no network", f"{PEERS.get(m, m)}'s compute floor"]
+                        + [f"{1000 * f[m]:.0f} ms" for f in data["floors_s"]])
     m = data["model"]
     return _table(header, rows) + (
         f"\n\nGPT of {m['params']:,} parameters, {data['rows_per_device']:g} sequences of "

@@ -13,8 +13,8 @@ Probes (run by ``cluster.py`` in the same session as the rows):
 
 Prediction for a zeropp_jax cell: ``kappa x floor + cross-node bytes / (eta x rate) +
 collectives between processes x fixed cost``, the bytes and the count read from the row's
-compiled program, no overlap (XLA's CPU backend runs a device's collectives and compute on
-one thread). Two constants are fitted, by least squares on the zero3 row's cells only:
+compiled program, no overlap (on XLA's CPU backend a device's collectives and compute ran
+at once for 3-5% of the step in traces: ``cluster_trace.py``). Two constants are fitted, by least squares on the zero3 row's cells only:
 ``kappa``, what running as processes of a cluster adds to the standalone compute (gloo's
 threads share the cores), and ``eta``, the link's achieved fraction of the rate (headers,
 TCP under the shaper). Every other row's cells check the model.
@@ -211,7 +211,10 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
     grad_rate = const.get("grad_quant_elems_per_s", float("inf"))
     fsdp2_compute = None
     errors: dict[str, list[float]] = {}
-    for c in sorted(cells, key=lambda c: c["mode"] != "torch_fsdp2" or c["bandwidth"] != fit_bw):
+    # Without FSDP2's floor its compute is fitted on one cell, which must come first.
+    f_measured = "torch_fsdp2" in const["floors_s"]
+    for c in sorted(cells, key=lambda c: f_measured or c["mode"] != "torch_fsdp2"
+                    or c["bandwidth"] != fit_bw):
         hw = hardware(args, const, c["bandwidth"], c["bandwidth_bits_per_s"])
         if c["mode"] == "torch_fsdp2":
             p = predict_step(fsdp2_workload(args, runs[c["row"]]["params"],
@@ -246,7 +249,6 @@ def predict_cells(args: argparse.Namespace, result: dict, const: dict[str, Any])
             errors.setdefault(c["row"], []).append(c["predicted_over_measured"])
     q_note = (f"; qgZ's gradient path rate on {const['grad_quant_fitted_on']}"
               if "grad_quant_fitted_on" in const else "")
-    f_measured = "torch_fsdp2" in const["floors_s"]
     f_note = ("; FSDP2's compute: its floor x kappa" if f_measured
               else f"; FSDP2's compute on its {fit_bw} cell")
     return {"constants": const, "fitted_on": "zero3 (kappa, eta)" + f_note + q_note,
@@ -288,7 +290,7 @@ def ceilings(result: dict, const: dict[str, Any],
              targets: tuple[tuple[float, str, float], ...] = FSDP2_TARGETS) -> list[dict]:
     """Each target whose cells the run has, measured, and the best FSDP2 / ours a step that
     does not overlap communication with compute could reach with this row's compute and
-    bytes (XLA's CPU backend runs a device's collectives and compute on one thread):
+    bytes (on XLA's CPU backend they overlap for a few percent of a step at most):
     FSDP2's measured time over ``compute + wire + fixed``, where ``compute`` is the row's
     compute floor (times the fitted ``kappa`` where that is below 1: a cluster whose
     processes compute faster than in the floor's run), ``wire`` its cross-node bytes per

@@ -5,8 +5,8 @@ One worker run goes through the scenarios in order (each process starting Python
 ``jax.distributed`` costs seconds on 2 cores, so they share it): a batch that differs after
 the first step, a save into another directory per process, checkpoints whose shards
 process 1 wrote are truncated, deleted or changed, and finally process 1 exiting on an
-uncaught error while process 0 waits for it. Each scenario prints one ``CASE name elapsed
-message`` line per process; the test checks the messages and that each took less than the
+uncaught error while process 0 waits for it. Each scenario writes one ``CASE name elapsed
+message`` line per process (to a file of its own: gloo's lines interleave with the log); the test checks the messages and that each took less than the
 collective timeout plus a margin. A regression that hangs shows as the workers' hard
 subprocess timeout, a test failure.
 
@@ -67,7 +67,12 @@ def case(name, fn):
         msg = "NO ERROR"
     except Exception as e:
         msg = f"{{type(e).__name__}}: {{e}}"
-    print(f"CASE {{name}} {{time.monotonic() - t:.1f}} {{msg}}".replace("\n", " "), flush=True)
+    line = f"CASE {{name}} {{time.monotonic() - t:.1f}} {{msg}}".replace("\n", " ")
+    print(line, flush=True)
+    # The test reads this file, not the log: gloo's own lines share the log's stream and
+    # can land in the middle of a printed line.
+    with open(TMP / f"cases_{{PID}}.txt", "a") as f:
+        f.write(line + "\n")
 
 
 def at(s, n):
@@ -144,7 +149,7 @@ def _run(tmp_path, script: str, env_extra: dict[str, str]) -> list[tuple[int, st
 def test_processes_that_disagree_or_fail_get_clear_errors_in_time(tmp_path):
     (rc0, out0), (rc1, out1) = _run(tmp_path, _WORKER,
                                     {"ZEROPP_COLLECTIVE_TIMEOUT_S": str(TIMEOUT_S)})
-    both = [_cases(out0), _cases(out1)]
+    both = [_cases((tmp_path / f"cases_{pid}.txt").read_text()) for pid in range(2)]
     tails = f"\n--- process 0:\n{out0[-4000:]}\n--- process 1:\n{out1[-4000:]}"
     for pid, cases in enumerate(both):
         names = ["lower_alone", "batch", "dirs", "truncate", "delete", "flip", "intact"]

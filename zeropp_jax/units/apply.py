@@ -159,10 +159,9 @@ def apply_units(
             # regather would only add to them.
             gathered_rest = unit_call(REST, keep=True)(lambda p: p)()
         else:
-            rest_transports = (transports[REST] if transports is not None
-                               else unit_transports(config, layouts[REST]))
             (rest_full, _), (full, moved) = bucket_gather(
-                rest_transports, (shards[REST], shards[partner]), config, qgz_on)
+                _transports_of(config, REST, layouts, transports),
+                (shards[REST], shards[partner]), config, qgz_on)
             gathered_rest, arrived = layouts[REST].unflatten(rest_full), (full, *moved)
         rest = merge_units(gathered_rest, stacked_shards)
     units: dict[tuple[str, ...], Any] = dict(stacked_units)
@@ -255,13 +254,19 @@ def _bucket_partner(config: ZeroPPConfig, calls: tuple[tuple[str, ...], ...], na
     if (name is None or first in resident or first == kept or name not in layouts
             or REST in frozen_layouts or name in frozen_layouts):
         return None
-    pair = ([transports[REST], transports[name]] if transports is not None else
-            [unit_transports(config, layouts[n]) for n in (REST, name)])
+    pair = [_transports_of(config, n, layouts, transports) for n in (REST, name)]
     if not bucketable(config, pair):
         return None
     if layouts[REST].num_shards != layouts[name].num_shards:
         return None
     return name
+
+
+def _transports_of(config: ZeroPPConfig, name: str, layouts: Mapping[str, UnitLayout],
+                   transports: Mapping[str, UnitTransports] | None) -> UnitTransports:
+    """Unit ``name``'s transports: the plan's, or the config's default for its layout."""
+    return transports[name] if transports is not None else unit_transports(config,
+                                                                           layouts[name])
 
 
 def _unit_size(layout: UnitLayout | None, frozen: UnitLayout | None) -> int:

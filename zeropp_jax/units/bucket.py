@@ -76,23 +76,23 @@ def bucket_gather(transports: UnitTransports, shards: Sequence[jax.Array], confi
     total = sum(lengths)
     flags = () if qgz_on is None else (qgz_on,)
 
-    def split(buffer: jax.Array) -> list[jax.Array]:
-        devices = buffer.shape[0] // total if buffer.shape[0] % total == 0 else None
-        if devices is None:
-            raise ValueError(f"a bucket buffer of {buffer.shape[0]} elements does not split "
-                             f"into members of {lengths} per device")
-        rows = buffer.reshape(devices, -1)
-        ratio = rows.shape[1] // total
+    def split(buffer: jax.Array, like: jax.Array) -> list[jax.Array]:
+        # Trainable transports move the full buffer itself (unit.zero_unit relies on it
+        # too): every moved buffer has the full buffer's [P * total] device-major layout.
+        if buffer.shape != like.shape:
+            raise ValueError(f"a bucket's moved buffer {buffer.shape} is not laid out like "
+                             f"its full buffer {like.shape}; this transport cannot bucket")
+        rows = buffer.reshape(-1, total)  # [P, s_1 + s_2 + ...]
         out, start = [], 0
         for n in lengths:
-            out.append(rows[:, start * ratio:(start + n) * ratio].reshape(-1))
+            out.append(rows[:, start:start + n].reshape(-1))
             start += n
         return out
 
     def gather(stored: tuple) -> tuple:
         full, moved = transports.weights.gather((jnp.concatenate(stored),))
-        fulls = split(full)
-        moveds = [split(m) for m in moved]
+        fulls = split(full, full)
+        moveds = [split(m, full) for m in moved]
         return tuple((f, tuple(m[i] for m in moveds)) for i, f in enumerate(fulls))
 
     @jax.custom_vjp

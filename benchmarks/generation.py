@@ -20,7 +20,8 @@ On ``--nodes x --local`` simulated CPU devices (default 2x4), fp32:
   prompts of ``--prompt-len`` tokens, ``--new-tokens`` new tokens, median of ``--rounds``
   (all three timed round-robin in each round).
 
-Writes ``OUT/generation.json``. The emulated-cluster speeds are ``cluster_generate.py``'s.
+Writes ``OUT/generation.json``. The emulated-cluster speeds are
+``benchmarks/cluster/generate.py``'s.
 """
 
 from __future__ import annotations

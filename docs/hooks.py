@@ -84,7 +84,7 @@ ROW_NAMES = {
 
 
 def cluster(data: dict, view: str | None) -> str:
-    """Step times of ``benchmarks/cluster.py``: one row per link speed, one column per row
+    """Step times of ``benchmarks/cluster/run.py``: one row per link speed, one column per row
     of the run. The first column is the reference (FSDP2 when the run has it, else zero3) in
     ms; the others are its step time divided by theirs (> 1: faster than the reference)."""
     _no_view(view, "cluster")
@@ -144,7 +144,7 @@ def cluster(data: dict, view: str | None) -> str:
 
 
 def cluster_predicted(data: dict, view: str | None) -> str:
-    """``benchmarks/cluster.py --predict``: views ``measured`` (the ``cluster`` table),
+    """``benchmarks/cluster/run.py --predict``: views ``measured`` (the ``cluster`` table),
     ``predicted`` (measured and predicted step time per row and link), ``auto`` (the
     automatic configuration's choice per link against the fastest measured row)."""
     calib = data["calibration"]
@@ -212,7 +212,8 @@ def _cluster_targets(data: dict) -> str:
     compute and its collectives in turn could reach (``calibrate.ceilings``)."""
     targets = data["calibration"].get("targets")
     if not targets:
-        raise TableError("cluster --predict results: no targets (calibrate.py RUN.json --write)")
+        raise TableError("cluster --predict results: no targets "
+                         "(benchmarks/cluster/calibrate.py RUN.json --write)")
     rows = [[_bandwidth(t["bandwidth"]), f"{t['row']} >= {t['target']}x",
              f"{1000 * t['fsdp2_s']:.0f} ms / {1000 * t['measured_s']:.0f} ms = "
              f"{_x(t['measured'])}" + (" (met)" if t["met"] else ""),
@@ -237,7 +238,7 @@ def _cluster_targets(data: dict) -> str:
 
 
 def weak_scaling(data: dict, view: str | None) -> str:
-    """``benchmarks/weak_scaling.py``: the step time of each row at each node count (one
+    """``benchmarks/cluster/weak_scaling.py``: the step time of each row at each node count (one
     device per node, the same rows per device), with the compute floors beneath."""
     _no_view(view, "weak_scaling")
     counts = [f["nodes"] for f in data["floors_s"]]
@@ -263,7 +264,7 @@ def weak_scaling(data: dict, view: str | None) -> str:
 
 
 def cluster_floor(data: dict, view: str | None) -> str:
-    """``benchmarks/cluster_floor.py --json``: each implementation's step with no network
+    """``benchmarks/cluster/floor.py --json``: each implementation's step with no network
     (every node's share at once, as the cluster's node processes share the cores)."""
     _no_view(view, "cluster_floor")
     import statistics
@@ -287,7 +288,7 @@ def cluster_floor(data: dict, view: str | None) -> str:
 
 
 def trace_overlap(data: dict, view: str | None) -> str:
-    """``benchmarks/cluster_trace.py --json``: per traced node and device, the time per step
+    """``benchmarks/cluster/traces.py --json``: per traced node and device, the time per step
     its collective thunks and its compute thunks covered, and both at once."""
     _no_view(view, "trace_overlap")
     rows = []
@@ -308,7 +309,7 @@ def trace_overlap(data: dict, view: str | None) -> str:
 
 
 def predict_paper(data: dict, view: str | None) -> str:
-    """``benchmarks/predict_clusters.py``: predicted ZeRO++ / ZeRO-3 speedups on the paper's
+    """``benchmarks/cluster/predict.py``: predicted ZeRO++ / ZeRO-3 speedups on the paper's
     cluster beside the published ones, with the assumed and with the fitted overlap."""
     _no_view(view, "predict_paper")
     rows = []
@@ -333,7 +334,7 @@ def predict_paper(data: dict, view: str | None) -> str:
 
 
 def predict_gpu(data: dict, view: str | None) -> str:
-    """``benchmarks/predict_clusters.py``: predicted step times on H100 nodes."""
+    """``benchmarks/cluster/predict.py``: predicted step times on H100 nodes."""
     _no_view(view, "predict_gpu")
     rows = []
     for r in data["predictions"]:
@@ -355,7 +356,7 @@ def predict_gpu(data: dict, view: str | None) -> str:
 
 
 def cluster_checkpoint(data: dict, view: str | None) -> str:
-    """``benchmarks/cluster_checkpoint.py``: losses after the stop, per way of resuming."""
+    """``benchmarks/cluster/checkpoint.py``: losses after the stop, per way of resuming."""
     _no_view(view, "cluster_checkpoint")
     n = max(len(r["losses"]) for r in data["rows"])
     header = ["run"] + [f"loss, step {i + 1} after the stop" for i in range(n)]
@@ -823,7 +824,7 @@ def _gen_speed(data: dict) -> str:
 
 
 def cluster_generate(data: dict, view: str | None) -> str:
-    """``benchmarks/cluster_generate.py``: generation and RLHF phases per link and mode."""
+    """``benchmarks/cluster/generate.py``: generation and RLHF phases per link and mode."""
     _no_view(view, "cluster_generate")
     rows = []
     for c in data["cells"]:

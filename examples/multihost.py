@@ -21,12 +21,12 @@ continues from the latest checkpoint there (written by any process count or mesh
 ``--stop-after K`` stops after K steps of the ``--steps`` schedule.
 
 Gloo binds to the address this machine's hostname resolves to; on a real cluster that is
-the node's address. (``benchmarks/cluster.py`` runs each process in a network namespace
+the node's address. (``benchmarks/cluster/run.py`` runs each process in a network namespace
 whose ``/etc/hosts`` maps the hostname to that namespace's address.)
 
 ``--net-iface``, ``--control`` and ``--comm-report`` are the emulated cluster's measuring
 hooks: with any of them this script hands the run to the cluster's node worker,
-``benchmarks/cluster_node.py``, which describes them.
+``benchmarks/cluster/node.py``, which describes them.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--stop-after", type=int, default=None,
                    help="stop (and --save) after this many steps of the --steps schedule, "
                         "as if interrupted; --resume continues it")
-    b = p.add_argument_group("benchmark hooks (run by benchmarks/cluster_node.py)")
+    b = p.add_argument_group("benchmark hooks (run by benchmarks/cluster/node.py)")
     b.add_argument("--net-iface", default=None,
                    help="count this node's tx/rx bytes on this interface over the timed steps")
     b.add_argument("--control", choices=["none", "stdin"], default="none",
@@ -160,9 +160,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.net_iface or args.control != "none" or args.comm_report:
         # The benchmark hooks: the cluster's node worker runs them (it takes every flag here).
         sys.path.insert(0, str(ROOT))
-        from benchmarks import cluster_node
+        from benchmarks.cluster import node
 
-        return cluster_node.run(args)
+        return node.run(args)
 
     # Before JAX touches its backend: this process's CPU devices, gloo CPU collectives, and
     # jax.distributed (waits until all --num-processes processes have joined).

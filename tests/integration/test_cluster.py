@@ -1,4 +1,4 @@
-"""benchmarks/cluster.py end to end: a short emulated-cluster run (2 nodes x 2 devices, one
+"""benchmarks/cluster/run.py end to end: a short emulated-cluster run (2 nodes x 2 devices, one
 bandwidth, tiny model, zero3 and zeropp) writes every cell, and leaves no namespace,
 veth or /etc/netns entry behind. Needs root and `ip netns`; slow (about a minute)."""
 
@@ -41,9 +41,9 @@ def test_short_cluster_run_writes_cells_and_cleans_up(tmp_path):
     if reason:
         pytest.skip(reason)
     if _our_namespaces():
-        pytest.skip(f"leftover {PREFIX}* namespaces; run benchmarks/cluster.py --cleanup")
+        pytest.skip(f"leftover {PREFIX}* namespaces; run benchmarks/cluster/run.py --cleanup")
     env = subprocess_env()
-    cmd = [sys.executable, str(ROOT / "benchmarks/cluster.py"), "--nodes", "2", "--local", "2",
+    cmd = [sys.executable, str(ROOT / "benchmarks/cluster/run.py"), "--nodes", "2", "--local", "2",
            "--bandwidths", "100mbit", "--modes", "zero3,zeropp", "--no-native-row", "--no-fsdp2",
            "--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
            "--batch", "4", "--steps", "2", "--rounds", "1", "--warmup", "0",
@@ -54,7 +54,7 @@ def test_short_cluster_run_writes_cells_and_cleans_up(tmp_path):
     finally:
         leftovers = _our_namespaces()
         if leftovers:  # never leave them behind, even when the assertions below fail
-            subprocess.run([sys.executable, str(ROOT / "benchmarks/cluster.py"), "--cleanup"],
+            subprocess.run([sys.executable, str(ROOT / "benchmarks/cluster/run.py"), "--cleanup"],
                            cwd=ROOT, capture_output=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert leftovers == [], f"namespaces left after the run: {leftovers}"
@@ -83,8 +83,8 @@ def test_short_cluster_run_writes_cells_and_cleans_up(tmp_path):
 def test_cluster_without_root_explains(monkeypatch):
     """The root check names what is needed (runs without root or network namespaces)."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks import cluster
+    from benchmarks.cluster import run
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(SystemExit, match="needs root"):
-        cluster.check_environment()
+        run.check_environment()

@@ -181,7 +181,7 @@ def test_missing_cluster_arguments_named():
 
 def test_benchmark_hooks_hand_the_run_to_the_cluster_node_worker():
     """examples/multihost.py --control stdin --comm-report --net-iface lo runs the emulated
-    cluster's node worker (benchmarks/cluster_node.py; the cluster itself is test_cluster's):
+    cluster's node worker (benchmarks/cluster/node.py; the cluster itself is test_cluster's):
     one process with 2 devices speaking the cluster's stdin protocol."""
     r = subprocess.run(
         [PY, str(ROOT / "examples/multihost.py"), "--coordinator", f"127.0.0.1:{_free_port()}",

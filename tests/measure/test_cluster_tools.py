@@ -1,5 +1,5 @@
-"""The emulated cluster's reporting tools (``benchmarks/weak_scaling.py``,
-``benchmarks/cluster_trace.py``) on hand-made inputs."""
+"""The emulated cluster's reporting tools (``benchmarks/cluster/weak_scaling.py``,
+``benchmarks/cluster/traces.py``) on hand-made inputs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _run(nodes: int, batch: int, times: dict[str, float]) -> dict:
 
 
 def test_weak_scaling_puts_the_runs_side_by_side_and_refuses_other_batches():
-    from benchmarks import weak_scaling
+    from benchmarks.cluster import weak_scaling
 
     rows = ("zero3", "zeropp", "torch_fsdp2")
     a = _run(2, 4, dict(zip(rows, (0.2, 0.15, 0.25))))
@@ -33,10 +33,10 @@ def test_weak_scaling_puts_the_runs_side_by_side_and_refuses_other_batches():
 
 
 def test_trace_overlap_counts_time_covered_by_both_collectives_and_compute_per_device():
-    """``cluster_trace.device_overlap``, worked by hand: device 0 gathers over [0, 10) and
+    """``traces.device_overlap``, worked by hand: device 0 gathers over [0, 10) and
     [20, 30) us and computes over [5, 25) and [8, 12) us (nested: counted once); device 1
     only computes."""
-    from benchmarks import cluster_trace
+    from benchmarks.cluster import traces
 
     def op(name, dev, ts, dur):
         return {"name": name, "ts": ts, "dur": dur,
@@ -44,10 +44,10 @@ def test_trace_overlap_counts_time_covered_by_both_collectives_and_compute_per_d
 
     ops = [op("all_gather.1", "0", 0, 10), op("all-gather.2", "0", 20, 10),
            op("fusion.3", "0", 5, 20), op("fusion.4", "0", 8, 4), op("fusion.5", "1", 0, 7)]
-    out = cluster_trace.device_overlap(ops, n=1)
+    out = traces.device_overlap(ops, n=1)
     assert out["0"] == pytest.approx({"collective_per_step_s": 20e-6,
                                       "compute_per_step_s": 20e-6,
                                       "both_per_step_s": 10e-6})
     assert out["1"] == pytest.approx({"collective_per_step_s": 0.0,
                                       "compute_per_step_s": 7e-6, "both_per_step_s": 0.0})
-    assert cluster_trace.device_overlap(ops, n=2)["0"]["both_per_step_s"] == pytest.approx(5e-6)
+    assert traces.device_overlap(ops, n=2)["0"]["both_per_step_s"] == pytest.approx(5e-6)

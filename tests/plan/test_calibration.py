@@ -1,5 +1,5 @@
-"""benchmarks/calibrate.py (``cluster.py --predict``): the fit recovers the constants a run
-was made of, and predicts the cells it was not fitted on."""
+"""benchmarks/cluster/calibrate.py (``benchmarks/cluster/run.py --predict``): the fit
+recovers the constants a run was made of, and predicts the cells it was not fitted on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from benchmarks import calibrate
+from benchmarks.cluster import calibrate
 from zeropp_jax.measure.comm_report import CollectiveRow, CommReport
 
 

@@ -1,6 +1,6 @@
 """One node process of the generation benchmark on the emulated cluster (or one process alone).
 
-``benchmarks/cluster_generate.py`` starts one per node namespace. Each process simulates
+``benchmarks/cluster/generate.py`` starts one per node namespace. Each process simulates
 ``--local-devices`` CPU devices and joins the others through ``jax.distributed`` (gloo);
 the mesh is ``nodes = processes``. It builds the demo GPT (random weights: the time per
 token does not depend on them) as a ZeRO-3 train state with ``--mode``'s config and times,
@@ -25,7 +25,7 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,8 +1,8 @@
-"""Peer rows for ``benchmarks/cluster.py``: the same GPT trained by what a user would pick
+"""Peer rows for ``benchmarks/cluster/run.py``: the same GPT trained by what a user would pick
 instead of zeropp_jax, plus an instrumented zeropp_jax step for profiling.
 
 One process per node (``ip netns exec``), speaking the stdin/stdout protocol of the node
-worker of the zeropp_jax rows, ``benchmarks/cluster_node.py``: after the compiling step it
+worker of the zeropp_jax rows, ``benchmarks/cluster/node.py``: after the compiling step it
 prints ``ZPP-READY {json}``, then every stdin line ``{"steps": k, "warmup": w, "label":
 ...}`` runs ``w`` untimed and ``k`` timed steps and prints one ``ZPP-PHASE {json}`` line (``times``, ``tx_bytes``/``rx_bytes`` on
 ``--net-iface`` between the phase's start and end barriers, ``losses``); ``quit`` stops.
@@ -25,14 +25,14 @@ prints ``ZPP-READY {json}``, then every stdin line ``{"steps": k, "warmup": w, "
   ``f32[--probe-elems]`` over all devices (each depends on the previous one), so the step
   time / k is the latency of one cross-process collective on this cluster (gloo, 2
   processes sharing the cores), the fixed cost every collective of a train step pays.
-* ``zpp``: zeropp_jax exactly as ``cluster_node.py`` builds it (``--mode``,
+* ``zpp``: zeropp_jax exactly as ``node.py`` builds it (``--mode``,
   ``--reduce-scatter``, ``--all-gather``), with the profiling hooks below.
 
 Model, data and optimizer (AdamW, weight decay 0.01, ``lr_schedule``) are
-``cluster_node.py``'s, so every JAX row starts from the same parameters and batches.
+``node.py``'s, so every JAX row starts from the same parameters and batches.
 
 Profiling hooks (JAX impls): ``--sync float`` (default: ``float(loss)`` after every step, as
-``cluster_node.py``), ``block`` (``jax.block_until_ready`` on the loss), ``none`` (no
+``node.py``), ``block`` (``jax.block_until_ready`` on the loss), ``none`` (no
 per-step sync: the phase's wall time / steps, steps dispatched back to back);
 every phase also reports per step the host time to build the batch, the time until the step
 call returned (dispatch) and the time until its result was ready. ``--trace-dir DIR``: the
@@ -49,10 +49,10 @@ import sys
 import time
 from typing import Any, Callable
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks import cluster_node  # noqa: E402
-from benchmarks.cluster_node import commands, net_counters  # noqa: E402
+from benchmarks.cluster import node  # noqa: E402
+from benchmarks.cluster.node import commands, net_counters  # noqa: E402
 
 IMPLS = ["jax_fsdp", "jax_dp", "torch_fsdp2", "zpp", "probe_psum"]
 
@@ -60,12 +60,12 @@ IMPLS = ["jax_fsdp", "jax_dp", "torch_fsdp2", "zpp", "probe_psum"]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--impl", required=True, choices=IMPLS)
-    cluster_node.add_cluster_arguments(p)
+    node.add_cluster_arguments(p)
     p.add_argument("--mode", default="zero3", help="zeropp_jax mode (--impl zpp)")
     p.add_argument("--reduce-scatter", default=None, choices=["flat", "hierarchical"])
     p.add_argument("--all-gather", default=None, choices=["flat", "hierarchical"],
-                   help="zpp: ZeroPPConfig.all_gather (as cluster_node.py --all-gather)")
-    cluster_node.add_model_arguments(p)
+                   help="zpp: ZeroPPConfig.all_gather (as node.py --all-gather)")
+    node.add_model_arguments(p)
     p.add_argument("--net-iface", default=None)
     p.add_argument("--comm-report", action="store_true",
                    help="node 0 reports the compiled program's cross-node bytes (JAX impls) or "
@@ -95,7 +95,7 @@ def safe_label(label: str) -> str:
 
 
 def build_args(args: argparse.Namespace) -> argparse.Namespace:
-    """``cluster_node.py``'s own arguments for these settings (its parser, so options it
+    """``node.py``'s own arguments for these settings (its parser, so options it
     gains later get their defaults)."""
     argv = ["--coordinator", args.coordinator, "--num-processes", str(args.num_processes),
             "--process-id", str(args.process_id), "--local-devices", str(args.local_devices),
@@ -109,7 +109,7 @@ def build_args(args: argparse.Namespace) -> argparse.Namespace:
         argv += ["--reduce-scatter", args.reduce_scatter]
     if args.all_gather is not None:
         argv += ["--all-gather", args.all_gather]
-    return cluster_node.parse_args(argv)
+    return node.parse_args(argv)
 
 
 def flax_param_count(args: argparse.Namespace) -> int:
@@ -149,7 +149,7 @@ def jax_peer(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
 
     from zeropp_demo.gpt import loss_fn
 
-    parts = cluster_node.build(build_args(args))
+    parts = node.build(build_args(args))
     model, tx = parts["model"], parts["tx"]
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     n = len(devices)
@@ -205,7 +205,7 @@ def jax_peer(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
     predicted = None
     if args.comm_report:
         t0 = time.perf_counter()
-        predicted = cluster_node.comm_prediction(
+        predicted = node.comm_prediction(
             jitted.lower(params, opt_state, place(parts["first"])),
             (args.num_processes, args.local_devices), t0, from_lowered=False)
 
@@ -250,19 +250,19 @@ def probe_step(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
 
 
 def zpp_step(args: argparse.Namespace) -> tuple[Callable, dict, Any]:
-    """zeropp_jax's step exactly as ``cluster_node.py`` runs it."""
+    """zeropp_jax's step exactly as ``node.py`` runs it."""
     import zeropp_jax as zpp
     from zeropp_demo.gpt import lm_train_step
 
-    parts = cluster_node.build(build_args(args))
+    parts = node.build(build_args(args))
     mesh = zpp.make_mesh()
-    state = cluster_node.train_state(parts, mesh)
+    state = node.train_state(parts, mesh)
     train_step = lm_train_step()
     box = {"state": state}
     predicted = None
     if args.comm_report:
         t0 = time.perf_counter()
-        predicted = cluster_node.comm_prediction(train_step.lower(state, parts["first"]), mesh,
+        predicted = node.comm_prediction(train_step.lower(state, parts["first"]), mesh,
                                                  t0)
 
     def step(batch_np: Any) -> Any:
@@ -282,7 +282,7 @@ def jax_main(args: argparse.Namespace) -> None:
         args.batch //= args.num_processes
         args.num_processes, args.process_id, args.comm_report = 1, 0, False
     else:
-        cluster_node.init_distributed(args)
+        node.init_distributed(args)
     import jax
     from jax.experimental import multihost_utils
 

@@ -1,11 +1,11 @@
-"""``cluster.py --predict``: the cost model calibrated by the run's own probes, its
+"""``run.py --predict``: the cost model calibrated by the run's own probes, its
 prediction for every cell, and the automatic configuration's choice per cell.
 
-Probes (run by ``cluster.py`` in the same session as the rows):
+Probes (run by ``run.py`` in the same session as the rows):
 
 * ``probe_psum`` (a row of the sweep, measured at every bandwidth in the same rounds): its
   step time / ``--probe-k`` is the fixed cost of one collective between processes.
-* the compute floor of every zeropp_jax row's configuration (``cluster_floor.run_config``:
+* the compute floor of every zeropp_jax row's configuration (``floor.run_config``:
   each node's share of the step in ``--nodes`` standalone processes at once, no network;
   the collectives inside a process are in it), and FSDP2's (each torch rank alone, in
   process groups of one) when the run has its row.
@@ -14,7 +14,7 @@ Probes (run by ``cluster.py`` in the same session as the rows):
 Prediction for a zeropp_jax cell: ``kappa x floor + cross-node bytes / (eta x rate) +
 collectives between processes x fixed cost``, the bytes and the count read from the row's
 compiled program, no overlap (on XLA's CPU backend a device's collectives and compute ran
-at once for 3-5% of the step in traces: ``cluster_trace.py``). Two constants are fitted, by least squares on the zero3 row's cells only:
+at once for 3-5% of the step in traces: ``traces.py``). Two constants are fitted, by least squares on the zero3 row's cells only:
 ``kappa``, what running as processes of a cluster adds to the standalone compute (gloo's
 threads share the cores), and ``eta``, the link's achieved fraction of the rate (headers,
 TCP under the shaper). Every other row's cells check the model.
@@ -54,7 +54,7 @@ from zeropp_jax.plan.workload import (
 # Collectives inside a process are in the compute floor: the intra link costs nothing more.
 FREE = Link(1e15, 0.0)
 VOCAB = 256  # zeropp_demo.data.VOCAB_SIZE
-PROBE_K = 32  # chained psums per probe_psum "step" (cluster.py's)
+PROBE_K = 32  # chained psums per probe_psum "step" (run.py's)
 
 
 def demo_shape(args: argparse.Namespace) -> ModelShape:
@@ -75,7 +75,7 @@ def demo_shape(args: argparse.Namespace) -> ModelShape:
 
 
 def row_config(row: str, local: int = 1) -> ZeroPPConfig:
-    """The configuration of a zeropp_jax row of ``cluster.py`` (``MODE`` or ``MODE@opts``
+    """The configuration of a zeropp_jax row of ``run.py`` (``MODE`` or ``MODE@opts``
     with the options that change the configuration: ``unbucketed``, ``groupK``,
     ``prefetchK``)."""
     mode, _, opts = row.partition("@")
@@ -387,7 +387,7 @@ def median_probe(cells: list[dict], probe_k: int) -> dict[str, float]:
 
 
 def recalibrate(path: str, write: bool = False) -> dict:
-    """The calibration and predictions of a saved ``cluster.py --predict`` run, made again
+    """The calibration and predictions of a saved ``run.py --predict`` run, made again
     from its measurements (the probe row, the floors, each row's compiled collectives) by
     this version of the model; ``write=True`` stores them back in the JSON."""
     import json
@@ -409,8 +409,8 @@ def recalibrate(path: str, write: bool = False) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Calibrate the cost model again from saved "
-                                "cluster.py --predict runs (no cluster needed).")
-    p.add_argument("runs", nargs="+", help="JSON files written by cluster.py --predict")
+                                "run.py --predict runs (no cluster needed).")
+    p.add_argument("runs", nargs="+", help="JSON files written by run.py --predict")
     p.add_argument("--write", action="store_true", help="store the new calibration in them")
     args = p.parse_args(argv)
     for path in args.runs:

@@ -1,8 +1,8 @@
 """The cost model on clusters we do not have: the ZeRO++ paper's V100 cluster (against its
 published speedups) and 8-GPU H100 nodes (predictions only).
 
-    .venv/bin/python benchmarks/predict_clusters.py            # both, ~2 minutes
-    .venv/bin/python benchmarks/predict_clusters.py --out DIR  # default benchmarks/out
+    .venv/bin/python benchmarks/cluster/predict.py            # both, ~2 minutes
+    .venv/bin/python benchmarks/cluster/predict.py --out DIR  # default benchmarks/out
 
 Every number here is a prediction of ``zeropp_jax.plan`` (``cost_model.predict_step`` of
 ``workload.config_workload``: each configuration's collectives traced from the library's own
@@ -37,7 +37,7 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # Published ZeRO++ / ZeRO-3 throughput ratios (DeepSpeed's ZeRO++ blog and tutorial; the

@@ -1,14 +1,14 @@
 """Generation and the RLHF loop on the emulated cluster: ZeRO-3 vs ZeRO++ (hpZ) per bandwidth.
 
-    sudo .venv/bin/python benchmarks/cluster_generate.py            # ~15 min on 2 cores
-    sudo .venv/bin/python benchmarks/cluster_generate.py --quick    # tiny, ~3 min
+    sudo .venv/bin/python benchmarks/cluster/generate.py            # ~15 min on 2 cores
+    sudo .venv/bin/python benchmarks/cluster/generate.py --quick    # tiny, ~3 min
 
-Builds the cluster of ``benchmarks/cluster.py`` (``--nodes`` node namespaces on a bridge,
+Builds the cluster of ``benchmarks/cluster/run.py`` (``--nodes`` node namespaces on a bridge,
 each node's egress shaped with ``tc tbf``, gloo between node processes, loopback inside a
 node) and, for every bandwidth and mode (``zero3``: every unit gathered across nodes for
 every token; ``zeropp``: qwZ + hpZ + qgZ, so each generated token gathers inside the node):
 
-* ``benchmarks/generation_node.py``: tokens/s of KV-cached generation (``zpp.generate``,
+* ``benchmarks/cluster/generate_node.py``: tokens/s of KV-cached generation (``zpp.generate``,
   ``--batch`` prompts, ``--new-tokens`` new tokens, the hpZ secondary gathered once per
   call and counted in) and of the older cache-less generator, median over ``--rounds``;
   cross-node bytes per node per token from the compiled programs;
@@ -36,10 +36,10 @@ import tempfile
 import time
 from typing import Callable
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import cluster as cl  # noqa: E402  (the cluster's namespaces and links)
+from benchmarks.cluster import run as cl  # noqa: E402  (the cluster's namespaces and links)
 from benchmarks.cli import add_out_argument, write_json  # noqa: E402
 
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             for mode in args.modes.split(","):
                 port[0] += 1
                 cl.log(f"{bw} {mode}: generation")
-                gen = run_nodes(cluster, port[0], "benchmarks/generation_node.py",
+                gen = run_nodes(cluster, port[0], "benchmarks/cluster/generate_node.py",
                                 gen_flags + ["--mode", mode], tmp / f"gen-{bw}-{mode}.json",
                                 gen_process)
                 cell = {"bandwidth": bw, "mode": mode, "generation": gen}

@@ -1,8 +1,8 @@
 """Where a node's step goes: summarizes the ``jax.profiler`` traces that
-``benchmarks/cluster.py``'s ``MODE@trace`` rows write (``perfetto_trace.json.gz`` under
+``benchmarks/cluster/run.py``'s ``MODE@trace`` rows write (``perfetto_trace.json.gz`` under
 ``OUT/NAME_traces/ROW/BANDWIDTH/node<i>/``).
 
-    .venv/bin/python benchmarks/cluster_trace.py benchmarks/out/NAME_traces [--json OUT.json]
+    .venv/bin/python benchmarks/cluster/traces.py benchmarks/out/NAME_traces [--json OUT.json]
 
 ``--json`` writes ``{"trace_summaries": [...]}``, one summary per trace (the docs render
 its per-device overlap as a table).

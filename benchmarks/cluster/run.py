@@ -1,8 +1,8 @@
 """Emulated multi-node cluster: ZeRO-3 vs ZeRO++ step time over shaped links.
 
-    sudo .venv/bin/python benchmarks/cluster.py            # default sweep, < 20 min on 2 cores
-    sudo .venv/bin/python benchmarks/cluster.py --quick    # tiny model, 2 modes, ~2 min
-    sudo .venv/bin/python benchmarks/cluster.py --cleanup  # remove leftovers of a crashed run
+    sudo .venv/bin/python benchmarks/cluster/run.py            # default sweep, < 20 min on 2 cores
+    sudo .venv/bin/python benchmarks/cluster/run.py --quick    # tiny model, 2 modes, ~2 min
+    sudo .venv/bin/python benchmarks/cluster/run.py --cleanup  # remove leftovers of a crashed run
 
 Needs root (network namespaces, veth, tc). What it builds, all of it its own:
 
@@ -15,7 +15,7 @@ Needs root (network namespaces, veth, tc). What it builds, all of it its own:
 * ``/etc/netns/zppcl-n<i>/hosts`` maps this machine's hostname to the node's address, so
   gloo (which binds to what the hostname resolves to) uses the shaped link; ranks inside
   one node talk over loopback, as GPUs of one node would over NVLink.
-* per row (mode), one ``benchmarks/cluster_node.py`` process per node (``ip netns exec``),
+* per row (mode), one ``benchmarks/cluster/node.py`` process per node (``ip netns exec``),
   coordinator on node 0, one port per row. All rows start (and compile) one after the
   other and stay up; then for every bandwidth the script reshapes the links and runs
   ``--rounds`` rounds, each giving every row in turn ``--warmup`` untimed and ``--steps``
@@ -33,7 +33,7 @@ Everything is torn down on exit, on failure and on Ctrl-C.
 
 Peer rows (``--modes`` accepts them beside the zeropp_jax modes; every row trains the same
 GPT, ``--layers/--d-model/--heads/--seq-len/--batch``, on the same cluster, in the same
-rounds), run by ``benchmarks/cluster_peers.py`` with the same protocol:
+rounds), run by ``benchmarks/cluster/peers.py`` with the same protocol:
 
 * ``jax_fsdp``: JAX-native FSDP, the MaxText/GSPMD way (parameters and AdamW moments sharded
   with ``NamedSharding`` over all devices along their largest divisible dimension, plain
@@ -55,7 +55,7 @@ the row's) and the table a column for it.
 Profiling variants: a mode may carry options, ``MODE@opt+opt`` (its own row, e.g.
 ``zero3@eigen1``): ``eigen1`` (``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``), ``pin``
 (each node process pinned with ``taskset`` to core ``node % cores``), ``inst`` (a zeropp_jax
-mode run by ``cluster_peers.py --impl zpp``: the same step with per-step host/dispatch
+mode run by ``peers.py --impl zpp``: the same step with per-step host/dispatch
 timings), ``nosync``/``block`` (``inst`` with no per-step host sync / ``block_until_ready``
 instead of ``float(loss)``), ``trace`` (``inst`` under ``jax.profiler`` for the first round
 of every bandwidth, to ``OUT/NAME_traces/ROW/BANDWIDTH/node<i>``), ``t2`` (torch: 2 threads
@@ -100,7 +100,7 @@ import threading
 import time
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.cli import pyplot  # noqa: E402
 
@@ -111,7 +111,7 @@ NETNS_ETC = pathlib.Path("/etc/netns")
 PORT = 12355
 MODES = ["zero3", "qwz", "hpz", "qgz", "zeropp"]
 PEERS = ["jax_fsdp", "jax_dp", "torch_fsdp2"]
-# Not a training row: per-collective latency (cluster_peers.py --impl probe_psum); its
+# Not a training row: per-collective latency (peers.py --impl probe_psum); its
 # "step" is --probe-k chained psums, so step time / k is one collective's fixed cost.
 PROBES = ["probe_psum"]
 FSDP2_ROW = "torch_fsdp2"
@@ -171,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--predict", action="store_true",
                    help="calibrate the cost model on this run's probes (probe_psum row, "
                         "each zeropp_jax row's compute floor) and add predicted_step_s to "
-                        "every row (benchmarks/calibrate.py); prints the fitted constants")
+                        "every row (benchmarks/cluster/calibrate.py); prints the fitted constants")
     p.add_argument("--cleanup", action="store_true",
                    help="remove namespaces, links and /etc/netns entries left by a crashed run")
     a = p.parse_args(argv)
@@ -295,7 +295,7 @@ def hub_if(i: int) -> str:
 
 def check_environment() -> None:
     if os.geteuid() != 0:
-        raise SystemExit("benchmarks/cluster.py needs root (it creates network namespaces, "
+        raise SystemExit("benchmarks/cluster/run.py needs root (it creates network namespaces, "
                          "veth pairs and tc qdiscs); run it with sudo")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
@@ -350,7 +350,7 @@ class Cluster:
         leftovers = our_namespaces()
         if leftovers:
             raise SystemExit(f"namespaces {leftovers} exist (a crashed run?); remove them with "
-                             "`benchmarks/cluster.py --cleanup`")
+                             "`benchmarks/cluster/run.py --cleanup`")
         self.up = True  # from here on, teardown() has work to do
         hostname = socket.gethostname()
         sh("ip", "netns", "add", HUB)
@@ -447,8 +447,8 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
                  reduce_scatter: str | None, total_steps: int, port: int,
                  trace_dir: pathlib.Path | None) -> tuple[list[str], dict[str, str]]:
     """Node ``i``'s command line (inside its namespace) and extra environment for the row
-    ``spec`` (``MODE[@opt+opt]``): ``benchmarks/cluster_node.py`` for a plain zeropp_jax mode,
-    ``benchmarks/cluster_peers.py`` for the peers and the instrumented variants."""
+    ``spec`` (``MODE[@opt+opt]``): ``benchmarks/cluster/node.py`` for a plain zeropp_jax mode,
+    ``benchmarks/cluster/peers.py`` for the peers and the instrumented variants."""
     base, opts = split_row(spec)
     common = ["--coordinator", f"{cluster.addr(0)}:{port}",
               "--num-processes", str(cluster.nodes), "--process-id", str(i),
@@ -462,7 +462,7 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
         o in opts for o in ("inst", "nosync", "block", "trace"))
     if instrumented:
         impl = base if base in PEERS + PROBES else "zpp"
-        cmd = [sys.executable, str(ROOT / "benchmarks/cluster_peers.py"), "--impl", impl] + common
+        cmd = [sys.executable, str(ROOT / "benchmarks/cluster/peers.py"), "--impl", impl] + common
         if impl == "zpp":
             cmd += ["--mode", base]
         if "nosync" in opts:
@@ -474,7 +474,7 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
         if "t2" in opts:
             cmd += ["--torch-threads", "2"]
     else:
-        cmd = [sys.executable, str(ROOT / "benchmarks/cluster_node.py"), "--mode", base] + common
+        cmd = [sys.executable, str(ROOT / "benchmarks/cluster/node.py"), "--mode", base] + common
         cmd += ["--no-progress", "--control", "stdin"]
     if reduce_scatter is not None and base in MODES:
         cmd += ["--reduce-scatter", reduce_scatter]
@@ -501,8 +501,8 @@ def node_command(cluster: Cluster, args: argparse.Namespace, i: int, spec: str,
 
 
 class NodeGroup:
-    """One node process per node namespace (``benchmarks/cluster_node.py``, or
-    ``benchmarks/cluster_peers.py`` for peers and variants), driven over stdin/stdout."""
+    """One node process per node namespace (``benchmarks/cluster/node.py``, or
+    ``benchmarks/cluster/peers.py`` for peers and variants), driven over stdin/stdout."""
 
     def __init__(self, cluster: Cluster, args: argparse.Namespace, spec: str,
                  reduce_scatter: str | None, log_dir: pathlib.Path, total_steps: int,
@@ -741,10 +741,10 @@ def plot(cells: list[dict], bandwidths: list[str], row_names: list[str],
 
 
 def compute_floors(args: argparse.Namespace) -> dict[str, float]:
-    """The compute floor of every zeropp_jax row's mode (``cluster_floor.run_config``: each
+    """The compute floor of every zeropp_jax row's mode (``floor.run_config``: each
     node's share of the step in ``--nodes`` standalone processes at once, no network),
     median seconds."""
-    import cluster_floor
+    from benchmarks.cluster import floor
 
     ns = argparse.Namespace(nodes=args.nodes, local=args.local, batch=args.batch,
                             seq_len=args.seq_len, layers=args.layers, d_model=args.d_model,
@@ -757,7 +757,7 @@ def compute_floors(args: argparse.Namespace) -> dict[str, float]:
     floors: dict[str, list[float]] = {}
     for rep in range(2):  # interleaved, so drifts of the machine hit both
         for mode, impl in impls.items():
-            floors.setdefault(mode, []).extend(cluster_floor.run_config(ns, impl, "default"))
+            floors.setdefault(mode, []).extend(floor.run_config(ns, impl, "default"))
     out = {m: statistics.median(v) for m, v in floors.items()}
     log("compute floors (no network): " + ", ".join(f"{m} {t * 1e3:.1f} ms"
                                                    for m, t in out.items()))
@@ -862,7 +862,7 @@ def run_sweep(args: argparse.Namespace, cluster: Cluster) -> dict:
                 "loadavg_before_rounds": [ph[0]["loadavg_before"] for ph in phases],
                 "losses": [x for ph in phases for x in ph[0]["losses"]],
             })
-            if "dispatch_s" in phases[0][0]:  # instrumented worker (cluster_peers.py)
+            if "dispatch_s" in phases[0][0]:  # instrumented worker (peers.py)
                 med = statistics.median
                 cells[-1].update({
                     "host_batch_median_s": med(t for ph in phases for t in ph[0]["host_batch_s"]),
@@ -913,13 +913,13 @@ def main(argv: list[str] | None = None) -> int:
 
     calibration = None
     if args.predict:
-        import calibrate
+        from benchmarks.cluster import calibrate
 
         try:
             calibration = calibrate.calibrate(args, result, floors)
         except Exception as e:  # keep the measurements: calibrate.py RUN.json redoes this
             log(f"calibration failed ({type(e).__name__}: {e}); writing the measurements; "
-                f"run benchmarks/calibrate.py on the JSON to calibrate again")
+                f"run benchmarks/cluster/calibrate.py on the JSON to calibrate again")
             calibration = None
     runs = result["runs"]
     any_run = next(iter(runs.values()))
@@ -965,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in verdict(result["cells"], args.bandwidths):
         print(line)
     if calibration is not None:
-        import calibrate
+        from benchmarks.cluster import calibrate
 
         for ch in calibration["auto"]:
             print(ch["table"])

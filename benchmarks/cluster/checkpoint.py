@@ -1,9 +1,9 @@
 """Multi-host checkpoints on the emulated cluster: 2 node processes save, others resume.
 
-    sudo .venv/bin/python benchmarks/cluster_checkpoint.py [--out DIR]   # ~3 min on 2 cores
+    sudo .venv/bin/python benchmarks/cluster/checkpoint.py [--out DIR]   # ~3 min on 2 cores
 
-Builds the cluster of ``benchmarks/cluster.py`` (2 node namespaces, tc-shaped links, gloo)
-and runs its node worker ``benchmarks/cluster_node.py`` (fp32, so runs on different meshes
+Builds the cluster of ``benchmarks/cluster/run.py`` (2 node namespaces, tc-shaped links, gloo)
+and runs its node worker ``benchmarks/cluster/node.py`` (fp32, so runs on different meshes
 agree to rounding):
 
 1. on the cluster, 6 steps straight (the reference);
@@ -29,10 +29,10 @@ import tempfile
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import cluster as cl  # noqa: E402  (the cluster's namespaces and links)
+from benchmarks.cluster import run as cl  # noqa: E402  (the cluster's namespaces and links)
 from benchmarks.cli import add_out_argument, write_json  # noqa: E402
 
 MODEL = ["--batch", "8", "--seq-len", "32", "--layers", "2", "--d-model", "64", "--heads", "2",
@@ -44,7 +44,7 @@ def run_on_cluster(cluster: cl.Cluster, port: int, steps: int, extra: list[str],
     procs = []
     for i in range(cluster.nodes):
         cmd = ["ip", "netns", "exec", cl.node_ns(i), sys.executable,
-               str(ROOT / "benchmarks/cluster_node.py"), "--coordinator",
+               str(ROOT / "benchmarks/cluster/node.py"), "--coordinator",
                f"{cluster.addr(0)}:{port}",
                "--num-processes", str(cluster.nodes), "--process-id", str(i),
                "--local-devices", "2", "--steps", str(steps), *MODEL, *extra]
@@ -60,7 +60,7 @@ def run_on_cluster(cluster: cl.Cluster, port: int, steps: int, extra: list[str],
 
 
 def run_alone(port: int, steps: int, extra: list[str], out: pathlib.Path) -> dict:
-    cmd = [sys.executable, str(ROOT / "benchmarks/cluster_node.py"), "--coordinator",
+    cmd = [sys.executable, str(ROOT / "benchmarks/cluster/node.py"), "--coordinator",
            f"127.0.0.1:{port}", "--num-processes", "1", "--process-id", "0",
            "--local-devices", "2", "--steps", str(steps), *MODEL, *extra, "--json", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

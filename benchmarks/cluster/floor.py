@@ -1,9 +1,9 @@
-"""The no-communication floor of ``benchmarks/cluster.py``'s step: each node's share of the
-step run by ``cluster_peers.py --standalone`` (no jax.distributed, no gloo, no network: one
+"""The no-communication floor of ``benchmarks/cluster/run.py``'s step: each node's share of the
+step run by ``peers.py --standalone`` (no jax.distributed, no gloo, no network: one
 process with ``--local`` devices, ``batch / nodes`` rows), ``--nodes`` of them at once so
 they share the cores as the cluster's node processes do (``--alone``: one process only).
 
-    .venv/bin/python benchmarks/cluster_floor.py --impls zpp:zero3,zpp:zeropp,jax_dp \\
+    .venv/bin/python benchmarks/cluster/floor.py --impls zpp:zero3,zpp:zeropp,jax_dp \\
         --variants default,eigen1,pin --reps 2 --layers 4 --d-model 256 --heads 4 \\
         --seq-len 128 --batch 8 --json benchmarks/out/cluster_floor.json
 
@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_config(args: argparse.Namespace, impl: str, variant: str) -> list[float]:
@@ -32,7 +32,7 @@ def run_config(args: argparse.Namespace, impl: str, variant: str) -> list[float]
     n = 1 if variant == "alone" else args.nodes
     procs = []
     for i in range(n):
-        cmd = [sys.executable, str(ROOT / "benchmarks/cluster_peers.py"), "--impl", kind,
+        cmd = [sys.executable, str(ROOT / "benchmarks/cluster/peers.py"), "--impl", kind,
                "--standalone", "--coordinator", "none:0", "--num-processes", str(args.nodes),
                "--process-id", "0", "--local-devices", str(args.local),
                "--batch", str(args.batch), "--seq-len", str(args.seq_len),

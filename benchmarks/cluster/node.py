@@ -1,7 +1,7 @@
 """The emulated cluster's node worker: one process per node.
 
-``benchmarks/cluster.py`` (the zeropp_jax rows) and ``benchmarks/cluster_checkpoint.py``
-start one per node namespace (``ip netns exec``); ``benchmarks/cluster_peers.py`` imports
+``benchmarks/cluster/run.py`` (the zeropp_jax rows) and ``benchmarks/cluster/checkpoint.py``
+start one per node namespace (``ip netns exec``); ``benchmarks/cluster/peers.py`` imports
 its model, state, distributed init and stdin protocol, so that every row of a cluster run
 trains the same GPT from the same parameters on the same batches.
 
@@ -21,7 +21,7 @@ Benchmark hooks:
   ``ZPP-READY {json}``; then every stdin line ``{"steps": k, "warmup": w, "label": ...}``
   runs ``w`` untimed and ``k`` timed steps and each process prints one ``ZPP-PHASE {json}``
   line (``times``, ``losses``, with ``--net-iface`` the bytes between the phase's start and
-  end barriers); ``quit`` or end of input stops. ``cluster_peers.py`` speaks the same
+  end barriers); ``quit`` or end of input stops. ``peers.py`` speaks the same
   protocol.
 * ``--net-iface IF``: the bytes this node sends and receives on IF
   (``/sys/class/net/IF/statistics``, in this process's network namespace) over the timed
@@ -31,7 +31,7 @@ Benchmark hooks:
 
 Without ``--control`` it trains up to ``--steps`` (``--stop-after`` stops early,
 ``--resume`` continues from the latest checkpoint in ``--save``) and process 0 writes the
-run's summary to ``--json``; ``cluster_checkpoint.py`` runs it that way.
+run's summary to ``--json``; ``checkpoint.py`` runs it that way.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ import sys
 import time
 from typing import Any, Iterator
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # benchmarks.common, when run as a script
 MODES = ["zero3", "qwz", "hpz", "qgz", "zeropp"]
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser | Any) -> None:
-    """Where this node process stands in the cluster (cluster_peers.py takes them too)."""
+    """Where this node process stands in the cluster (peers.py takes them too)."""
     p.add_argument("--coordinator", required=True, help="host:port of process 0's coordinator")
     p.add_argument("--num-processes", type=int, required=True, help="processes = nodes")
     p.add_argument("--process-id", type=int, required=True, help="this node, 0 .. n-1")
@@ -61,7 +61,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser | Any) -> None:
 
 
 def add_model_arguments(p: argparse.ArgumentParser | Any) -> None:
-    """The GPT, its batches and its schedule (cluster_peers.py takes them too, so every row
+    """The GPT, its batches and its schedule (peers.py takes them too, so every row
     trains the same)."""
     p.add_argument("--steps", type=int, default=200,
                    help="total steps (the learning-rate schedule's length)")

@@ -1,8 +1,8 @@
-"""Weak scaling on the emulated cluster: the ``cluster.py --predict`` runs of 2, 3 and 4
+"""Weak scaling on the emulated cluster: the ``run.py --predict`` runs of 2, 3 and 4
 node processes of one device each, with the same rows per device, side by side.
 
-    .venv/bin/python benchmarks/weak_scaling.py                       # reads benchmarks/results
-    .venv/bin/python benchmarks/weak_scaling.py --runs A.json,B.json --out DIR
+    .venv/bin/python benchmarks/cluster/weak_scaling.py     # reads benchmarks/results
+    .venv/bin/python benchmarks/cluster/weak_scaling.py --runs A.json,B.json --out DIR
 
 Reads the runs (default ``benchmarks/results/predict_{2x1,3x1,4x1}.json``; they must share
 the model, the rows per device and the link speeds), prints one line per (link, row): the
@@ -19,7 +19,7 @@ import pathlib
 import sys
 from typing import Any
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks.cli import OUT_HELP, pyplot  # noqa: E402
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", default=",".join(str(r) for r in DEFAULT_RUNS),
-                   help="comma-separated cluster.py --predict JSON files, fewest nodes first")
+                   help="comma-separated run.py --predict JSON files, fewest nodes first")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "out",
                    help=OUT_HELP)
     args = p.parse_args(argv)

@@ -1,27 +1,34 @@
-"""Writes ``examples/mesh_layouts.ipynb`` (the notebook's source of truth; rerun after edits).
+"""The mesh-layouts notebook as a script: the one source of ``examples/mesh_layouts.ipynb``.
 
-    python examples/mesh_layouts_notebook.py
+Cells are in the "percent" format: ``# %%`` starts a code cell, ``# %% [markdown]`` a
+markdown cell whose lines are ``# ``-prefixed comments. Run it as plain Python:
+
+    .venv/bin/python examples/mesh_layouts_notebook.py
+
+After editing it, regenerate the notebook (tests/integration/test_notebook.py checks that the
+two agree):
+
+    .venv/bin/python examples/make_notebook.py
+
+This docstring, above the first cell, is not part of the notebook.
 """
 
-from __future__ import annotations
+# %% [markdown]
+# # Mesh layouts for ZeRO++
+#
+# Eight simulated CPU devices arranged as 1x8, 2x4, 4x2 and 8x1 `("node", "local")` meshes.
+# For each layout: who holds which primary and secondary slice, which links the collectives
+# use, qgZ's slice reorder, and the cross-node bytes of one train step per ZeRO++ mode, counted
+# from the lowered program by `zeropp_jax.measure.analysis.comm_report`. The model is tiny on purpose
+# (the notebook runs in about a minute); the byte counts scale with the parameter count.
 
-import pathlib
+# %%
+import zeropp_jax as zpp
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+zpp.simulate_cpu_devices(8)  # first, before any other JAX use
 
-CELLS = [
-    ("md", """# Mesh layouts for ZeRO++
-
-Eight simulated CPU devices arranged as 1x8, 2x4, 4x2 and 8x1 `("node", "local")` meshes.
-For each layout: who holds which primary and secondary slice, which links the collectives
-use, qgZ's slice reorder, and the cross-node bytes of one train step per ZeRO++ mode, counted
-from the lowered program by `zeropp_jax.measure.analysis.comm_report`. The model is tiny on purpose
-(the notebook runs in about a minute); the byte counts scale with the parameter count."""),
-    ("code", """import zeropp_jax as zpp
-
-zpp.simulate_cpu_devices(8)  # first, before any other JAX use"""),
-    ("code", """import jax
+# %%
+import jax
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
@@ -47,23 +54,31 @@ def step(state, batch):
         return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
 
     loss, grads = jax.value_and_grad(loss_of)(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}"""),
-    ("md", """## Who holds what, and which links each collective uses
+    return state.apply_gradients(grads=grads), {"loss": loss}
 
-Top left: a unit's flat buffer; device `d = node * L + local` owns primary slice `d`; with
-hpZ every node keeps the whole buffer spread over its `L` devices (secondary slices, listed
-with the devices holding each). Top right: qgZ's reorder. Bottom: the forward all-gather
-over both axes (red links cross nodes) and hpZ's backward gather over `"local"`."""),
-    ("code", """for shape in LAYOUTS:
+# %% [markdown]
+# ## Who holds what, and which links each collective uses
+#
+# Top left: a unit's flat buffer; device `d = node * L + local` owns primary slice `d`; with
+# hpZ every node keeps the whole buffer spread over its `L` devices (secondary slices, listed
+# with the devices holding each). Top right: qgZ's reorder. Bottom: the forward all-gather
+# over both axes (red links cross nodes) and hpZ's backward gather over `"local"`.
+
+# %%
+for shape in LAYOUTS:
     fig = viz.plot_overview(shape, zpp.ZeroPPConfig(hpz=True))
     fig.suptitle(f"{shape[0]} node(s) x {shape[1]} device(s)", y=1.02)
-    plt.show()"""),
-    ("md", """## Cross-node bytes per train step, per mode and layout
+    plt.show()
 
-Bytes crossing node boundaries in one step, per node (all-gathers and reduce-scatters at
-the `(n-1)/n` lower bound, all-to-alls exactly), from the lowered step. bf16 compute, INT8
-weights, INT4 gradients, blocks of 64 elements."""),
-    ("code", """table = {}
+# %% [markdown]
+# ## Cross-node bytes per train step, per mode and layout
+#
+# Bytes crossing node boundaries in one step, per node (all-gathers and reduce-scatters at
+# the `(n-1)/n` lower bound, all-to-alls exactly), from the lowered step. bf16 compute, INT8
+# weights, INT4 gradients, blocks of 64 elements.
+
+# %%
+table = {}
 for shape in LAYOUTS:
     mesh = zpp.make_mesh(*shape)
     for mode in MODES:
@@ -78,8 +93,10 @@ print(header)
 print("|" + " --- |" * (len(MODES) + 1))
 for shape in LAYOUTS:
     cells = " | ".join(f"{table[shape, m]:,.0f}" for m in MODES)
-    print(f"| {shape[0]}x{shape[1]} | {cells} |")"""),
-    ("code", """fig, ax = plt.subplots(figsize=(9, 3.5))
+    print(f"| {shape[0]}x{shape[1]} | {cells} |")
+
+# %%
+fig, ax = plt.subplots(figsize=(9, 3.5))
 width = 0.8 / len(MODES)
 for i, mode in enumerate(MODES):
     ax.bar(np.arange(len(LAYOUTS)) + i * width, [table[s, mode] / 1e3 for s in LAYOUTS],
@@ -87,14 +104,20 @@ for i, mode in enumerate(MODES):
 ax.set_xticks(np.arange(len(LAYOUTS)) + 0.4 - width / 2, [f"{n}x{l}" for n, l in LAYOUTS])
 ax.set_ylabel("cross-node kB / step / node")
 ax.legend(ncol=3, fontsize=8)
-plt.show()"""),
-    ("md", """Reading it: a 1x8 mesh has one node, so nothing crosses nodes. ZeRO-3 costs `(n-1)/n`
-of three bf16 model-size transfers per node; qwZ halves the forward gather, hpZ removes the
-backward gather from the inter-node links (the more devices per node, the smaller the
-secondary), qgZ replaces the bf16 reduce-scatter with INT4 all-to-alls. On 8x1 every node
-is a single device, so hpZ's secondary is the full model and qgZ's inner hop is empty."""),
-    ("md", """## Generation: one cross-node gather, then decode steps inside the node"""),
-    ("code", """prompts = batch[:8, :4]
+plt.show()
+
+# %% [markdown]
+# Reading it: a 1x8 mesh has one node, so nothing crosses nodes. ZeRO-3 costs `(n-1)/n`
+# of three bf16 model-size transfers per node; qwZ halves the forward gather, hpZ removes the
+# backward gather from the inter-node links (the more devices per node, the smaller the
+# secondary), qgZ replaces the bf16 reduce-scatter with INT4 all-to-alls. On 8x1 every node
+# is a single device, so hpZ's secondary is the full model and qgZ's inner hop is empty.
+
+# %% [markdown]
+# ## Generation: one cross-node gather, then decode steps inside the node
+
+# %%
+prompts = batch[:8, :4]
 for shape in LAYOUTS:
     mesh = zpp.make_mesh(*shape)
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.0), mesh=mesh)
@@ -103,20 +126,4 @@ for shape in LAYOUTS:
     per_step = comm_report(lower_decode_step(state, secondary, np.zeros((8, cfg.seq_len), np.int32), 4),
                            mesh).cross_node_bytes_per_node
     print(f"{shape[0]}x{shape[1]}: secondary gather {once:>9,.0f} B/node once, "
-          f"decode step {per_step:,.0f} B/node")"""),
-]
-
-
-def build() -> nbformat.NotebookNode:
-    nb = new_notebook()
-    nb.cells = [new_markdown_cell(src) if kind == "md" else new_code_cell(src)
-                for kind, src in CELLS]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    return nb
-
-
-if __name__ == "__main__":
-    out = pathlib.Path(__file__).with_name("mesh_layouts.ipynb")
-    nbformat.write(build(), out)
-    print(f"wrote {out}")
+          f"decode step {per_step:,.0f} B/node")

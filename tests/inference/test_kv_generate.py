@@ -220,3 +220,78 @@ def test_bad_input_is_refused_with_the_fix():
                      key=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match="max_new_tokens"):
         zpp.generate(state, prompts, 0, model=GPT(DECODE))
+
+
+def test_bloom_without_position_ids_matches_its_own_generate():
+    """Bloom (ALiBi) takes no position ids: its module's third parameter is
+    ``deterministic``, so the convention passes its inputs by name, and only those the
+    module takes. Kept cheap: one layer of width 16, params drawn in numpy (no init
+    program), 4 new tokens, Bloom's own ``generate`` under one ``jax.jit``."""
+    transformers = pytest.importorskip("transformers")
+    with hf_compat():
+        model = transformers.FlaxBloomForCausalLM(transformers.BloomConfig(
+            vocab_size=64, hidden_size=16, n_layer=1, n_head=2), _do_init=False)
+        # Wide random matrices (std 0.5, not the config's 0.02; layer norms as initialized)
+        # so the tokens depend on attention, not only on the last token's own embedding.
+        rng = np.random.default_rng(2)
+
+        def draw(path: tuple, s: jax.ShapeDtypeStruct) -> np.ndarray:
+            name = path[-1].key
+            if name in ("scale", "bias"):
+                return (np.ones if name == "scale" else np.zeros)(s.shape, s.dtype)
+            return rng.normal(0, 0.5, s.shape).astype(s.dtype)
+
+        params = jax.tree_util.tree_map_with_path(draw, model.params_shape_tree)
+        model._is_initialized = True  # what _do_init=True would set, without its eager init
+        model.params = params
+        state = _state(model, None)
+        prompts = rng.integers(3, 64, (8, 3)).astype(np.int32)
+        out = np.asarray(zpp.generate(state, prompts, 4, stop_tokens=[model.config.eos_token_id],
+                                      pad_token=0))
+        own = jax.jit(lambda p, x: model.generate(x, params=p, max_length=7, do_sample=False,
+                                                  pad_token_id=0).sequences)(params, prompts)
+    np.testing.assert_array_equal(out, np.asarray(own))
+    assert len(np.unique(out[:, 3:])) > 2 and (out[:, 4:] != out[:, 3:-1]).any(), out
+
+
+def test_bad_token_ids_and_sampling_settings_are_refused_before_tracing():
+    """Fractional prompts were truncated to ints and temperature=nan sampled token 0 for
+    every row. Every refusal names the argument and comes before anything is traced or
+    compiled (zero params, never run: no program is built)."""
+    shapes = jax.eval_shape(GPT(SMALL).init, jax.random.PRNGKey(0),
+                            np.zeros((1, SMALL.seq_len), np.int32))["params"]
+    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    state = _state(GPT(SMALL), params)
+    prompts = tokens(8, 3, seed=33)[:, :3]
+    twin = GPT(DECODE)
+
+    def refused(match: str, error: type = ValueError, prompts: object = prompts,
+                new: object = 4, **kw: object) -> None:
+        with pytest.raises(error, match=match):
+            zpp.generate(state, prompts, new, model=twin, **kw)
+
+    refused(r"prompts must be integer token ids .*got dtype float32.*np\.asarray\(prompts, "
+            r"np\.int32\)", prompts=prompts.astype(np.float32) + np.float32(0.5))
+    refused("prompts must be integer token ids", prompts=prompts.astype(np.float64))
+    refused("prompts must be integer token ids", prompts=prompts > 3)  # bool
+    refused("prompts must be token ids >= 0", prompts=-prompts)
+    refused("prompt_lengths must be integer lengths", prompt_lengths=np.full(8, 2.5))
+    refused("max_new_tokens must be an int", TypeError, new=4.5)
+    key = jax.random.PRNGKey(0)
+    for value in (float("nan"), float("inf")):
+        refused("temperature=.* must be a finite number", temperature=value, key=key)
+        refused("top_p=.* must be a finite number", temperature=1.0, top_p=value, key=key)
+    refused("top_k must be an int", TypeError, temperature=1.0, top_k=2.5, key=key)
+    refused("top_k must be an int", TypeError, temperature=1.0, top_k=True, key=key)
+    refused("temperature must be a float", TypeError, temperature="0.7", key=key)
+    # The single-device references share the checks.
+    with pytest.raises(ValueError, match="prompts must be integer token ids"):
+        reference_generate(twin, params, prompts + 0.5, 4)
+    with pytest.raises(ValueError, match="prompts must be integer token ids"):
+        greedy_reference(GPT(SMALL), params, prompts + 0.5, SMALL.seq_len)
+    with pytest.raises(ValueError, match="temperature"):
+        reference_generate(twin, params, prompts, 4, temperature=float("nan"), key=key)
+    assert not [k for k in state.engine.memo if isinstance(k, tuple) and k[0] == "generate"]
+    # Still accepted: numpy and jax integer scalars, ints of any width.
+    assert Sampling(np.float32(0.5), top_k=np.int64(3), top_p=jax.numpy.float32(0.5)) == \
+        Sampling(0.5, 3, 0.5)

@@ -8,9 +8,11 @@ Both keep the keys and values of past tokens in a linen ``"cache"`` collection, 
   Flax's lm1b and wmt example models, the demo GPT with ``GPTConfig(decode=True)``): the
   decode-mode module is called on the next token ``[batch, 1]`` (or, where the module allows,
   the next ``t`` tokens) and keeps its own position.
-* ``TransformersCache``: transformers' Flax causal LMs (GPT-2, Llama, ...): their module is
-  called with ``init_cache=True`` to make the cache, then on ``(input_ids [batch, t],
-  attention_mask [batch, max_len], position_ids [batch, t])``.
+* ``TransformersCache``: transformers' Flax causal LMs (GPT-2, Llama, Bloom, ...): their
+  module is called with ``init_cache=True`` to make the cache, then on ``input_ids [batch,
+  t]`` with ``attention_mask= [batch, max_len]`` and ``position_ids= [batch, t]``, each
+  passed by name and only where the module's ``__call__`` takes it (Bloom's ALiBi takes no
+  position ids).
 
 A convention says which arguments make the cache and which run one step; the decoding loop
 (``decode_loop``) and the sharded weights (``generate``) know nothing else of the model.
@@ -19,6 +21,8 @@ A convention says which arguments make the cache and which run one step; the dec
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from typing import Any
 
 import flax.linen as nn
@@ -63,20 +67,39 @@ class TransformersCache:
     def init_args(self, batch: int, length: int) -> Args:
         ids = jnp.ones((batch, length), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        return (ids, jnp.ones_like(ids), positions), {"init_cache": True, "return_dict": False}
+        return (ids,), {**self._inputs(jnp.ones_like(ids), positions),
+                        "init_cache": True, "return_dict": False}
 
     def step_args(self, tokens: jax.Array, position: jax.Array, length: int) -> Args:
         b = tokens.shape[0]
         mask = jnp.ones((b, length), jnp.int32)
         positions = jnp.broadcast_to(position + jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                      tokens.shape)
-        return (tokens, mask, positions), {"return_dict": False}
+        return (tokens,), {**self._inputs(mask, positions), "return_dict": False}
+
+    def _inputs(self, mask: jax.Array, positions: jax.Array) -> dict[str, jax.Array]:
+        """``attention_mask`` (int32 ``[batch, max_len]``) and ``position_ids`` (int32
+        ``[batch, t]``) by name, each only if the module takes it: passed by position, the
+        position ids of a model without them (Bloom) would land on its ``deterministic``."""
+        accepted = _call_parameters(type(self.module))
+        given = {"attention_mask": mask, "position_ids": positions}
+        return {k: v for k, v in given.items() if accepted is None or k in accepted}
 
     def logits(self, out: Any) -> jax.Array:
         return out[0]
 
 
 Convention = FlaxCache | TransformersCache
+
+
+@functools.lru_cache(maxsize=None)
+def _call_parameters(module_class: type) -> frozenset[str] | None:
+    """The parameter names of ``module_class.__call__`` (read once per class), or None when
+    it takes ``**kwargs`` (then every name is accepted)."""
+    params = inspect.signature(module_class.__call__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params)
 
 
 def convention_of(adapter: Any, model: Any = None) -> Convention:

@@ -42,7 +42,7 @@ from zeropp_jax.inference.conventions import (
     takes_several_tokens,
 )
 from zeropp_jax.inference.decode_loop import Rollout, decode_loop
-from zeropp_jax.inference.sampling import Sampling
+from zeropp_jax.inference.sampling import Sampling, checked_int
 from zeropp_jax.train.engine import Engine
 from zeropp_jax.train.global_batch import batch_offset
 from zeropp_jax.train.state import TrainState
@@ -199,8 +199,58 @@ def lower_decode_step(state: TrainState, secondary: dict, buffer: jax.Array, pos
     return _decode_program(engine, method).lower(secondary, buffer, jnp.asarray(pos, jnp.int32))
 
 
+def _integers(name: str, x: Any, what: str) -> np.ndarray:
+    """``x`` (``what``, for the error) as an int32 array of the same shape, refusing what a
+    cast would silently change: a non-integer dtype (``np.asarray(x, np.int32)`` truncates
+    3.7 to 3) and values outside int32."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(
+            f"{name} must be {what} (an int array), got dtype {a.dtype}; convert with "
+            f"np.asarray({name}, np.int32) if they are whole numbers")
+    i32 = np.iinfo(np.int32)
+    if a.size and (a.min() < i32.min or a.max() > i32.max):
+        raise ValueError(f"{name} must fit in int32, got values {a.min()}..{a.max()}")
+    return a.astype(np.int32)
+
+
+def _token_ids(prompts: Any, prompt_lengths: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Every generator's check of its prompts, before anything is traced or compiled.
+
+    Args:
+      prompts: int ``[batch, prompt_len >= 1]`` token ids, rows right-padded.
+      prompt_lengths: int ``[batch]`` in ``[1, prompt_len]``, or None (every row full).
+    Returns:
+      ``(prompts, lengths)``: int32 ``[batch, prompt_len]`` and int32 ``[batch]``.
+    Raises:
+      ValueError naming the argument and the fix: a wrong shape, a non-integer dtype, a
+      length out of range, or a negative token id inside a row's prompt (the padding after
+      it is never read, so it may hold anything).
+    """
+    shape = np.shape(prompts)
+    if len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"prompts must be int [batch, prompt_len >= 1], got shape {shape}")
+    ids = _integers("prompts", prompts, "integer token ids")
+    b, t0 = shape
+    if prompt_lengths is None:
+        lengths = np.full((b,), t0, np.int32)
+    else:
+        lengths = _integers("prompt_lengths", prompt_lengths, "integer lengths")
+        if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t0:
+            raise ValueError(
+                f"prompt_lengths must be int [{b}] with values in [1, {t0}] (row r's prompt is "
+                f"prompts[r, :prompt_lengths[r]], right-padded); got shape {lengths.shape}, "
+                f"values {lengths.min()}..{lengths.max()}")
+    in_prompt = np.arange(t0)[None, :] < lengths[:, None]
+    if (ids[in_prompt] < 0).any():
+        raise ValueError(
+            f"prompts must be token ids >= 0, got {ids[in_prompt].min()} inside a prompt; "
+            "pad rows after their prompt_lengths instead of with negative ids")
+    return ids, lengths
+
+
 def _buffer(state: TrainState, prompts: np.ndarray, length: int) -> jax.Array:
-    prompts = np.asarray(prompts, np.int32)
+    prompts, _ = _token_ids(prompts)
     b, t0 = prompts.shape
     if not 0 < t0 < length:
         raise ValueError(f"prompt length {t0} must be in [1, {length}) (length={length})")
@@ -230,7 +280,7 @@ def generate_without_cache(state: TrainState, prompts: np.ndarray, length: int, 
 
 def greedy_reference(model: Any, params: PyTree, prompts: np.ndarray, length: int) -> np.ndarray:
     """Single-device greedy decoding with ``model.apply`` (the same fixed-length buffer)."""
-    prompts = np.asarray(prompts, np.int32)
+    prompts, _ = _token_ids(prompts)
     with jax.default_device(jax.devices()[0]):
         buf = np.zeros((prompts.shape[0], length), np.int32)
         buf[:, : prompts.shape[1]] = prompts
@@ -368,24 +418,13 @@ def _check_generate(state: Any, prompts: Any, max_new_tokens: int, model: Any,
                     ) -> tuple[Engine, Convention, jax.Array, jax.Array, jax.Array]:
     engine = _check(state)
     convention = convention_of(engine.adapter, model)
-    shape = np.shape(prompts)
-    if len(shape) != 2 or shape[1] < 1:
-        raise ValueError(f"prompts must be int [batch, prompt_len >= 1], got shape {shape}")
-    b, t0 = shape
+    prompts, lengths = _token_ids(prompts, prompt_lengths)
+    b, t0 = prompts.shape
     n = engine.num_devices
     if b % n:
         raise ValueError(
             f"batch {b} must be a multiple of the {n} devices the rows are split over; pad the "
             f"batch with dummy prompts to {-(-b // n) * n} rows")
-    if prompt_lengths is None:
-        lengths = np.full((b,), t0, np.int32)
-    else:
-        lengths = np.asarray(prompt_lengths, np.int32)
-        if lengths.shape != (b,) or lengths.min() < 1 or lengths.max() > t0:
-            raise ValueError(
-                f"prompt_lengths must be int [{b}] with values in [1, {t0}] (row r's prompt is "
-                f"prompts[r, :prompt_lengths[r]], right-padded); got shape {lengths.shape}, "
-                f"values {lengths.min()}..{lengths.max()}")
     if key is None:
         if not sampling.greedy:
             raise ValueError(
@@ -399,7 +438,7 @@ def _check_generate(state: Any, prompts: Any, max_new_tokens: int, model: Any,
     sharded = NamedSharding(engine.mesh, SHARDED)
     put = (lambda x: jax.device_put(x, sharded)) if jax.process_count() == 1 else (
         lambda x: jax.make_array_from_process_local_data(sharded, x, x.shape))
-    return (engine, convention, put(np.asarray(prompts, np.int32)), put(lengths),
+    return (engine, convention, put(prompts), put(lengths),
             jax.device_put(key, NamedSharding(engine.mesh, P())))
 
 
@@ -486,8 +525,11 @@ def lower_generation_step(state: TrainState, prompts: Any, max_new_tokens: int, 
 
 def _rollout(max_new_tokens: int, temperature: float, top_k: int | None,
              top_p: float | None, stop_tokens: Any, pad_token: int) -> Rollout:
+    """The static settings, checked before anything is traced (``Sampling`` refuses a
+    temperature, top_k or top_p it cannot honour)."""
+    new = checked_int("max_new_tokens", max_new_tokens)  # 2.5 refused, not truncated to 2
     stops = np.ravel(stop_tokens if stop_tokens is not None else []).tolist()
-    return Rollout(int(max_new_tokens), Sampling(float(temperature), top_k, top_p),
+    return Rollout(new, Sampling(temperature, top_k, top_p),
                    tuple(int(t) for t in stops), int(pad_token))
 
 
@@ -540,12 +582,9 @@ def reference_generate(model: Any, params: PyTree, prompts: Any, max_new_tokens:
 
     ``model``: a linen module in decode mode, or a transformers Flax model (``params``: its
     params tree)."""
+    prompts, lengths = _token_ids(prompts, prompt_lengths)
     program = reference_program(model, max_new_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, stop_tokens=stop_tokens, pad_token=pad_token)
-    prompts = np.asarray(prompts, np.int32)
-    b, t0 = prompts.shape
-    lengths = (np.full((b,), t0, np.int32) if prompt_lengths is None
-               else np.asarray(prompt_lengths, np.int32))
     key = jax.random.PRNGKey(0) if key is None else key
     prefill = _prefill(_convention_for(model), prompts.shape, prompt_lengths,
                        _rollout(max_new_tokens, temperature, top_k, top_p, stop_tokens,

@@ -8,6 +8,9 @@ on how the batch is split over devices: the same key gives the same tokens on ev
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,14 +18,15 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen.
+    """How the next token is chosen. Checked on construction (the one place the settings
+    are): a ValueError or TypeError naming the argument otherwise.
 
     Attributes:
-      temperature: 0 picks the most likely token (greedy, no key needed); above 0 samples
-        from ``softmax(logits / temperature)``.
-      top_k: sample among the ``top_k`` most likely tokens only (None: all).
-      top_p: sample among the smallest set of most likely tokens whose probability adds up
-        to at least ``top_p`` (nucleus sampling; None: all).
+      temperature: a finite float; 0 picks the most likely token (greedy, no key needed);
+        above 0 samples from ``softmax(logits / temperature)``.
+      top_k: an int >= 1: sample among the ``top_k`` most likely tokens only (None: all).
+      top_p: a finite float in (0, 1]: sample among the smallest set of most likely tokens
+        whose probability adds up to at least ``top_p`` (nucleus sampling; None: all).
     """
 
     temperature: float = 0.0
@@ -30,16 +34,54 @@ class Sampling:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k} must be >= 1, or None for all tokens")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1], or None for all tokens")
+        # The one check of the sampling settings (generate builds a Sampling before it traces
+        # anything). NaN passes every comparison as False, so finiteness is checked first:
+        # temperature=nan would turn every logit into nan and every sampled token into 0.
+        temperature = checked_float("temperature", self.temperature, "0.0 for greedy decoding")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+        object.__setattr__(self, "temperature", temperature)
+        if self.top_k is not None:
+            top_k = checked_int("top_k", self.top_k)
+            if top_k < 1:
+                raise ValueError(f"top_k={top_k} must be >= 1, or None for all tokens")
+            object.__setattr__(self, "top_k", top_k)
+        if self.top_p is not None:
+            top_p = checked_float("top_p", self.top_p, "None for all tokens")
+            if not 0 < top_p <= 1:
+                raise ValueError(f"top_p={top_p} must be in (0, 1], or None for all tokens")
+            object.__setattr__(self, "top_p", top_p)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def checked_float(name: str, value: Any, default: str) -> float:
+    """``value`` (a Python, numpy or 0-d jax number) as a Python float; TypeError if it is
+    not a number, ValueError if it is nan or infinite."""
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
+        value = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {value!r} "
+                        f"({type(value).__name__})") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be a finite number (or {default})")
+    return value
+
+
+def checked_int(name: str, value: Any) -> int:
+    """``value`` (a Python, numpy or 0-d jax integer) as a Python int; TypeError for
+    anything else (a float such as 2.5 or 3.0 is refused, not rounded, and so is a bool)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}); "
+                        f"pass {name}=int(...) if you meant a whole number") from None
 
 
 def filtered_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:

@@ -325,3 +325,43 @@ def test_smoothing_and_stochastic_rounding_switches():
     for name in ("qgz_hadamard", "qwz_hadamard", "stochastic_rounding"):
         with pytest.raises(ValueError, match=f"{name} must be True or False"):
             ZeroPPConfig(**{name: 1})
+
+
+@pytest.mark.parametrize("name, value, match", [
+    # 8.0 used to pass and become weight_format='int8.0', refused at the first step.
+    ("weight_bits", 8.0, r"weight_bits=8\.0 is a float: write weight_bits=8"),
+    ("grad_bits", 8.0, r"grad_bits=8\.0 is a float: write grad_bits=8"),
+    ("block_size", 256.0, r"block_size=256\.0 is a float: write block_size=256"),
+    ("stage", 3.0, r"stage=3\.0 is a float: write stage=3"),
+    ("prefetch", 2.5, r"prefetch=2\.5 is a float: give an int"),
+    ("planned_steps", 1e4, r"planned_steps=10000\.0 is a float: write planned_steps=10000"),
+    ("qgz_pipeline_stages", 2.0, "qgz_pipeline_stages=2.0 is a float"),
+    ("hpz_group_size", 8.0, "hpz_group_size=8.0 is a float"),
+    # True == 1: it used to pass as block_size 1, a one-stage pipeline, a group of 1.
+    ("block_size", True, "block_size=True is a bool: give an int"),
+    ("qgz_pipeline_stages", True, "qgz_pipeline_stages=True is a bool"),
+    ("hpz_group_size", True, "hpz_group_size=True is a bool"),
+    ("planned_steps", True, "planned_steps=True is a bool"),
+    ("weight_bits", True, "weight_bits=True is a bool"),
+    ("grad_bits", "8", "grad_bits='8' is a str: give an int"),
+])
+def test_integer_settings_refuse_floats_bools_and_strings_at_construction(name, value, match):
+    kwargs = {"qwz": True, "qgz": True, name: value}
+    if name == "planned_steps":
+        kwargs.update(qgz_until=0.5)
+    with pytest.raises(ValueError, match=match):
+        ZeroPPConfig(**kwargs)
+
+
+def test_numpy_integers_become_ints():
+    """A sweep's numpy integers are ints: equal and hashed like the config written with
+    ints, the derived weight_format included."""
+    import numpy as np
+
+    swept = ZeroPPConfig(qwz=True, weight_bits=np.int64(4), grad_bits=np.int32(8),
+                         block_size=np.int64(128), prefetch=np.int64(2))
+    written = ZeroPPConfig(qwz=True, weight_bits=4, grad_bits=8, block_size=128, prefetch=2)
+    assert swept == written and hash(swept) == hash(written)
+    assert swept.weight_format == "int4"
+    assert all(type(getattr(swept, f)) is int
+               for f in ("weight_bits", "grad_bits", "block_size", "prefetch", "stage"))

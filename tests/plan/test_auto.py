@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 import zeropp_jax as zpp
@@ -75,3 +76,53 @@ def test_presets_detect_the_devices():
     hw = presets.for_devices()  # the suite's 8 CPU devices in one process
     assert (hw.nodes, hw.local) == (1, 8) and "emulated" in hw.name
     assert presets.h100(8).inter.bytes_per_s == 8 * 400e9 / 8
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    # 0 is not "not given": it used to plan silently for the hardware's cluster.
+    ({"nodes": 0}, ValueError, r"nodes=0 .*>= 1.*None"),
+    ({"local": 0}, ValueError, r"local=0 .*>= 1.*None"),
+    ({"nodes": -2}, ValueError, "nodes=-2"),
+    ({"local": 2.0}, TypeError, r"local=2\.0 .*an int"),
+    ({"nodes": True}, TypeError, "nodes=True"),
+    ({"memory_budget_bytes": "70GB"}, TypeError,
+     r"memory_budget_bytes='70GB' .*70 \* 2\*\*30"),
+    ({"memory_budget_bytes": 0}, ValueError, "memory_budget_bytes=0 "),
+    ({"memory_budget_bytes": -1.0}, ValueError, "memory_budget_bytes=-1.0 "),
+    ({"memory_budget_bytes": True}, TypeError, "memory_budget_bytes=True"),
+    ({"memory_budget_bytes": float("nan")}, ValueError, "memory_budget_bytes=nan"),
+    ({"intra_gbps": 0}, ValueError, "intra_gbps=0 "),
+    ({"inter_gbps": "100"}, TypeError, "inter_gbps='100'"),
+    ({"inter_gbps": float("inf")}, ValueError, "inter_gbps=inf"),
+    ({"tokens_per_device": -1}, ValueError, "tokens_per_device=-1 "),
+    ({"tokens_per_device": "4k"}, TypeError, "tokens_per_device='4k'"),
+    ({"tie": -0.01}, ValueError, "tie=-0.01 "),
+    ({"hardware": "h100"}, TypeError, "hardware='h100'"),
+    ({"base": {"stage": 3}}, TypeError, "base="),
+    ({"configs": []}, ValueError, "configs"),
+])
+def test_bad_arguments_are_refused_by_name_before_any_costing(monkeypatch, kwargs, error,
+                                                             match):
+    def costed(*args, **kw):
+        raise AssertionError("a candidate was costed before the arguments were checked")
+
+    monkeypatch.setattr("zeropp_jax.plan.auto.config_workload", costed)
+    with pytest.raises(error, match=match):
+        plan(SHAPE, **{"hardware": SLOW, **kwargs})
+    with pytest.raises(error, match=match):
+        zpp.ZeroPPConfig.auto(SHAPE, verbose=False, **{"hardware": SLOW, **kwargs})
+
+
+def test_none_means_not_given_and_numpy_ints_are_counts():
+    """None takes the hardware's cluster and the defaults; a numpy integer (a sweep's
+    value) is a count."""
+    one = {"hardware": SLOW, "configs": [zpp.ZeroPPConfig()]}  # one candidate to cost
+    hw = plan(SHAPE, nodes=None, local=None, **one).hardware
+    assert (hw.nodes, hw.local) == (SLOW.nodes, SLOW.local)
+    given = plan(SHAPE, tokens_per_device=None, tie=None, **one)
+    assert (given.why, given.tokens_per_device) == (plan(SHAPE, **one).why, 0.0)
+    hw = plan(SHAPE, nodes=np.int64(2), local=np.int32(4), **one).hardware
+    assert (hw.nodes, hw.local) == (2, 4) and type(hw.nodes) is int
+    for bad, match in (({"nodes": 0}, "nodes=0"), ({"local": -1}, "local=-1")):
+        with pytest.raises(ValueError, match=match):
+            presets.for_devices(**bad)

@@ -96,3 +96,23 @@ def test_bound_names_become_the_mesh_axes():
     x = np.arange(16, dtype=np.float32)
     expected = np.repeat(x.reshape(8, 2).mean(0, keepdims=True), 8, 0).reshape(-1)
     np.testing.assert_array_equal(jax.jit(bound)(x), expected)
+
+
+def test_an_unbound_pmap_axis_names_the_real_axes_and_the_fix():
+    """A step written for jax.pmap (Flax's ImageNet ResNet: BatchNorm(axis_name='batch'))
+    run without axis_name: the error names the mesh axes and the fix, with no template
+    left in it. Traced only, nothing compiled."""
+    from zeropp_jax.train.step import _traced_as_under_jit
+
+    def pmap_style(x):
+        return x - jax.lax.pmean(x, "batch")
+
+    try:
+        _program(_traced_as_under_jit(pmap_style, None, 8))
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a collective over an unbound axis passed")
+    assert "{" not in message and "}" not in message, message
+    assert f"the data-parallel axes are {AXES}" in message, message
+    assert "axis_name='batch'" in message

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 from flax import nnx
 
 import zeropp_demo.gpt as gpt
@@ -189,3 +190,42 @@ def test_eval_step_for_a_transformers_model():
 
         ref = entry.loss(entry.apply, entry.params, batch, False)
         np.testing.assert_allclose(evaluate(state, batch), ref, rtol=1e-5)
+
+
+class _Tiny(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(x)
+
+
+@pytest.mark.filterwarnings("ignore:unit 'Dense_0' holds 100%")  # one unit is enough here
+def test_integer_and_bool_metrics_are_averaged_in_float32_by_both_steps():
+    """A count (int32) and a flag (bool) differ from device to device: both steps return
+    each as the float32 mean over devices, as ``lax.pmean`` does to an int, not one
+    device's value. Exact: the means of counts below 2**24 over 8 devices are exact in
+    float32 (a sum of small ints, divided by a power of 2)."""
+    rng = np.random.default_rng(_seed())
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    mask = rng.random((16, 5)) < 0.5  # e.g. which tokens are real: 0 to 10 per device
+    model = _Tiny()
+    params = model.init(jax.random.PRNGKey(0), x[:1])["params"]
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=FP32)
+
+    def metrics(state, batch):
+        logits = state.apply_fn({"params": state.params}, batch["x"])
+        return {"loss": jnp.mean(logits ** 2),
+                "tokens": jnp.sum(batch["mask"], dtype=jnp.int32),
+                "all_real": jnp.all(batch["mask"])}
+
+    # Device d holds rows 2d and 2d + 1 (the batch split over 8 devices, in order).
+    per_device = mask.reshape(8, -1)
+    expected = {"tokens": per_device.sum(1).mean(), "all_real": per_device.all(1).mean()}
+    got = {"eval_step": zpp.eval_step(metrics)(state, {"x": x, "mask": mask}),
+           "train_step": zpp.train_step(lambda s, b: (s, metrics(s, b)))(
+               state, {"x": x, "mask": mask})[1]}
+    for step, out in got.items():
+        for name, want in expected.items():
+            assert float(out[name]) == want, (step, name, out[name], want)
+            assert out[name].dtype == jnp.float32, (step, name, out[name].dtype)
+        assert out["loss"].dtype == jnp.float32

@@ -33,6 +33,40 @@ def _dtype_name(dtype: Any) -> str:
         raise ValueError(f"{dtype!r} is not a dtype; use one of {_FLOAT_DTYPES}") from e
 
 
+# The integer settings and what they take, for the error when one is not an int.
+_INT_FIELDS = {
+    "stage": "1, 2 or 3",
+    "weight_bits": "4 or 8, or None",
+    "grad_bits": "4 or 8",
+    "block_size": "a positive int",
+    "hpz_group_size": "a positive int, or None",
+    "qgz_pipeline_stages": "an int >= 1",
+    "planned_steps": "a positive int, or None",
+    "prefetch": "an int >= 0",
+}
+
+
+def _as_int(name: str, value: Any) -> Any:
+    """An integer setting as a Python int: a numpy integer (a sweep's value) becomes an
+    int, so the config equals, hashes and prints as one written with ints. A float (even
+    8.0), a bool or anything else raises naming the setting: 8.0 would otherwise pass the
+    range checks (8.0 == 8) and reach names and shapes as a float (weight_format
+    'int8.0'), True would pass as 1. None (not given; refused for a required setting) is
+    left to the range checks."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} is a bool: give an int ({_INT_FIELDS[name]})")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        fix = (f"write {name}={int(value)}" if math.isfinite(value) and float(value).is_integer()
+               else f"give an int ({_INT_FIELDS[name]})")
+        raise ValueError(f"{name}={value!r} is a float: {fix}")
+    raise ValueError(f"{name}={value!r} is a {type(value).__name__}: give an int "
+                     f"({_INT_FIELDS[name]})")
+
+
 def _weight_format(fmt: Any, bits: Any) -> tuple[str, int]:
     """``(weight_format, weight_bits)`` from either or both (None: not given); a pair
     that disagrees raises, naming both."""
@@ -60,6 +94,12 @@ def _weight_format(fmt: Any, bits: Any) -> tuple[str, int]:
 @dataclasses.dataclass(frozen=True)
 class ZeroPPConfig:
     """Settings of one ZeRO / ZeRO++ run.
+
+    Invalid settings raise ``ValueError`` at construction, naming the setting. The integer
+    settings (``stage``, ``weight_bits``, ``grad_bits``, ``block_size``,
+    ``hpz_group_size``, ``qgz_pipeline_stages``, ``planned_steps``, ``prefetch``) take
+    ints; numpy integers are converted to ints, and floats (even ``8.0``) and bools are
+    refused.
 
     Attributes:
       stage: ZeRO stage, DeepSpeed's meaning. 1: optimizer state sharded over all devices;
@@ -207,6 +247,9 @@ class ZeroPPConfig:
     stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
+        # Integer settings first: weight_format is derived from weight_bits below.
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, _as_int(name, getattr(self, name)))
         # Normalise dtypes to canonical names so equal configs hash equal.
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
@@ -385,9 +428,11 @@ class ZeroPPConfig:
         qgZ) by predicted step time on ``nodes`` x ``local`` devices (default: jax's
         processes and local devices) with links of ``intra_gbps`` (per device, inside a
         node) and ``inter_gbps`` (per node, between nodes) Gbit/s, keeps those under
-        ``memory_budget_bytes`` per device, prints the table and returns the choice. Other
-        keyword arguments (``hardware``, ``tokens_per_device``, ``base``, ``tie``,
-        ``verbose``) as ``zeropp_jax.plan.auto.auto_config``.
+        ``memory_budget_bytes`` per device (a number, e.g. ``70 * 2**30``), prints the
+        table and returns the choice. Other keyword arguments (``hardware``,
+        ``tokens_per_device``, ``base``, ``tie``, ``verbose``) as
+        ``zeropp_jax.plan.auto.auto_config``. None means not given; 0 nodes, a negative
+        bandwidth or a budget given as a string raise naming the argument.
         """
         # The one upward import of the layers: the planner needs the transports and the
         # engine's units, and users look for it here (pyproject.toml names the exception).

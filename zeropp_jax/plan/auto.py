@@ -9,7 +9,7 @@ techniques on (less quantization error). ``auto_config`` (``ZeroPPConfig.auto``)
 plan's table and returns the chosen config.
 
 Hardware: ``hardware=`` (a ``cost_model.Hardware``, e.g. one calibrated by
-``benchmarks/cluster.py --predict`` or a preset of ``presets``), else ``presets.for_devices``
+``benchmarks/cluster/run.py --predict`` or a preset of ``presets``), else ``presets.for_devices``
 on the given link speeds, nodes and devices per node defaulting to ``jax``'s processes and
 local devices.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import numbers
 from typing import Any, Sequence
 
 from zeropp_jax.core.config import ZeroPPConfig
@@ -30,6 +32,10 @@ from zeropp_jax.plan.workload import (
     shape_of_params,
     shape_of_state,
 )
+
+
+# Candidates within this fraction of the fastest count as tied (plan's default tie).
+_TIE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +114,8 @@ def candidate_configs(nodes: int, local: int, base: ZeroPPConfig | None = None
 def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = None,
          intra_gbps: float | None = None, inter_gbps: float | None = None,
          memory_budget_bytes: float | None = None, hardware: Hardware | None = None,
-         tokens_per_device: float = 0.0, base: ZeroPPConfig | None = None,
-         tie: float = 0.02, configs: Sequence[ZeroPPConfig] | None = None) -> Plan:
+         tokens_per_device: float | None = 0.0, base: ZeroPPConfig | None = None,
+         tie: float | None = _TIE, configs: Sequence[ZeroPPConfig] | None = None) -> Plan:
     """Rank the candidate configurations for a model on a cluster (module docstring).
 
     Args:
@@ -121,13 +127,47 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
       memory_budget_bytes: per-device budget; candidates above it are not chosen.
       hardware: calibrated constants; overrides the preset (links given above still
         replace its bandwidths).
-      tokens_per_device: tokens each device trains per step (0: compute is left out, so
-        the ranking is by communication alone, and the table says so).
+      tokens_per_device: tokens each device trains per step (0 or None: compute is left
+        out, so the ranking is by communication alone, and the table says so).
       base: other settings every candidate keeps (dtypes, prefetch, block size...).
       tie: candidates within this fraction of the fastest count as tied.
       configs: the candidates to rank instead of ``candidate_configs``' (e.g. only the
         configurations a benchmark measured).
+
+    None means not given, for every argument that has a default. Anything else that is
+    not what the argument takes (0 nodes, a negative bandwidth, a budget given as the
+    string ``"70GB"``) raises ``ValueError`` or ``TypeError`` naming the argument, before
+    any candidate is costed.
     """
+    nodes, local = presets.check_count("nodes", nodes), presets.check_count("local", local)
+    intra_gbps = _number("intra_gbps", intra_gbps, "Gbit/s per device inside a node",
+                         "the hardware's")
+    inter_gbps = _number("inter_gbps", inter_gbps, "Gbit/s per node between nodes",
+                         "the hardware's")
+    memory_budget_bytes = _number(
+        "memory_budget_bytes", memory_budget_bytes,
+        "bytes per device, e.g. memory_budget_bytes=70 * 2**30 for 70 GiB", "no budget")
+    tokens_per_device = _number("tokens_per_device", tokens_per_device,
+                                "tokens each device trains per step",
+                                "compute left out", zero=True) or 0.0
+    tie = _number("tie", tie, "a fraction of the fastest step time", f"{_TIE}", zero=True)
+    tie = _TIE if tie is None else tie
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise TypeError(
+            f"hardware={hardware!r} is a {type(hardware).__name__}: give a "
+            "zeropp_jax.plan.cost_model.Hardware (e.g. zeropp_jax.plan.presets.h100(nodes)), "
+            "or None for the preset of the devices jax sees")
+    if base is not None and not isinstance(base, ZeroPPConfig):
+        raise TypeError(f"base={base!r} is a {type(base).__name__}: give a ZeroPPConfig "
+                        "(e.g. ZeroPPConfig(**settings)), or None")
+    if configs is not None:
+        configs = list(configs)
+        if not configs:
+            raise ValueError("configs is empty: give the ZeroPPConfigs to rank, or None for "
+                             "every candidate")
+        for c in configs:
+            if not isinstance(c, ZeroPPConfig):
+                raise TypeError(f"configs holds a {type(c).__name__}: give ZeroPPConfigs")
     shape = _shape_of(state_or_model)
     hw = _hardware(hardware, nodes, local, intra_gbps, inter_gbps)
     candidates = []
@@ -186,11 +226,29 @@ def _shape_of(x: Any) -> ModelShape:
         "(jax.eval_shape(model.init, key, batch)['params'] costs no memory)")
 
 
+def _number(name: str, value: Any, what: str, default: str, *,
+            zero: bool = False) -> float | None:
+    """A number a user gave: None (not given: ``default``), else a finite number > 0
+    (>= 0 with ``zero``), as a float. A bool is refused although Python counts it a
+    number."""
+    if value is None:
+        return None
+    least = ">= 0" if zero else "> 0"
+    fix = f"give a number {least} ({what}), or None for {default}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} is a {type(value).__name__}: {fix}")
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise ValueError(f"{name}={value!r} is not a finite number {least}: {fix}")
+    return float(value)
+
+
 def _hardware(hardware: Hardware | None, nodes: int | None, local: int | None,
               intra_gbps: float | None, inter_gbps: float | None) -> Hardware:
     if hardware is None:
         hardware = presets.for_devices(nodes, local)
-    hw = hardware.with_mesh(nodes or hardware.nodes, local or hardware.local)
+    # None is "not given" (0 was already refused): keep the hardware's own.
+    hw = hardware.with_mesh(hardware.nodes if nodes is None else nodes,
+                            hardware.local if local is None else local)
     if intra_gbps is not None:
         hw = dataclasses.replace(hw, intra=dataclasses.replace(
             hw.intra, bytes_per_s=intra_gbps * 1e9 / 8))

@@ -1,13 +1,14 @@
 """Hardware constants for the cost model, each with where it came from.
 
 Measured constants say what measured them; the rest are marked as assumptions. A cluster
-of your own is best described by calibrating on it (``benchmarks/cluster.py --predict``
+of your own is best described by calibrating on it (``benchmarks/cluster/run.py --predict``
 prints fitted constants for the emulated cluster; on GPUs, ``make gpu-check`` measures
 the compute and quantization-kernel throughput of one device).
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from zeropp_jax.plan.cost_model import Hardware, Link
@@ -62,8 +63,8 @@ def v100_dgx2(nodes: int, *, inter_gbps_per_node: float, mfu: float = 0.45,
 
 def emulated_cpu(nodes: int, local: int, *, inter_gbps: float = 1.0,
                  constants: dict[str, float] | None = None) -> Hardware:
-    """The emulated cluster of ``benchmarks/cluster.py`` (node processes on one machine's
-    CPU cores, links shaped with ``tc``). ``constants``: what ``cluster.py --predict``
+    """The emulated cluster of ``benchmarks/cluster/run.py`` (node processes on one machine's
+    CPU cores, links shaped with ``tc``). ``constants``: what ``run.py --predict``
     printed for your machine (``flops_per_s``, ``inter_latency_s``, ``intra_latency_s``,
     ``intra_bytes_per_s``, ``quant_elems_per_s``, ``grad_quant_elems_per_s``); without
     them, rough values of a 2-core machine, good for a ranking only (qgZ's gradient path
@@ -79,15 +80,33 @@ def emulated_cpu(nodes: int, local: int, *, inter_gbps: float = 1.0,
                     c["grad_quant_elems_per_s"])
 
 
+def check_count(name: str, value: Any) -> int | None:
+    """A node or device count as given by a user: None (not given: the caller's default)
+    or an int >= 1 (a numpy integer becomes an int). 0 is refused, not read as "not
+    given": ``nodes or default`` would plan silently for another cluster."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} is a {type(value).__name__}: give an int >= 1, "
+                        "or None for the default")
+    if value < 1:
+        raise ValueError(f"{name}={value!r} is not a count: give an int >= 1, or None for "
+                         "the default")
+    return int(value)
+
+
 def for_devices(nodes: int | None = None, local: int | None = None,
                 devices: Any = None) -> Hardware:
     """Constants for the devices JAX sees: nodes = processes, local = devices per process
-    unless given. H100/H200 GPUs get ``h100``; CPU devices get ``emulated_cpu``."""
+    unless given (None). H100/H200 GPUs get ``h100``; CPU devices get ``emulated_cpu``."""
     import jax
 
+    nodes, local = check_count("nodes", nodes), check_count("local", local)
     devices = jax.devices() if devices is None else devices
-    nodes = nodes or jax.process_count()
-    local = local or max(1, len(devices) // max(1, jax.process_count()))
+    if nodes is None:
+        nodes = jax.process_count()
+    if local is None:
+        local = max(1, len(devices) // max(1, jax.process_count()))
     kind = str(getattr(devices[0], "device_kind", "")).upper()
     platform = getattr(devices[0], "platform", "")
     if platform == "gpu" and ("H100" in kind or "H200" in kind):

@@ -196,7 +196,7 @@ def unbound_axis_error(error: NameError, bound: tuple) -> ValueError:
     """The error for a collective over an axis name the step does not define."""
     return ValueError(
         f"a collective names an axis this step does not define ({str(error).rstrip('.')}). "
-        "Inside a zeropp_jax.train_step the data-parallel axes are {AXES} (the "
+        f"Inside a zeropp_jax.train_step or eval_step the data-parallel axes are {AXES} (the "
         "step runs per device in shard_map over them). For code written for jax.pmap "
         "(nn.BatchNorm(axis_name='batch'), lax.pmean(x, 'batch')), either name those "
         f"axes (axis_name={AXES}) or bind your name to them: "

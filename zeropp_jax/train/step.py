@@ -105,7 +105,12 @@ def _average_metrics(out: PyTree) -> PyTree:
             return jax.lax.pmean(x.astype(wide), AXES)
         if jnp.issubdtype(x.dtype, jnp.inexact):
             return jax.lax.pmean(x, AXES)
-        return x
+        if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+            # Averaged too, in float32 (lax.pmean's own result for an int): returned as
+            # they are, the replicated output would be one device's value (a per-device
+            # count of correct predictions came back as device 0's alone).
+            return jax.lax.pmean(x.astype(jnp.float32), AXES)
+        return x  # typed PRNG keys and other extended dtypes: no mean exists
 
     return jax.tree_util.tree_map(avg, out, is_leaf=_is_container)
 
@@ -141,7 +146,13 @@ def train_step(
     ``extra`` arguments (an RNG key, a learning-rate scale) are replicated. Inside, ``fn``
     runs per device under ``jax.shard_map`` over ``("node", "local")``. Of what ``fn``
     returns, train states and ``ShardedParams`` keep their shardings and every other array
-    is averaged over devices (``pmean``; integer arrays are returned as they are).
+    is averaged over devices (``pmean``): floating arrays in their dtype, at least float32;
+    integer and bool arrays in float32 (an int32 count of correct predictions comes back
+    as the mean count per device, a float32: multiply by ``state.engine.num_devices`` for
+    the global count, or return per-example values in ``per_example``). To return a PRNG
+    key, split from a replicated one, use a typed key (``jax.random.key``): it comes back
+    as it is, where a raw ``uint32`` key (``jax.random.PRNGKey``) would be averaged like
+    any integer array.
 
     The returned function is jitted once per input structure; ``.lower(state, batch,
     *extra)`` gives the lowered program (for HLO inspection). With ``donate_state=True``
@@ -259,7 +270,8 @@ def eval_step(
 
     Runs like ``train_step`` (same batch split, same unit-by-unit weight gathers, forward
     only): every returned array is averaged over devices (a per-device mean loss comes
-    back as the mean over the global batch), and outputs wrapped in
+    back as the mean over the global batch; integer and bool arrays come back as float32
+    means, as for ``train_step``), and outputs wrapped in
     ``zeropp_jax.per_example(...)`` come back per example (logits, per-example losses),
     the global batch's rows in order. ``fn`` returns the metrics, or ``(state, metrics)``
     with the state as given: a state it updated (``apply_gradients``) is refused. Never

@@ -8,7 +8,9 @@ like a linen params tree; the other state becomes replicated collections (``batc
 weights (shape-only stand-ins: reading one outside its unit is an error, never a silent
 zero) and reroutes each unit submodule's methods: a call gathers the unit's weights, builds
 a fresh copy of the submodule from them and runs the method there (under ``zero_unit``),
-then writes the submodule's updated state (BatchNorm statistics, RNG counts) back.
+then writes the submodule's updated state (BatchNorm statistics, RNG counts) back. A
+scanned stack is one unit per layer, in either of Flax's forms: a scanned function calling
+each layer, or an ``@nnx.scan``-decorated method of the stack (``_scan_layers``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -281,18 +284,135 @@ def _per_device(collections: Mapping[str, Any]) -> dict[str, Any]:
         for k, v in collections.items()}
 
 
+# At most this many functions are looked through for a method's nnx.scan (its decorators'
+# wrappers and their closures are a handful; the bound keeps a strange closure graph cheap).
+_SCAN_SEARCH_LIMIT = 256
+
+
+def _scan_cell(method: Callable) -> Any | None:
+    """The closure cell that holds the body of the outermost ``nnx.scan`` among
+    ``method``'s decorators, or None if ``method`` does not scan.
+
+    The body holder is Flax's ``ScanFn`` (graph updates on, the default) or
+    ``SimpleScanFn``: a dataclass whose ``f`` is what each iteration calls, on the sliced
+    arguments. Flax has no public handle on it, so it is found by walking the wrappers
+    (``__wrapped__``) and their closures, breadth first (outermost first)."""
+    try:
+        from flax.nnx.transforms import iteration
+    except ImportError:  # a Flax that keeps its scan elsewhere: the caller's error says so
+        return None
+    kinds = tuple(k for k in (getattr(iteration, n, None) for n in ("ScanFn", "SimpleScanFn"))
+                  if isinstance(k, type) and dataclasses.is_dataclass(k))
+    todo, seen = [method], set()
+    while todo and len(seen) < _SCAN_SEARCH_LIMIT:
+        f = todo.pop(0)
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
+            if isinstance(value, kinds) and callable(getattr(value, "f", None)):
+                return cell
+            if callable(value) and not isinstance(value, type):
+                todo.append(value)
+        wrapped = getattr(f, "__wrapped__", None)
+        if wrapped is not None:
+            todo.append(wrapped)
+    return None
+
+
+def _is_layer(node: Any) -> bool:
+    """True if ``node`` is one layer of a routed stack: a module whose layer shards a scan
+    sliced to this layer's ``[shard_len]``."""
+    return (isinstance(node, nnx.Module) and hasattr(node, STACKED_SHARD)
+            and jnp.ndim(_value(getattr(node, STACKED_SHARD))) == 1)
+
+
+def _scan_layers(me: nnx.Module, path: Path, name: str, method: Callable, args: tuple,
+                 kwargs: dict, run_layer: Callable) -> Any:
+    """``method(me, *args, **kwargs)`` on a whole scanned stack ``me`` (its weights
+    ``[layers, ...]``, its shards ``[layers, shard_len]``), each layer run as its own unit.
+
+    Flax's NNX guide puts the scan on the stack's own method (``@nnx.scan(in_axes=(0,
+    nnx.Carry), out_axes=nnx.Carry)`` on ``__call__``, ``@nnx.remat`` below it if you
+    like). The routed method is then entered once, outside the scan, with every layer;
+    a layer's unit can only run inside the scan's body, after the scan sliced the stack.
+    So for this call the body Flax runs each iteration is replaced by one that runs the
+    original body (``nnx.remat`` and all) on the iteration's layer as that layer's unit:
+    exactly what the other idiom (a scanned function calling ``layer(x)``) does. The
+    replacement is a new body holder, put in the scan's closure and taken out afterwards:
+    JAX caches traced scan bodies by the body object, so the original one never gets a
+    trace that runs units.
+
+    Raises ValueError if ``method`` does not scan over the stack itself (the stack would
+    be gathered whole, or its stand-in weights read)."""
+    where = "/".join(map(str, path))
+    cell = _scan_cell(method)
+    if cell is None:
+        raise ValueError(
+            f"{where}.{name} was called on the whole scanned stack {where!r} (parameters "
+            "with a leading layer axis, one unit per layer) but is not an nnx.scan over it, "
+            "so its layers cannot be gathered one at a time. Scan over the stack: decorate "
+            "the method with @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry), or call "
+            "nnx.scan(lambda layer, x: layer(x), in_axes=(0, nnx.Carry), "
+            f"out_axes=nnx.Carry)({where}, x); or gather the stack whole as one unit: "
+            f"TrainState.create(..., units=[{where!r}, ...])"
+            + (f". (It is decorated: if that is an nnx.scan, this Flax ({flax.__version__}) "
+               "keeps the scan's body where zeropp_jax does not look, which knows Flax "
+               "0.12's; use the scanned-function form above.)"
+               if hasattr(method, "__wrapped__") else ""))
+    holder = cell.cell_contents
+    body = holder.f
+
+    def layer_body(layer: Any, *rest: Any) -> Any:
+        # Flax calls the body positionally (keyword arguments were resolved before the
+        # scan), the method's ``self`` first: here the iteration's layer.
+        if not _is_layer(layer):
+            raise ValueError(
+                f"{where}.{name}'s nnx.scan does not slice the stack {where!r} itself, so no "
+                "iteration holds one layer: scan it on its leading axis, with in_axes=(0, "
+                "...) (0 for self)")
+        return run_layer(layer, body, rest, {})
+
+    # Swapped for this call's trace only: a concurrent call of the same class's method
+    # from another thread would see it (tracing a step is single-threaded).
+    cell.cell_contents = dataclasses.replace(holder, f=layer_body)
+    try:
+        return method(me, *args, **kwargs)
+    finally:
+        cell.cell_contents = holder
+
+
 _ROUTED: dict[type, type] = {}
 
 
 def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
            order: Any) -> None:
-    """Makes ``sub``'s public methods run through ``make_call`` (one unit's gather)."""
+    """Makes ``sub``'s public methods run through ``make_call`` (one unit's gather).
+
+    A scanned stack (``make_call`` a ``Stacked``) is routed one layer at a time: a method
+    called on one layer (inside the user's ``nnx.scan``) runs as that layer's unit; a
+    method called on the whole stack must be an ``nnx.scan`` over the stack itself
+    (Flax's guide form, ``@nnx.scan`` on ``__call__``), whose body then runs each layer
+    as its unit (``_scan_layers``)."""
     original = type(sub)
+    stacked = isinstance(make_call, Stacked)
 
     def run(me: nnx.Module, name: str, args: tuple, kwargs: dict) -> Any:
-        # ``me`` is ``sub``, or inside ``nnx.scan`` / ``nnx.vmap`` the copy the transform
-        # made of it (one layer of a stack: its weights and shards sliced).
-        stacked = isinstance(make_call, Stacked)
+        method = getattr(original, name)
+        if stacked and jnp.ndim(_value(getattr(me, STACKED_SHARD))) == 2:
+            # The whole stack (its shards still ``[layers, shard_len]``): no scan sliced
+            # it yet, so the method itself must scan over its layers.
+            return _scan_layers(me, path, name, method, args, kwargs, run_layer)
+        return run_layer(me, method, args, kwargs)
+
+    def run_layer(me: nnx.Module, method: Callable, args: tuple, kwargs: dict) -> Any:
+        """``method(me, *args, **kwargs)`` as ``me``'s unit: ``me`` is ``sub``, or inside
+        ``nnx.scan`` / ``nnx.vmap`` the copy the transform made of it (one layer of a
+        stack: its weights ``[...]`` and its shard ``[shard_len]`` sliced)."""
         shard = _value(getattr(me, STACKED_SHARD)) if stacked else None
         # Split now, as the original class: the module's flags (``.eval()``, set after
         # the merge) are part of the graph definition a fresh copy is built from. The
@@ -332,7 +452,7 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
                 values.update(dict(_flat(tree)))
             fresh = nnx.merge(graphdef, model._state(params, values, model.modules[path][0]),
                               model._state(others_state, values, model.modules[path][0]))
-            out = getattr(original, name)(fresh, *call_args, **call_kwargs)
+            out = method(fresh, *call_args, **call_kwargs)
             # Only what the call changed goes out (an unchanged variable is the same
             # array object): outputs of the unit are new arrays whether or not they
             # differ, and the caller tells an updating call from a pure one by them.

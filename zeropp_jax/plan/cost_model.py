@@ -150,8 +150,9 @@ class Workload:
       quant_elems_per_device: elements one device quantizes or dequantizes per step, all
         paths together.
       grad_quant_elems_per_device: the part of them in qgZ's gradient path.
-      memory_bytes_per_device: peak bytes one device holds for the step (model states,
-        gathered weights, hpZ's secondary, plus any activation estimate given).
+      memory_bytes_per_device: peak bytes one device holds for the step, the state
+        donated (``workload.memory_breakdown``: the state, gathered weights, hpZ's
+        secondaries, activations, the loss's logits, gradients).
       label: the configuration it belongs to.
     """
 

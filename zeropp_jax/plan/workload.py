@@ -1,7 +1,8 @@
 """What one train step does on each device, for the cost model: from a config and a model.
 
 ``ModelShape`` is all the cost model needs of a model: its units' parameter counts in call
-order, which units' backward needs no weights, and flops and activation bytes per token.
+order, which units' backward needs no weights, flops per token, and what backward keeps
+per token.
 Get one from a ``TrainState`` (``shape_of_state``), from a params tree and a wrap policy
 (``shape_of_params``), or from a transformer's dimensions (``transformer_shape``, for models
 too large to build).
@@ -13,12 +14,17 @@ and the count of collectives between nodes are what the library moves at that me
 
 * forward: every unit's gather (the rest unit's once for the whole step);
 * backward: every unit's regather, except the rest unit (kept for the step), the unit
-  called last when ``config.keep_last_unit`` (its weights stay from forward), and units
-  whose backward needs no weights (an embedding lookup: XLA drops that gather);
+  called last when ``config.keep_last_unit`` (its weights stay from forward), units
+  whose backward needs no weights (an embedding lookup: XLA drops that gather), and
+  units that keep their weights' cast copies (``ModelShape.small_weights``);
 * gradients: every trainable unit's reduce-scatter;
 * with ``config.bucket``, the rest unit's gather and reduce-scatter travel inside the first
   unit's (``units.bucket``): the same bytes, two collectives fewer;
 * one all-reduce of the step's scalars (loss and metrics share it).
+
+``memory_breakdown`` follows the same step for the bytes each device holds at its peak:
+the state, the gathered weights, hpZ's secondaries, the activations backward keeps
+(``decoder_activations`` counts a decoder's), the loss's logits and the gradients.
 
 ``report_workload`` reads the same from a compiled program's ``CommReport`` instead.
 """
@@ -50,6 +56,11 @@ from zeropp_jax.units.bucket import config_allows
 
 # Adam's two fp32 moments per parameter.
 ADAM_BYTES_PER_PARAM = 8
+# A train state's int32 scalars: the step, the skipped steps, Adam's count.
+STATE_SCALAR_BYTES = 12
+# The smallest weight whose cast copy the engine recognizes among a unit's residuals
+# (``units.unit._Pullback.holds_copies_of``'s ``min_size``).
+COPY_MIN_SIZE = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +78,35 @@ class ModelShape:
         (``units.apply.first_unit``): with ``config.bucket`` it shares the rest unit's
         forward gather and gradient reduce-scatter (``units.bucket``); None: no unit.
       flops_per_token: forward + backward flops per token of the whole model.
-      activation_bytes_per_token: bytes of saved activations per token (0: not counted).
+      activation_bytes_per_token: bytes per token the step keeps besides what the fields
+        below count (a declared total for a model described no further; 0: none).
       name: what model this is.
+      resident: units read outside their own calls (a tied head reading the embedding):
+        gathered once for the whole step, like the rest unit (``find_resident``).
+      itemsize: bytes per element the model's layers compute in (its activations): 4 for
+        a model built with ``dtype=float32`` (transformers' Flax default), 2 for bfloat16;
+        0: the config's compute dtype. Wider than the compute dtype, every layer casts its
+        gathered weights to it, and backward holds those copies while a unit runs.
+      blocks: the units that each hold one block's activations (a decoder's layers).
+      block_activations: elements per token one block's backward keeps from its forward
+        (remat ``"minimal"``), in ``itemsize``.
+      block_recomputed: of those, the ones backward recomputes when the layers cast
+        their weights (the engine then keeps matmul outputs only, ``units.unit``): the
+        norms' outputs and the like (``decoder_activations``). The kept unit keeps them
+        anyway (its backward runs right after its forward, on the same weights).
+      block_inputs: elements per token of a block's inputs (all remat ``"full"`` keeps).
+      block_gradients: elements per token of the gradients live while a block's backward
+        runs (the one flowing in, the widest one inside), in ``itemsize``.
+      activations: elements per token kept outside the blocks, in ``itemsize`` (the
+        embedding's output, the final norm's input and output).
+      logits: float32 elements per token the loss holds at once (the logits, their
+        softmax, their gradient: ``decoder_activations``).
+      small_weights: units whose every weight has fewer than 1024 elements, too few for
+        the engine to tell a cast copy of one from an activation (``units.unit``): when
+        the layers cast their weights, such a unit keeps the copies from forward to
+        backward and regathers nothing.
+      single_weight: units of one weight array (a head, an embedding), whose flat
+        gradient is that weight's gradient reshaped, not a concatenated copy.
     """
 
     units: tuple[tuple[str, int], ...]
@@ -79,6 +117,17 @@ class ModelShape:
     flops_per_token: float = 0.0
     activation_bytes_per_token: float = 0.0
     name: str = ""
+    resident: frozenset[str] = frozenset()
+    itemsize: int = 0
+    blocks: frozenset[str] = frozenset()
+    block_activations: float = 0.0
+    block_recomputed: float = 0.0
+    block_inputs: float = 0.0
+    block_gradients: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    small_weights: frozenset[str] = frozenset()
+    single_weight: frozenset[str] = frozenset()
 
     @property
     def params(self) -> int:
@@ -86,32 +135,105 @@ class ModelShape:
 
 
 
+def decoder_activations(d_model: int, seq_len: int, vocab: int, *, heads: int,
+                        ffn: int | None = None, gated: bool = False,
+                        fused_attention: bool = False) -> dict[str, float]:
+    """What a pre-norm decoder's step keeps per token, in elements: the ``ModelShape``
+    fields ``block_activations``, ``block_recomputed``, ``block_inputs``,
+    ``block_gradients``, ``activations`` and ``logits`` (``dataclasses.replace(shape,
+    blocks=..., **these)``).
+
+    The tensors XLA keeps from a block's forward for its backward, read from the compiled
+    step's buffer assignment (transformers' Flax GPT-2 and Llama, the demo GPT), per token:
+
+    * attention: the query, key and value at full heads (3 ``d_model``), its output
+      (``d_model``), and the probabilities and their exponentials, two ``heads x
+      seq_len`` (the softmax materialized; with ``fused_attention``, a kernel that
+      recomputes them in backward, one log-sum-exp per head instead);
+    * the residual stream: the two residual sums (2 ``d_model``) and the two norms'
+      outputs (2 ``d_model``, the inputs of the attention's and the MLP's matmuls);
+    * the MLP: a GELU MLP its hidden layer's input and the GELU's two intermediates (3
+      ``ffn``); a gated one (``gated``, SwiGLU) the gate and up projections, the sigmoid,
+      the SiLU and their product (5 ``ffn``);
+    * scalars: each norm's two statistics, the softmax's maximum and sum per head.
+
+    ``block_recomputed``: what backward recomputes instead when the layers compute in a
+    wider dtype than the weights (they cast them, so the engine keeps only matmul outputs,
+    ``units.unit``, and XLA merges back what it can): the norms' outputs, and the GELU's
+    intermediates (2 ``d_model`` + 2 ``ffn``; 2 ``d_model`` for a gated MLP, whose SiLU
+    terms XLA keeps anyway). ``block_inputs``: a block's input, ``d_model`` (remat
+    ``"full"``). ``block_gradients``: while a block's backward runs, the gradient flowing
+    in (``d_model``) and the widest one inside (``ffn``). Outside the blocks: the
+    embedding's output, the final norm's output and statistics. ``logits``: the loss holds
+    two float32 ``[tokens, vocab]`` arrays at once (the logits and their softmax in
+    forward; in backward the logits' gradient and the transposed copy the head's weight
+    gradient reads).
+    """
+    ffn = 4 * d_model if ffn is None else ffn
+    mlp = 5 * ffn if gated else 3 * ffn
+    recomputed = 2 * d_model + (0 if gated else 2 * ffn)
+    attention = heads if fused_attention else 2 * heads * seq_len + 2 * heads
+    block = 8 * d_model + attention + mlp + 4
+    return {"block_activations": float(block), "block_recomputed": float(recomputed),
+            "block_inputs": float(d_model), "block_gradients": float(d_model + ffn),
+            "activations": float(2 * d_model + 2), "logits": float(2 * vocab)}
+
+
 def transformer_shape(layers: int, d_model: int, vocab: int, seq_len: int, *,
-                      ffn: int | None = None, tied: bool = False, name: str = ""
-                      ) -> ModelShape:
-    """A GPT-style decoder: token embedding, ``layers`` blocks of attention (4 d^2) and an
-    MLP (2 d ffn, ``ffn`` = 4 d by default) with two LayerNorms, a final norm, and an
-    output head (shared with the embedding when ``tied``).
+                      ffn: int | None = None, tied: bool = False, name: str = "",
+                      heads: int | None = None, kv_heads: int | None = None,
+                      gated: bool = False, itemsize: int = 0,
+                      fused_attention: bool = False) -> ModelShape:
+    """A decoder: token embedding, ``layers`` blocks, a final norm and an output head
+    (shared with the embedding when ``tied``).
+
+    GPT-style by default: attention (4 d^2) and an MLP (2 d ffn, ``ffn`` = 4 d by
+    default) with biases and two LayerNorms. ``gated``: Llama-style, an MLP of three
+    ``d x ffn`` matrices (SwiGLU), key and value projections for ``kv_heads`` of the
+    ``heads`` heads (default all), RMSNorms, no biases.
 
     Flops per token: 6 x the matmul parameters (forward 2, backward 4) plus attention's
     scores and weighted sum, 12 x layers x d_model x seq_len (forward + backward), as in the
     ZeRO, Megatron and PaLM papers' accounting. Units: the blocks; the embedding and the
     head are units of their own (each at least a quarter of a block at these sizes), and
-    the final norm is the rest unit. The embedding's backward needs no weights."""
+    the final norm is the rest unit. The embedding's backward needs no weights.
+
+    Activations: with ``heads`` given, what the blocks keep for backward is counted
+    (``decoder_activations``, with ``fused_attention``); without, none (declare
+    ``activation_bytes_per_token`` instead). ``itemsize``: the bytes per element the
+    model computes in (0: the config's compute dtype)."""
     ffn = 4 * d_model if ffn is None else ffn
-    # Weights, then biases (qkv 3d, proj d, fc ffn, out d) and two LayerNorms (4d).
-    block = 4 * d_model * d_model + 2 * d_model * ffn + 9 * d_model + ffn
+    if gated:
+        kv = d_model if kv_heads is None or heads is None else d_model * kv_heads // heads
+        attn = 2 * d_model * d_model + 2 * d_model * kv
+        block = attn + 3 * d_model * ffn + 2 * d_model
+        matmul_block = attn + 3 * d_model * ffn
+        final_norm = d_model
+    else:
+        # Weights, then biases (qkv 3d, proj d, fc ffn, out d) and two LayerNorms (4d).
+        block = 4 * d_model * d_model + 2 * d_model * ffn + 9 * d_model + ffn
+        matmul_block = 4 * d_model * d_model + 2 * d_model * ffn
+        final_norm = 2 * d_model
     embed = vocab * d_model
-    units = [("wte", embed)] + [(f"block_{i}", block) for i in range(layers)]
+    blocks = [f"block_{i}" for i in range(layers)]
+    small = set(blocks) if max(d_model, ffn) * d_model < COPY_MIN_SIZE else set()
+    small |= {"wte", "head"} if embed < COPY_MIN_SIZE else set()
+    units = [("wte", embed)] + [(b, block) for b in blocks]
     if not tied:
         units.append(("head", embed))
-    units.append((REST, 2 * d_model))
-    matmul = layers * (4 * d_model * d_model + 2 * d_model * ffn) + embed
+    units.append((REST, final_norm))
+    matmul = layers * matmul_block + embed
     flops = 6.0 * matmul + 12.0 * layers * d_model * seq_len
     return ModelShape(tuple(units), no_regather=frozenset({"wte"} if not tied else ()),
                       kept=_last_called(units), first=None if tied else "wte",
                       flops_per_token=flops,
-                      name=name or f"GPT {layers}L d{d_model} ({sum(n for _, n in units):,})")
+                      name=name or f"GPT {layers}L d{d_model} ({sum(n for _, n in units):,})",
+                      resident=frozenset({"wte"} if tied else ()), itemsize=itemsize,
+                      blocks=frozenset(blocks), small_weights=frozenset(small),
+                      single_weight=frozenset({"wte", "head"}),
+                      **({} if heads is None else decoder_activations(
+                          d_model, seq_len, vocab, heads=heads, ffn=ffn, gated=gated,
+                          fused_attention=fused_attention)))
 
 
 def shape_of_state(state: Any, *, flops_per_token: float | None = None,
@@ -121,16 +243,19 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
     Once a step of this state has been traced (lowered or run), units are ordered as
     forward calls them and the kept unit is the engine's own choice; before that, the
     engine's order and its last unit stand in, so the kept unit may be guessed wrong (one
-    unit's regather). Units holding only ``embedding``
+    unit's regather), and the units read outside their own calls (``resident``) are the
+    engine's. Units holding only ``embedding``
     leaves need no weights in backward. ``flops_per_token`` defaults to 6 x the trainable
     parameters (forward 2, backward 4)."""
     engine = state.engine
     units = [(name, lay.n) for name, lay in engine.layouts.items()]
     frozen = tuple((name, lay.n) for name, lay in engine.frozen_layouts.items())
     kept, first_called = _last_called(units), _first_called(units)
+    resident_names: frozenset[str] = frozenset()
     traced = engine.memo.get("resident") or {}
     if traced:
         resident, calls = list(traced.values())[-1]
+        resident_names = frozenset("/".join(map(str, p)) for p in resident)
         path = first_unit(calls)
         first_called = (None if path is None or path in resident
                         else "/".join(map(str, path)))
@@ -149,8 +274,14 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
         name for name, lay in engine.layouts.items()
         if name != REST and _only_embeddings(
             jax.tree_util.tree_unflatten(lay.treedef, [0] * len(lay.shapes))))
-    return _shape(tuple(units), frozen, embeddings, kept, flops_per_token,
-                  activation_bytes_per_token, first_called)
+    small = frozenset(name for name, lay in engine.layouts.items()
+                      if name != REST and max(map(math.prod, lay.shapes), default=0)
+                      < COPY_MIN_SIZE)
+    shape = _shape(tuple(units), frozen, embeddings, kept, flops_per_token,
+                   activation_bytes_per_token, first_called)
+    single = frozenset(name for name, lay in engine.layouts.items() if len(lay.shapes) == 1)
+    return dataclasses.replace(shape, resident=resident_names, small_weights=small,
+                               single_weight=single)
 
 
 def shape_of_params(params: Mapping[str, Any], units: Any = None, model: Any = None, *,
@@ -169,8 +300,15 @@ def shape_of_params(params: Mapping[str, Any], units: Any = None, model: Any = N
     if count(rest):
         sizes += ((REST, count(rest)),)
     embeddings = frozenset(unit_name(p) for p, sub in units.items() if _only_embeddings(sub))
-    return _shape(sizes, (), embeddings, _last_called(sizes), flops_per_token,
-                  activation_bytes_per_token, _first_called(sizes))
+    small = frozenset(unit_name(p) for p, sub in units.items()
+                      if max((math.prod(jax.numpy.shape(x))
+                              for x in jax.tree_util.tree_leaves(sub)), default=0)
+                      < COPY_MIN_SIZE)
+    shape = _shape(sizes, (), embeddings, _last_called(sizes), flops_per_token,
+                   activation_bytes_per_token, _first_called(sizes))
+    single = frozenset(unit_name(p) for p, sub in units.items()
+                       if len(jax.tree_util.tree_leaves(sub)) == 1)
+    return dataclasses.replace(shape, small_weights=small, single_weight=single)
 
 
 def _shape(units: tuple[tuple[str, int], ...], frozen: tuple[tuple[str, int], ...],
@@ -247,9 +385,270 @@ def _quantized_elems(config: ZeroPPConfig, n: int, gathers: int, reduced: bool,
     return weights, grads
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per device at the peak of one step, by what holds them (``memory_breakdown``).
+
+    Attributes:
+      states: the step's arguments: every unit's primary shard (param dtype, padded as the
+        engine pads it) and Adam's two moments, frozen storage, the state's scalars, the
+        batch.
+      gathered: full weights live at the peak: the rest unit's and the resident units'
+        (all step), the units at work then (with those prefetched, or held from forward),
+        each in the compute dtype plus the copies the layers cast them to, and qwZ's
+        quantized buffers while a gather decodes.
+      secondary: hpZ's secondary slices of the units whose backward is still to come.
+      activations: what backward keeps from forward, the gradients flowing through the
+        block at work, and with remat ``"full"`` that block's recomputed activations.
+      loss: the loss's float32 ``[tokens, vocab]`` arrays.
+      gradients: gradient shards already reduced, the rest and resident units'
+        gradients summed over the step, and the full gradient of the unit being reduced
+        at the peak (its weights' gradients and the flat buffer made of them).
+      backend: what XLA's CPU backend adds (``backend="cpu"``): the zero-filled gradient
+        of an embedding made at the step's start, and its copies of Adam's moments.
+      moment: the moment of the step that sets the peak (``"forward <unit> (start)"``,
+        ``"loss"``, ``"backward <unit> (end)"``, ``"end"``...).
+    """
+
+    states: float
+    gathered: float
+    secondary: float
+    activations: float
+    loss: float
+    gradients: float
+    backend: float
+    moment: str
+
+    @property
+    def total(self) -> float:
+        return (self.states + self.gathered + self.secondary + self.activations + self.loss
+                + self.gradients + self.backend)
+
+    @property
+    def temporaries(self) -> float:
+        """Everything but the arguments (XLA's ``temp_size_in_bytes`` counts these)."""
+        return self.total - self.states
+
+
+def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,
+                     tokens_per_device: float = 0.0, *, backend: str = "gpu",
+                     batch_bytes_per_device: float = 0.0) -> MemoryBreakdown:
+    """Peak bytes one device holds in a step of ``config`` training ``shape`` on a ``nodes
+    x local`` mesh with ``tokens_per_device`` tokens per device, the state donated
+    (``train_step(donate_state=True)``: the new state takes the old one's buffers).
+
+    The step is followed unit by unit as the engine runs it, and the peak is the largest
+    of these moments, each the sum of what is live then beside the arguments (``states``)
+    and the rest and resident units' weights (live throughout):
+
+    * forward, at the start and the end of each unit: its full weights and the next
+      ``prefetch`` units' (gathered ahead); the activations kept so far (and its own, at
+      its end); hpZ's secondaries made so far; the weights held by units before it;
+    * the loss: every activation, the held weights (the kept unit's), the logits arrays;
+    * backward, at the start and the end of each unit that needs its weights: at the
+      start its weights (regathered, or held since forward), the activations of the units
+      before it and its own with the gradients flowing through it; at the end, in place
+      of its activations and cast copies, its weights' gradients and the flat gradient
+      made of them; with the gradient shards reduced before it;
+    * the end: every gradient shard, and the first unit's gradient with the rest unit's
+      (the bucket) reduced together.
+
+    Sizes: units padded as the engine pads them; full weights in the compute dtype, plus,
+    when the model computes in a wider dtype (``shape.itemsize``), the copies its layers
+    cast them to; activations in ``shape.itemsize`` (``decoder_activations`` counts a
+    decoder's); the loss in float32. What is counted is what is live: a backend's
+    allocation adds its own (fragmentation, a GPU allocator's slack). Without donation the
+    step also allocates the new state (``states`` less the batch) beside the old.
+
+    ``backend``: ``"gpu"`` or ``"cpu"``, for three things XLA's CPU backend does that a
+    GPU's need not: it makes and reduces a 16-bit flat gradient in float32; it makes an
+    embedding's zero-filled gradient (its scatter-add target) at the start of the step;
+    and with the state donated, its copy insertion copies Adam's moments (the updates of
+    the parameters and of the moments read the old moments, after the new ones took their
+    buffers) at the start of the step. Not counted on either: XLA CPU computes 16-bit
+    layers in float32 (a model computing in bfloat16 gets float32 copies of its
+    activations there, so measure models that compute in float32 on CPU).
+    ``batch_bytes_per_device``: the batch's arrays, counted in ``states``.
+    """
+    if backend not in ("gpu", "cpu"):
+        raise ValueError(f"backend is 'gpu' or 'cpu', got {backend!r}")
+    devices = nodes * local
+    c = config.compute_jnp_dtype.itemsize
+    p = config.param_jnp_dtype.itemsize
+    m = shape.itemsize or c
+    cast = m if m > c else 0
+    tokens = float(tokens_per_device)
+    pad = functools.partial(padded_length, num_shards=devices, align=config.flat_alignment)
+    sizes = dict(shape.units)
+    kept = shape.kept if config.keep_last_unit else None
+    rest = sizes.get(REST, 0)
+
+    # The arguments: primary shards and Adam's moments (fp32 each), frozen storage, batch.
+    frozen_sizes = dict(shape.frozen)
+    pad_frozen = functools.partial(padded_length, num_shards=devices,
+                                   align=frozen_alignment(config))
+    trainable = sum(pad(n) for _, n in shape.units)
+    frozen_item = (1 + 4 / config.block_size) if config.quantize_frozen else p
+    states = ((trainable * (p + ADAM_BYTES_PER_PARAM)
+               + sum(map(pad_frozen, frozen_sizes.values())) * frozen_item) / devices
+              + STATE_SCALAR_BYTES + batch_bytes_per_device)
+    shards = trainable * p / devices
+
+    def n_of(u: str) -> int:
+        """A unit's parameters, trainable and frozen."""
+        return sizes.get(u, 0) + frozen_sizes.get(u, 0)
+
+    def gathered(u: str) -> float:
+        """A unit's gathered buffers (trainable and frozen parts), in the compute dtype."""
+        return ((pad(sizes[u]) if u in sizes else 0)
+                + (pad_frozen(frozen_sizes[u]) if u in frozen_sizes else 0)) * c
+
+    def full(u: str) -> float:
+        """A unit's full weights: the gathered buffers and the layers' cast copies."""
+        return gathered(u) + n_of(u) * cast
+
+    def decoding(u: str) -> float:
+        """qwZ's quantized buffer (values and one fp32 scale per block) beside the decoded
+        weights while a gather runs (a frozen part stored quantized, likewise)."""
+        q = (pad(sizes[u]) * ((config.weight_bits or 8) / 8 + 4 / config.block_size)
+             if config.qwz and u in sizes else 0.0)
+        if config.quantize_frozen and u in frozen_sizes:
+            q += pad_frozen(frozen_sizes[u]) * (1 + 4 / config.block_size)
+        return q
+
+    resident = [u for u in shape.resident if u in sizes or u in frozen_sizes]
+    # The rest unit's and the resident units' gathered weights (all step), the copies the
+    # layers cast them to (the head among them: at the loss), and their gradients, summed
+    # over every use from the head's backward to the step's end.
+    shared = rest + sum(n_of(u) for u in resident)
+    persistent = pad(rest) * c + sum(gathered(u) for u in resident)
+    shared_grads = (rest + sum(sizes.get(u, 0) for u in resident)) * max(m, c)
+    order = [name for name, _ in shape.units if name != REST and name not in shape.resident]
+    order += [name for name, _ in shape.frozen if name not in sizes and name != REST
+              and name not in shape.resident]
+    # Units that keep their full weights from forward to backward: the kept unit, and,
+    # when the layers cast the weights, a unit whose every weight is too small for the
+    # engine to tell its cast copies from activations (``units.unit``: under 1024
+    # elements; remat "minimal" only, the one that keeps what backward needs as it is):
+    # backward keeps the copies, needs no weights, and XLA drops the regather.
+    holds = {u for u in order if u == kept or (cast and config.remat == "minimal"
+                                               and u in shape.small_weights)}
+    regathered = [u for u in order if u not in holds and u not in shape.no_regather]
+    group = group_nodes(config.hpz_group_size, nodes, local) * local
+    sec = {u: gathered(u) / group for u in regathered} if config.hpz else {}
+
+    # Activations kept from forward to backward.
+    full_remat = config.remat == "full"
+    saved = shape.block_activations - (shape.block_recomputed if cast else 0.0)
+
+    def kept_by(u: str) -> float:
+        """What unit ``u`` keeps from its forward for its backward: a block its
+        activations (all of them if it holds its weights: its backward reads the very
+        weights its forward did), or with remat "full" its inputs."""
+        if u not in shape.blocks:
+            return 0.0
+        if full_remat:
+            return tokens * m * shape.block_inputs
+        return tokens * m * (shape.block_activations if u in holds else saved)
+
+    outside = tokens * m * shape.activations + tokens * shape.activation_bytes_per_token
+    loss = tokens * 4 * shape.logits
+
+    def held(u: str) -> float:
+        """The weights a unit that holds them keeps for its backward: the gathered buffer
+        and the cast copies; once its layers have cast them, a unit other than a block
+        keeps the copies alone (a block's norms read the gathered buffer to the end)."""
+        return n_of(u) * cast if cast and u not in shape.blocks else full(u)
+
+    def until(i: int) -> tuple[float, float, float]:
+        """What units ``order[:i]`` keep for their backward: (activations, full weights,
+        hpZ secondaries)."""
+        done = order[:i]
+        return (outside + sum(kept_by(u) for u in done),
+                sum(held(u) for u in done if u in holds),
+                sum(sec.get(u, 0.0) for u in done))
+
+    # A flat gradient is made and reduced in the compute dtype (XLA CPU widens it to
+    # float32, whichever way it is reduced).
+    g = 4 if backend == "cpu" else c
+
+    def gradient(u: str) -> float:
+        """A unit's full gradient while it is reduced: its weights' gradients (in the
+        dtype its layers compute in) and the flat buffer they are concatenated into (of
+        a unit of one weight, its gradient reshaped: no copy)."""
+        n = sizes.get(u, 0)
+        if not n:
+            return 0.0
+        return (0.0 if u in shape.single_weight else n * max(m, c)) + pad(n) * g
+
+    moments = []
+    # Forward, at each unit, with the next `prefetch` units' weights gathered ahead: at
+    # its start its weights (and their cast copies), at its end its activations in place
+    # of the copies its layers are done with.
+    for i, u in enumerate(order):
+        acts, weights, secs = until(i)
+        ahead = sum(full(v) for v in order[i + 1:i + 1 + config.prefetch])
+        moments.append((f"forward {u} (start)", weights + full(u) + decoding(u) + ahead,
+                        secs + sec.get(u, 0.0), acts, 0.0, 0.0))
+        moments.append((f"forward {u} (end)",
+                        weights + (held(u) if u in holds else gathered(u)) + ahead,
+                        secs + sec.get(u, 0.0), acts + kept_by(u), 0.0, 0.0))
+    # The loss: every unit's activations, the held weights (the kept unit's: the head's).
+    acts, weights, secs = until(len(order))
+    moments.append(("loss", weights + shared * cast, secs, acts, loss, 0.0))
+    # Backward, unit by unit in reverse (an embedding's at the end, below). At its start:
+    # its weights (regathered, or held since forward) and their cast copies, its
+    # activations (with remat "full", recomputed; when the weights are cast, the ones
+    # recomputed from them) and the gradients flowing through it. At its end: the gathered
+    # buffer (its norms read it to the last), its weights' gradients and the flat
+    # gradient made of them to be reduced.
+    reduced = shared_grads
+    for i in reversed(range(len(order))):
+        u = order[i]
+        if u in shape.no_regather:
+            continue
+        acts, weights, secs = until(i)
+        own = kept_by(u)
+        if u in shape.blocks:
+            own += tokens * m * shape.block_gradients
+            if full_remat:  # recomputed on the regathered weights: all of them
+                own += tokens * m * shape.block_activations
+            elif cast and u not in holds:
+                own += tokens * m * shape.block_recomputed
+        mine = held(u) if u in holds else full(u) + decoding(u)
+        moments.append((f"backward {u} (start)", weights + mine, secs + sec.get(u, 0.0),
+                        acts + own, 0.0, reduced))
+        moments.append((f"backward {u} (end)", weights + min(mine, gathered(u)), secs, acts,
+                        0.0, gradient(u) + reduced))
+        reduced += pad(sizes[u]) * p / devices if u in sizes else 0.0
+    # The end: the first unit's gradient, bucketed with the rest unit's, and every shard.
+    first = order[0] if order else None
+    bucket = (config_allows(config) and rest and shape.first == first
+              and first in sizes and first not in frozen_sizes)
+    end_grad = shared_grads + pad(rest) * g
+    if first is not None:
+        # Its weights' gradients become its flat gradient; with the bucket, that and the
+        # rest unit's are laid out together (one more flat buffer) and reduced at once.
+        flat = (pad(sizes[first]) if first in sizes else 0) + (pad(rest) if bucket else 0)
+        end_grad = max(shared_grads + gradient(first), flat * g * (2 if bucket else 1))
+    moments.append(("end", 0.0, 0.0, 0.0, 0.0, shards + end_grad))
+    extra = {what: 0.0 for what, *_ in moments}
+    if backend == "cpu":
+        # XLA CPU makes the zero-filled gradient of each unit whose backward needs no
+        # weights (an embedding's scatter-add target) at the start of the step (counted
+        # at the end already), and copies Adam's moments and count at its start too.
+        early = sum(sizes.get(u, 0) * max(m, c) for u in order if u in shape.no_regather)
+        copies = trainable * ADAM_BYTES_PER_PARAM / devices + 4
+        extra = {what: copies + (early if what != "end" else 0.0) for what in extra}
+    moment, gathered, secs, acts, lo, grads = max(
+        moments, key=lambda x: sum(x[1:]) + extra[x[0]])
+    return MemoryBreakdown(states, persistent + gathered, secs, acts, lo, grads,
+                           extra[moment], moment)
+
+
 def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,
-                    tokens_per_device: float = 0.0, label: str = "", scalar_bytes: int = 8
-                    ) -> Workload:
+                    tokens_per_device: float = 0.0, label: str = "", scalar_bytes: int = 8,
+                    *, backend: str = "gpu") -> Workload:
     """One step of ``config`` training ``shape`` on a ``nodes x local`` mesh with
     ``tokens_per_device`` tokens per device (rules in the module docstring).
     ``scalar_bytes``: the step's scalar outputs (loss and metrics), all-reduced together."""
@@ -257,25 +656,27 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
         raise ValueError("the cost model covers ZeRO-3 and ZeRO++ (stage=3) configurations; "
                          f"got stage={config.stage}")
     devices = nodes * local
-    itemsize = config.compute_jnp_dtype.itemsize
-    p_item = config.param_jnp_dtype.itemsize
     kept = shape.kept if config.keep_last_unit else None
     costs: list[CollectiveCost] = []
     quant = grad_quant = 0.0
-    largest = 0
     sizes, frozen_names = dict(shape.units), dict(shape.frozen)
     # The unit whose forward gather and gradient reduce-scatter carry the rest unit's too.
     partner = shape.first if (
         config_allows(config) and REST in sizes and REST not in frozen_names
         and shape.first in sizes and shape.first != kept
         and shape.first not in frozen_names) else None
+    # A unit that keeps its weights' cast copies for backward regathers nothing
+    # (``memory_breakdown``).
+    copies = (shape.small_weights if config.remat == "minimal"
+              and (shape.itemsize or 0) > config.compute_jnp_dtype.itemsize else frozenset())
     for name, n in shape.units:
         fwd, bwd, grad = _unit_phases(config, n, nodes, local)
         if name == partner:  # one collective moves both: the padded lengths add up
             pad = functools.partial(padded_length, num_shards=devices,
                                     align=config.flat_alignment)
             fwd, _, grad = _unit_phases(config, pad(n) + pad(sizes[REST]), nodes, local)
-        regathers = name not in (REST, kept) and name not in shape.no_regather
+        regathers = (name not in (REST, kept) and name not in shape.no_regather
+                     and name not in copies)
         if not (name == REST and partner):
             costs += _costs(f"{name} forward", fwd, nodes, local)
         if regathers:
@@ -284,35 +685,19 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
             costs += _costs(f"{name} gradient", grad, nodes, local)
         w_elems, g_elems = _quantized_elems(config, n, 1 + regathers, True, local)
         quant, grad_quant = quant + w_elems + g_elems, grad_quant + g_elems
-        if name != REST:
-            largest = max(largest, n)
     for name, n in shape.frozen:
         fwd, bwd = _frozen_phases(config, n, nodes, local)
         regathers = name != kept and name not in shape.no_regather
         costs += _costs(f"{name} frozen forward", fwd, nodes, local)
         if regathers:
             costs += _costs(f"{name} frozen backward", bwd, nodes, local)
-        largest = max(largest, n)
     # The step's scalars (loss, metrics) share one all-reduce over every device.
     intra, cross = count_bytes("all-reduce", scalar_bytes, axis_groups(AXES, nodes, local),
                                local)
     costs.append(CollectiveCost("loss and metrics", "all-reduce", cross / nodes,
                                 intra / devices, nodes > 1))
-    trainable = sum(n for _, n in shape.units)
-    frozen = sum(n for _, n in shape.frozen)
-    rest = dict(shape.units).get(REST, 0)
-    states = (trainable * (p_item + 4 + ADAM_BYTES_PER_PARAM)
-              + frozen * (1 if config.quantize_frozen else p_item)) / devices
-    # Live full weights: the rest unit for the step, the kept unit, and the unit being used
-    # plus ``prefetch`` gathered ahead; one unit's full gradient while it is reduced.
-    kept_n = dict(shape.units).get(kept, 0) if kept else 0
-    live = (rest + kept_n + (1 + config.prefetch) * largest) * itemsize + largest * itemsize
-    secondary = 0.0
-    if config.hpz:
-        group = group_nodes(config.hpz_group_size, nodes, local) * local
-        secondary = sum(padded_length(n, devices, config.flat_alignment) / group * itemsize
-                        for name, n in shape.units + shape.frozen if name != REST)
-    memory = states + live + secondary + tokens_per_device * shape.activation_bytes_per_token
+    memory = memory_breakdown(config, shape, nodes, local, tokens_per_device,
+                              backend=backend).total
     return Workload(tuple(costs), tokens_per_device * shape.flops_per_token, quant, memory,
                     label or config_label(config), grad_quant)
 
@@ -347,5 +732,6 @@ def config_label(config: ZeroPPConfig) -> str:
     return label if config.bucket else label + " unbucketed"
 
 
-__all__ = ["ModelShape", "config_label", "config_workload", "report_workload",
-           "shape_of_params", "shape_of_state", "transformer_shape"]
+__all__ = ["MemoryBreakdown", "ModelShape", "config_label", "config_workload",
+           "decoder_activations", "memory_breakdown", "report_workload", "shape_of_params",
+           "shape_of_state", "transformer_shape"]

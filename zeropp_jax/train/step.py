@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from zeropp_jax.core import compat
 from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.train import axes
@@ -178,6 +179,34 @@ def train_step(
                       axis_name=axis_name, read_only=False)
 
 
+def _per_device_program(traced: Any) -> Callable[..., list[Any]] | None:
+    """The per-device program of ``jax.make_jaxpr(jax.shard_map(f, ...))(*args)``, as a
+    function of ``args``' leaves (each device's block of them, inside a ``shard_map`` with
+    the same specs) returning ``f``'s output leaves; None if the trace is not one
+    ``shard_map`` equation (then ``f`` is traced again)."""
+    from jax.extend import core as jcore
+
+    eqns = traced.jaxpr.eqns
+    if len(eqns) != 1 or eqns[0].primitive.name != "shard_map":
+        return None
+    eqn = eqns[0]
+    program = jcore.ClosedJaxpr(eqn.params["jaxpr"], ())
+    position = {v: i for i, v in enumerate(traced.jaxpr.invars)}
+    consts = dict(zip(traced.jaxpr.constvars, traced.consts))
+    if not all(isinstance(v, jcore.Literal) or v in position or v in consts
+               for v in eqn.invars):
+        return None
+
+    def replay(*leaves: Any) -> list[Any]:
+        # A constant the trace captured enters the shard_map replicated: each device's
+        # block of it is the whole value.
+        return compat.eval_jaxpr(program, *[
+            v.val if isinstance(v, jcore.Literal) else
+            leaves[position[v]] if v in position else consts[v] for v in eqn.invars])
+
+    return replay
+
+
 def _make_step(fn: Callable[..., Any], *, donate_state: bool, batch_spec: P,
                axis_name: str | tuple[str, ...] | None, read_only: bool) -> Callable[..., Any]:
     """``train_step`` (``read_only=False``) and ``eval_step`` (``read_only=True``)."""
@@ -193,12 +222,13 @@ def _make_step(fn: Callable[..., Any], *, donate_state: bool, batch_spec: P,
         )
         recorded: dict[str, Any] = {}
 
-        def probe(state: TrainState, batch: PyTree, *extra: Any) -> jax.Array:
+        def probe(state: TrainState, batch: PyTree, *extra: Any) -> list[jax.Array]:
             out = user(state, batch, *extra)
             if read_only:
                 _check_read_only(state, out)
             recorded["specs"] = _out_specs(out, batch_spec)
-            return jnp.zeros((), jnp.float32)
+            leaves, recorded["tree"] = jax.tree_util.tree_flatten(out)
+            return [jnp.asarray(x) for x in leaves]
 
         # check_vma=False: the user's step is typed as under jax.jit. With shard_map's
         # replication typing, a constant (invariant) and a per-device value cannot share a
@@ -206,14 +236,21 @@ def _make_step(fn: Callable[..., Any], *, donate_state: bool, batch_spec: P,
         # cannot pcast inside optax. The library's own collectives do not rely on the typing:
         # a unit's backward is its own custom_vjp, and replicated stage-1/2 weights get
         # per-device gradients (no implicit psum) that apply_gradients reduces.
-        # First pass (abstract, once per compilation): learn the output structure, so the
-        # real shard_map gets exact out_specs, and check the program's collectives.
-        axes.check_gradient_collectives(jax.make_jaxpr(
+        # The user's function runs once, abstractly, per device: that trace gives the output
+        # structure (so the real shard_map gets exact out_specs), the program's collectives
+        # to check, and the per-device program itself, which the real shard_map replays
+        # (binding its equations again: Flax and the units' Python do not run twice).
+        traced = jax.make_jaxpr(
             jax.shard_map(probe, mesh=engine.mesh, in_specs=in_specs, out_specs=REPLICATED,
-                          check_vma=False))(state, batch, *extra))
+                          check_vma=False))(state, batch, *extra)
+        axes.check_gradient_collectives(traced)
+        replay = _per_device_program(traced)
 
         def body(state: TrainState, batch: PyTree, *extra: Any) -> Any:
-            return _average_metrics(user(state, batch, *extra))
+            args = (state, batch, *extra)
+            leaves = (replay(*jax.tree_util.tree_leaves(args)) if replay is not None
+                      else jax.tree_util.tree_leaves(user(*args)))
+            return _average_metrics(jax.tree_util.tree_unflatten(recorded["tree"], leaves))
 
         return _unwrap(jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
                                      out_specs=recorded["specs"], check_vma=False)(

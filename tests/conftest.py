@@ -1,18 +1,29 @@
-"""Test configuration: 8 simulated CPU devices and strict numerics (equinox-style).
+"""Test configuration: 8 simulated CPU devices, strict numerics (equinox-style), and a
+compile cache shared by the run's pytest workers.
 
-The device count must be set before JAX initializes its backend, so it happens at import.
+The device count and the XLA flags must be set before JAX initializes its backend, so that
+happens at import.
 """
 
 import os
+import shutil
+import tempfile
 
-# Compiling is most of the suite's time: with a warm compilation cache the same tests run ~3x
-# faster. Most of an XLA CPU compile is LLVM optimising the generated kernels, which the tests
-# do not need: they check numerics against references compiled the same way (tolerances are
-# derived from the rounding measured under these flags), the HLO XLA emits and its buffer
-# assignment, none of which depend on LLVM's optimisation level. -O0 cut a compile-bound test
-# file's time by ~25% on a 2-core AMD EPYC. Subprocesses the tests start inherit it
-# (helpers.subprocess_env).
-COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+import pytest
+
+# Compiling is most of the suite's time, and most of an XLA CPU compile is code generation
+# the tests do not need: they check numerics against references compiled under the same
+# flags (tolerances are derived from the rounding measured under them), the HLO XLA emits
+# and its buffer assignment, none of which the code generator decides.
+# - --xla_backend_optimization_level=0: LLVM does not optimise the kernels (a compile-bound
+#   test file ~25% faster on a 2-core AMD EPYC).
+# - --xla_cpu_use_fusion_emitters=false: fusions go through XLA's elemental IR emitter
+#   instead of the MLIR fusion emitters, which build and tear down an MLIR pipeline per
+#   kernel (a 2x4 zeropp step of the small test GPT: 3.1 s -> 1.5 s to compile on the Xeon).
+# Subprocesses the tests start get the same flags (helpers.subprocess_env reads them from
+# ZEROPP_TEST_XLA_FLAGS).
+COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+os.environ["ZEROPP_TEST_XLA_FLAGS"] = COMPILE_FLAGS
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), COMPILE_FLAGS]))
 
 import jax  # noqa: E402  (after XLA_FLAGS: the backend reads them when it starts)
@@ -23,3 +34,67 @@ zeropp_jax.simulate_cpu_devices(8)
 
 # Silent broadcasting bugs fail loudly.
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# One compile per program per run: many tests build the same programs (the single-device
+# references, a step of the same model on the same mesh, eager ops of the same shapes), in
+# either pytest worker. JAX's persistent compilation cache, in a directory made for this run
+# and shared by its workers (xdist starts them after pytest_configure, so they inherit the
+# variable), serves the second and later compiles of a program from disk. A run starts with
+# an empty cache, so the suite's time is a fresh clone's; set ZEROPP_TEST_COMPILE_CACHE to a
+# directory of your own to keep the cache between runs (it is keyed by the program, the
+# flags and the jax version, so a stale entry is never served).
+_CACHE_ENV = "ZEROPP_TEST_COMPILE_CACHE"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and not os.environ.get(_CACHE_ENV):
+        # The controller (or a run without workers) makes the run's directory.
+        config._zeropp_cache = tempfile.mkdtemp(prefix="zeropp-test-compile-cache-")
+        os.environ[_CACHE_ENV] = config._zeropp_cache
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    # Every program: the eager ops the tests repeat take tens of ms each to compile.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_zeropp_cache", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop(_CACHE_ENV, None)
+
+
+# Programs that do the same arithmetic and only move data differently (hpZ against ZeRO-3,
+# a bucketed gather against separate ones) are compared bit for bit. XLA's elemental
+# emitter (COMPILE_FLAGS) emits a fusion's loops by the fusion's shape, so two such
+# programs that XLA fuses differently can round a reduction differently (measured: 1e-8
+# absolute on a bias gradient of the 2x4 hpZ step); its MLIR fusion emitters, XLA's
+# default, give both the same bits. Tests marked ``bitwise_programs`` compile with them.
+_DEFAULT_EMITTERS = ("xla_cpu_use_fusion_emitters", True)
+
+
+@pytest.fixture(autouse=True)
+def _default_fusion_emitters(request, monkeypatch):
+    if request.node.get_closest_marker("bitwise_programs") is None:
+        yield
+        return
+    from jax._src import compiler  # the one place JAX builds a program's compile options
+
+    original = compiler.get_compile_options
+    compiled = []
+
+    def with_default_emitters(*args, **kwargs):
+        options = original(*args, **kwargs)
+        options.env_option_overrides = [
+            *[o for o in options.env_option_overrides if o[0] != _DEFAULT_EMITTERS[0]],
+            _DEFAULT_EMITTERS]
+        compiled.append(True)
+        return options
+
+    monkeypatch.setattr(compiler, "get_compile_options", with_default_emitters)
+    yield
+    # A JAX that builds compile options elsewhere would leave the override unused and the
+    # test compiled with the elemental emitter: fail here instead of passing by chance.
+    assert compiled, ("bitwise_programs: no program of this test was compiled through "
+                      "jax._src.compiler.get_compile_options; update the fixture in "
+                      "tests/conftest.py for this JAX")

@@ -55,13 +55,11 @@ def pairs_covered(cases: list, factors: list) -> bool:
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a Python subprocess of a test: this one's, less what fixes the
-    device count (the child simulates its own), keeping the suite's compile flags
-    (conftest.COMPILE_FLAGS)."""
+    device count (the child simulates its own), with the suite's compile flags
+    (conftest.COMPILE_FLAGS, passed on in ZEROPP_TEST_XLA_FLAGS) as its XLA_FLAGS."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    keep = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if f.startswith("--xla_backend_optimization_level")]
-    if keep:
-        env["XLA_FLAGS"] = " ".join(keep)
+    if os.environ.get("ZEROPP_TEST_XLA_FLAGS"):
+        env["XLA_FLAGS"] = os.environ["ZEROPP_TEST_XLA_FLAGS"]
     env.update(extra)
     return env
 

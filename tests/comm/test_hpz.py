@@ -33,6 +33,7 @@ def _loss_and_grads(config, mesh_shape, params, batch):
     [((2, 4), None), ((4, 2), None), ((4, 2), 4),
      pytest.param((2, 4), 8, marks=pytest.mark.slow), pytest.param((8, 1), 4, marks=pytest.mark.slow)],
 )
+@pytest.mark.bitwise_programs
 def test_hpz_alone_equals_zero3(mesh_shape, group):
     params, batch = init_params(seed=31), tokens(16, seed=32)
     _, l3, g3 = _loss_and_grads(zpp.ZeroPPConfig(**FP32), mesh_shape, params, batch)
@@ -133,6 +134,7 @@ def test_residuals_hold_secondary_slices_not_full_weights():
     assert secondary_bytes(hpz_state.engine) == expected
 
 
+@pytest.mark.bitwise_programs
 def test_secondary_is_rebuilt_every_step():
     """Two steps whose parameters change in between: each step's backward must use that
     step's weights (a stale secondary would give the first step's gradient again)."""

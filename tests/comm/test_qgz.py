@@ -106,6 +106,7 @@ def test_placement_and_error_bound(mesh_shape, m, bits):
     assert np.max(bound) < 0.5 * np.max(np.abs(exact))
 
 
+@pytest.mark.bitwise_programs
 def test_single_node_falls_back_to_exact_reduce_scatter():
     mesh = zpp.make_mesh(1, 8)
     x = np.random.default_rng(5).standard_normal((8, 8 * 64)).astype(np.float32)
@@ -118,6 +119,7 @@ def test_single_node_falls_back_to_exact_reduce_scatter():
 
 @pytest.mark.parametrize("nodes,local", [(2, 4), (3, 2)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.bitwise_programs
 def test_stages_give_identical_results(nodes, local, dtype):
     num = nodes * local
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:num])
@@ -161,6 +163,7 @@ def test_lowered_step_has_two_hops_per_unit_and_stage(stages):
         assert [t for _, t in hop] == ["ui8"] * units * stages
 
 
+@pytest.mark.bitwise_programs
 def test_qgz_until_switches_without_recompiling():
     """qgz_until=0: never quantized -> identical to ZeRO-3; qgz_until=2: quantized for
     steps 0 and 1 only, by one compiled program."""
@@ -271,6 +274,7 @@ def test_hierarchical_all_gather_is_bitwise_the_flat_one(nodes, local):
                                   run(lambda s: qwz_all_gather(s, **kw)))
 
 
+@pytest.mark.bitwise_programs
 def test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups():
     """In the compiled step every weight all-gather spans one axis: node groups (one
     device per node) or local groups (one node); none spans all devices. fp32 gradients
@@ -393,6 +397,7 @@ def test_hadamard_placement_and_error_bound(mesh_shape, bits):
     assert np.linalg.norm(out - exact) < 0.8 * np.linalg.norm(plain - exact)
 
 
+@pytest.mark.bitwise_programs
 def test_hadamard_stages_are_bitwise_identical_and_the_block_is_checked():
     """Through the documented path ``zeropp_jax.collectives.qgz_reduce_scatter``, with a
     caller's key: stage counts quantize the same rotated blocks (bit-identical results);

@@ -88,6 +88,7 @@ def test_backward_regathers_apart_from_forward_gathers(keep_last_unit):
 
 
 @pytest.mark.parametrize("mode", ["zero3", "zeropp"])
+@pytest.mark.bitwise_programs
 def test_keeping_the_last_unit_changes_no_bit(mode):
     """The last unit's kept forward weights equal what backward would regather (qwZ's
     quantization is deterministic, hpZ's secondary is a slice of the forward's gather):
@@ -118,6 +119,7 @@ BUCKET_MODES = {
 
 
 @pytest.mark.parametrize("mode", list(BUCKET_MODES))
+@pytest.mark.bitwise_programs
 def test_bucketing_changes_no_bit_and_saves_collectives(mode):
     """The rest unit's gather and reduce-scatter riding in the first unit's (``bucket``)
     give loss and gradients bit for bit those of separate collectives (every transport

@@ -715,6 +715,66 @@ def _qgz_weights(data: dict) -> str:
                "(lighter tails than a Gaussian)." if kurt is not None else "."))
 
 
+def int4_weights(data: dict, view: str | None) -> str:
+    """``benchmarks/int4_weights.py``: final loss of each config against zero3 per model
+    (no view), and the INT4 round trip of each model's weights (``round_trip``)."""
+    models = [m for m in data["summary"] if m != "all models"]
+    titles = {m: data["models"][m]["title"] for m in models}
+    s = data["settings"]
+
+    def pct(r: float) -> str:
+        return f"{100 * (r - 1):+.0f}%"
+
+    if view == "round_trip":
+        schemes = list(data["models"][models[0]]["round_trip"]["init"])
+        rows = []
+        for sch in schemes:
+            row = [sch]
+            for m in models:
+                rt = data["models"][m]["round_trip"]
+                row.append(" / ".join(f"{rt[w][sch]['matrices']:.3f}" for w in rt))
+            rows.append(row)
+        whens = " / ".join(data["models"][models[0]]["round_trip"])
+        def extra(key: str) -> str:
+            return ", ".join(f"{titles[m]} {100 * data['models'][m][key]:.1f}%"
+                             for m in models if key in data["models"][m])
+
+        scales = ", ".join(f"{b}: +{100 * (4 / b - 4 / 256) / (0.5 + 4 / 256):.1f}%"
+                           for b in (64, 32))
+        return (_table(["INT4 round trip (block 256 unless named)"]
+                       + [f"{titles[m]}: {whens}" for m in models], rows)
+                + "\n\nRelative L2 error of a weight gather's round trip over the >=2-D "
+                  "parameters (matrices, embeddings), each unit's flat buffer quantized as its "
+                  "gather quantizes it (1-D norm gains and biases share its blocks). The "
+                  "bytes each variant adds to a gather of INT4 in blocks of 256 (4.125 bits "
+                  f"per weight): weight blocks of {scales}; 1-D parameters in bf16: "
+                  f"{extra('one_d_extra_bytes_over_int4')}; the rest unit in INT8: "
+                  f"{extra('rest_int8_extra_bytes_over_int4')}.")
+    if view is not None:
+        raise TableError(f"int4_weights views: none or 'round_trip'; got {view!r}")
+    rows = []
+    for c in data["configs"]:
+        cells = [c]
+        for m in models:
+            r = data["summary"][m][c]
+            if c == "zero3":
+                losses = [v["eval_loss"] for v in data["models"][m]["runs"][c]["seeds"].values()]
+                cells.append(f"{r['eval_loss']:.3f} ({min(losses):.3f} to {max(losses):.3f})")
+            else:
+                cells.append(f"{pct(r['ratio'])} [{pct(r['ratio_min'])}, {pct(r['ratio_max'])}]")
+        rows.append(cells)
+    caption = (
+        "zero3's row: its final loss, the mean over seeds (lowest to highest). Other rows: "
+        "the final loss over zero3's of the same seed, the mean over seeds [lowest, highest]; "
+        f"seeds {', '.join(map(str, s['seeds']))} (initialization and data). Copy task: the "
+        f"loss on the {s['half']} copied tokens (vocabulary 64) after {s['steps']} AdamW "
+        f"steps at lr {s['lr']}, global batch {s['batch']}, {s['layers']} layers of d_model "
+        f"{s['d_model']}, bf16 compute, {s['nodes']}x{s['local']} simulated devices on "
+        f"{data['cpu']}; the loss of the final fp32 weights on {64 * s['eval_batches']} "
+        "held-out sequences, without quantization.")
+    return _table(["config"] + [titles[m] for m in models], rows) + "\n\n" + caption
+
+
 QUANT_DATA = {"gpt_init": "GPT at init", "gpt_trained": "same GPT after training",
               "student_t2": "Student-t (2 dof) matrices"}
 
@@ -884,6 +944,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("overhead", {"variants", "targets", "model", "rounds"}, overhead),
     ("qgz_accuracy", {"errors", "block_size"}, qgz_accuracy),
     ("quantization", {"block_vs_tensor", "sweep", "default_block_size"}, quantization),
+    ("int4_weights", {"settings", "summary", "models", "configs", "cpu"}, int4_weights),
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),
     ("weak_scaling", {"entries", "floors_s", "rows_per_device"}, weak_scaling),
     ("trace_overlap", {"trace_summaries"}, trace_overlap),
@@ -894,7 +955,8 @@ VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "generation": ["exactness", "bytes", "speed"],
          "qgz_accuracy": [None, "smoothing", "formats", "weights"],
          "memory": ["state", "paper", "depth"],
-         "quantization": ["block_vs_tensor", "sweep"]}
+         "quantization": ["block_vs_tensor", "sweep"],
+         "int4_weights": [None, "round_trip"]}
 
 
 def shape_of(data: Any, name: str) -> tuple[str, Callable[[dict, str | None], str]]:

@@ -20,9 +20,13 @@ SLOW = Hardware(4, 2, Link(1e10, 1e-5), Link.gbps(0.1, 1e-4), flops_per_s=1e15)
 
 
 def test_candidates_cover_the_combinations_and_one_node_is_zero3_only():
-    labels = [config_label(c) for c in candidate_configs(4, 2)]
+    labels = [config_label(c) for c in candidate_configs(4, 2, allow_int4_weights=True)]
     assert len(labels) == len(set(labels)) == 3 * 2 * (1 + 2)  # weights x qgz x hpz groups
     assert {"zero3", "qwz-int8", "qwz-int4+hpz+qgz-int4", "hpz[4]+qgz-int4"} <= set(labels)
+    # Without the opt-in: the same combinations without INT4 weights.
+    default = [config_label(c) for c in candidate_configs(4, 2)]
+    assert default == [x for x in labels if "qwz-int4" not in x]
+    assert len(default) == 2 * 2 * (1 + 2)
     assert [config_label(c) for c in candidate_configs(1, 8)] == ["zero3"]
     # Settings outside the techniques come from base.
     base = zpp.ZeroPPConfig(prefetch=2, block_size=128)
@@ -30,7 +34,7 @@ def test_candidates_cover_the_combinations_and_one_node_is_zero3_only():
 
 
 def test_a_slow_network_picks_the_fewest_bytes_and_the_table_is_the_ranking():
-    p = plan(SHAPE, hardware=SLOW)
+    p = plan(SHAPE, hardware=SLOW, allow_int4_weights=True)
     times = [c.prediction.step_s for c in p.candidates]
     assert times == sorted(times)
     assert p.chosen is p.candidates[0]
@@ -38,6 +42,31 @@ def test_a_slow_network_picks_the_fewest_bytes_and_the_table_is_the_ranking():
     least_bytes = min(p.candidates, key=lambda c: c.wire_mb)
     assert least_bytes.wire_mb == p.chosen.wire_mb
     assert "<- chosen" in p.table() and "compute is not counted" in p.table()
+
+
+def test_int4_weights_are_ranked_only_when_allowed_and_the_table_says_so(capsys):
+    """INT4 weights lose accuracy where INT8 weights do not (benchmarks/int4_weights.py):
+    the fastest on a slow network, yet not chosen unless the user opts in; the table's
+    last line names the switch, and an INT4 choice comes with a warning to check
+    convergence. Listing INT4 configs in configs= is opting in."""
+    default = plan(SHAPE, hardware=SLOW)
+    assert not any(c.config.weight_format == "int4" and c.config.qwz
+                   for c in default.candidates)
+    assert default.chosen.label == "qwz-int8+hpz+qgz-int4"
+    assert "allow_int4_weights=True" in default.table().splitlines()[-1]
+    allowed = plan(SHAPE, hardware=SLOW, allow_int4_weights=True)
+    assert allowed.chosen.label == "qwz-int4+hpz+qgz-int4"
+    assert allowed.chosen.prediction.step_s < default.chosen.prediction.step_s
+    assert "INT4 weights chosen" in allowed.table() and "convergence" in allowed.table()
+    listed = plan(SHAPE, hardware=SLOW, configs=[zpp.ZeroPPConfig(),
+                                                 zpp.ZeroPPConfig.zeropp(weight_format="int4")])
+    assert listed.chosen.label == "qwz-int4+hpz+qgz-int4"
+    # ZeroPPConfig.auto passes the switch on and prints the note.
+    config = zpp.ZeroPPConfig.auto(SHAPE, hardware=SLOW)
+    assert config.weight_format == "int8" and config.qwz
+    assert "allow_int4_weights=True ranks them" in capsys.readouterr().out
+    assert zpp.ZeroPPConfig.auto(SHAPE, hardware=SLOW, allow_int4_weights=True,
+                                 verbose=False).weight_format == "int4"
 
 
 def test_when_compute_dominates_ties_go_to_fewer_techniques():
@@ -100,6 +129,8 @@ def test_presets_detect_the_devices():
     ({"hardware": "h100"}, TypeError, "hardware='h100'"),
     ({"base": {"stage": 3}}, TypeError, "base="),
     ({"configs": []}, ValueError, "configs"),
+    ({"allow_int4_weights": "yes"}, TypeError, "allow_int4_weights='yes'"),
+    ({"allow_int4_weights": 1}, TypeError, "allow_int4_weights=1 "),
 ])
 def test_bad_arguments_are_refused_by_name_before_any_costing(monkeypatch, kwargs, error,
                                                              match):
@@ -119,7 +150,7 @@ def test_none_means_not_given_and_numpy_ints_are_counts():
     one = {"hardware": SLOW, "configs": [zpp.ZeroPPConfig()]}  # one candidate to cost
     hw = plan(SHAPE, nodes=None, local=None, **one).hardware
     assert (hw.nodes, hw.local) == (SLOW.nodes, SLOW.local)
-    given = plan(SHAPE, tokens_per_device=None, tie=None, **one)
+    given = plan(SHAPE, tokens_per_device=None, tie=None, allow_int4_weights=None, **one)
     assert (given.why, given.tokens_per_device) == (plan(SHAPE, **one).why, 0.0)
     hw = plan(SHAPE, nodes=np.int64(2), local=np.int32(4), **one).hardware
     assert (hw.nodes, hw.local) == (2, 4) and type(hw.nodes) is int

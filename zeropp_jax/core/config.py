@@ -424,13 +424,14 @@ class ZeroPPConfig:
              memory_budget_bytes: float | None = None, **kwargs: Any) -> "ZeroPPConfig":
         """The fastest configuration for a model on a cluster, by the cost model.
 
-        Ranks ZeRO-3 and the ZeRO++ combinations (qwZ INT8/INT4, hpZ over k-node groups,
-        qgZ) by predicted step time on ``nodes`` x ``local`` devices (default: jax's
+        Ranks ZeRO-3 and the ZeRO++ combinations (qwZ with INT8 weights, hpZ over k-node
+        groups, qgZ; INT4 weights too with ``allow_int4_weights=True``: they cost accuracy
+        on some models) by predicted step time on ``nodes`` x ``local`` devices (default: jax's
         processes and local devices) with links of ``intra_gbps`` (per device, inside a
         node) and ``inter_gbps`` (per node, between nodes) Gbit/s, keeps those under
         ``memory_budget_bytes`` per device (a number, e.g. ``70 * 2**30``), prints the
         table and returns the choice. Other keyword arguments (``hardware``,
-        ``tokens_per_device``, ``base``, ``tie``, ``verbose``) as
+        ``tokens_per_device``, ``base``, ``tie``, ``allow_int4_weights``, ``verbose``) as
         ``zeropp_jax.plan.auto.auto_config``. None means not given; 0 nodes, a negative
         bandwidth or a budget given as a string raise naming the argument.
         """

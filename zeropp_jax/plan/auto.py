@@ -1,12 +1,19 @@
 """The automatic configuration: rank ZeRO-3 and the ZeRO++ combinations with the cost model.
 
 ``plan(state_or_model, nodes=, local=, ...)`` builds every candidate configuration (ZeRO-3;
-qwZ with INT8 or INT4 weights; hpZ with every group of k whole nodes; qgZ; and their
-combinations), predicts each one's step time and memory per device on the hardware
-(``cost_model.predict_step`` of ``workload.config_workload``), drops those over the memory
-budget, and chooses the fastest; ties within ``tie`` go to the candidate with fewer
-techniques on (less quantization error). ``auto_config`` (``ZeroPPConfig.auto``) prints the
-plan's table and returns the chosen config.
+qwZ with INT8 weights, and INT4 with ``allow_int4_weights=True``; hpZ with every group of k
+whole nodes; qgZ; and their combinations), predicts each one's step time and memory per
+device on the hardware (``cost_model.predict_step`` of ``workload.config_workload``), drops
+those over the memory budget, and chooses the fastest; ties within ``tie`` go to the
+candidate with fewer techniques on (less quantization error). ``auto_config``
+(``ZeroPPConfig.auto``) prints the plan's table and returns the chosen config.
+
+The ranking is by speed; accuracy is not modelled. So by default it ranks only the
+techniques of the ZeRO++ paper and DeepSpeed (INT8 weights, hpZ, INT4 gradients), whose
+accuracy the paper and ``benchmarks/convergence.py`` measured. INT4 weights lose accuracy
+where INT8 weights do not, with or without ``qwz_hadamard`` (``benchmarks/int4_weights.py``;
+docs/guides/techniques.md), so they are ranked only with ``allow_int4_weights=True``; the
+plan's last line says which it did.
 
 Hardware: ``hardware=`` (a ``cost_model.Hardware``, e.g. one calibrated by
 ``benchmarks/cluster/run.py --predict`` or a preset of ``presets``), else ``presets.for_devices``
@@ -21,6 +28,8 @@ import itertools
 import math
 import numbers
 from typing import Any, Sequence
+
+import numpy as np
 
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.plan import presets
@@ -90,18 +99,18 @@ class Plan:
         return "\n".join(lines)
 
 
-def candidate_configs(nodes: int, local: int, base: ZeroPPConfig | None = None
-                      ) -> list[ZeroPPConfig]:
+def candidate_configs(nodes: int, local: int, base: ZeroPPConfig | None = None, *,
+                      allow_int4_weights: bool = False) -> list[ZeroPPConfig]:
     """ZeRO-3 and every ZeRO++ combination that means something on ``nodes x local``: qwZ
-    (INT8 or INT4 weights), hpZ (groups of k whole nodes, k < nodes dividing it), qgZ. One
-    node: ZeRO-3 only (nothing crosses nodes to save)."""
+    (INT8 weights; INT4 too with ``allow_int4_weights``), hpZ (groups of k whole nodes,
+    k < nodes dividing it), qgZ. One node: ZeRO-3 only (nothing crosses nodes to save)."""
     base = base or ZeroPPConfig()
     fields = {f.name for f in dataclasses.fields(ZeroPPConfig)}
     keep = {k: getattr(base, k) for k in fields
             if k not in ("qwz", "hpz", "qgz", "weight_bits", "weight_format", "hpz_group_size")}
     if nodes == 1:
         return [ZeroPPConfig(**keep)]
-    weights = [None, "int8", "int4"]
+    weights = [None, "int8", *(["int4"] if allow_int4_weights else [])]
     groups = [None] + [k * local for k in range(2, nodes) if nodes % k == 0]
     out = []
     for fmt, hpz, qgz in itertools.product(weights, [False, True], [False, True]):
@@ -115,7 +124,8 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
          intra_gbps: float | None = None, inter_gbps: float | None = None,
          memory_budget_bytes: float | None = None, hardware: Hardware | None = None,
          tokens_per_device: float | None = 0.0, base: ZeroPPConfig | None = None,
-         tie: float | None = _TIE, configs: Sequence[ZeroPPConfig] | None = None) -> Plan:
+         tie: float | None = _TIE, configs: Sequence[ZeroPPConfig] | None = None,
+         allow_int4_weights: bool = False) -> Plan:
     """Rank the candidate configurations for a model on a cluster (module docstring).
 
     Args:
@@ -132,7 +142,12 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
       base: other settings every candidate keeps (dtypes, prefetch, block size...).
       tie: candidates within this fraction of the fastest count as tied.
       configs: the candidates to rank instead of ``candidate_configs``' (e.g. only the
-        configurations a benchmark measured).
+        configurations a benchmark measured); INT4-weight configs listed here are ranked
+        (listing them is opting in).
+      allow_int4_weights: also rank qwZ with INT4 weights (``weight_format="int4"``). Off
+        by default: they halve INT8's weight bytes but cost accuracy on models whose
+        weight blocks have no outliers (module docstring); turn it on once a convergence
+        run of your model shows they train as well.
 
     None means not given, for every argument that has a default. Anything else that is
     not what the argument takes (0 nodes, a negative bandwidth, a budget given as the
@@ -152,6 +167,11 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
                                 "compute left out", zero=True) or 0.0
     tie = _number("tie", tie, "a fraction of the fastest step time", f"{_TIE}", zero=True)
     tie = _TIE if tie is None else tie
+    allow_int4_weights = False if allow_int4_weights is None else allow_int4_weights
+    if not isinstance(allow_int4_weights, (bool, np.bool_)):
+        raise TypeError(f"allow_int4_weights={allow_int4_weights!r} is a "
+                        f"{type(allow_int4_weights).__name__}: give True (also rank INT4 "
+                        "weights) or False")
     if hardware is not None and not isinstance(hardware, Hardware):
         raise TypeError(
             f"hardware={hardware!r} is a {type(hardware).__name__}: give a "
@@ -171,7 +191,11 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
     shape = _shape_of(state_or_model)
     hw = _hardware(hardware, nodes, local, intra_gbps, inter_gbps)
     candidates = []
-    for config in (candidate_configs(hw.nodes, hw.local, base) if configs is None else configs):
+    given = configs is not None
+    if not given:
+        configs = candidate_configs(hw.nodes, hw.local, base,
+                                    allow_int4_weights=bool(allow_int4_weights))
+    for config in configs:
         w = config_workload(config, shape, hw.nodes, hw.local, tokens_per_device)
         p = predict_step(w, hw)
         fits = memory_budget_bytes is None or p.memory_bytes <= memory_budget_bytes
@@ -195,6 +219,13 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
               f", under the budget of {memory_budget_bytes / 2**30:.2f} GiB per device")
            + ("" if tokens_per_device else
               "; no tokens_per_device given, so compute is not counted"))
+    if _int4(chosen.config):
+        why += ("\nINT4 weights chosen: they lose accuracy where INT8 weights do not "
+                "(benchmarks/int4_weights.py); check a convergence run of this model against "
+                "zero3 before training on them")
+    elif not given and hw.nodes > 1 and not allow_int4_weights:
+        why += ("\nINT4 weights (qwz-int4) not ranked: they lose accuracy where INT8 "
+                "weights do not; allow_int4_weights=True ranks them too")
     return Plan(tuple(candidates), chosen, hw, shape, tokens_per_device, memory_budget_bytes,
                 why)
 
@@ -205,12 +236,16 @@ def auto_config(state_or_model: Any, *, nodes: int | None = None, local: int | N
                 **kwargs: Any) -> ZeroPPConfig:
     """``plan(...)``'s chosen config; prints the candidate table unless ``verbose=False``.
     Other keyword arguments go to ``plan`` (``hardware``, ``tokens_per_device``, ``base``,
-    ``tie``)."""
+    ``tie``, ``configs``, ``allow_int4_weights``)."""
     p = plan(state_or_model, nodes=nodes, local=local, intra_gbps=intra_gbps,
              inter_gbps=inter_gbps, memory_budget_bytes=memory_budget_bytes, **kwargs)
     if verbose:
         print(p.table())
     return p.chosen.config
+
+
+def _int4(config: ZeroPPConfig) -> bool:
+    return config.qwz and config.weight_format == "int4"
 
 
 def _shape_of(x: Any) -> ModelShape:

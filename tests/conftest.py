@@ -70,31 +70,17 @@ def pytest_unconfigure(config):
 # programs that XLA fuses differently can round a reduction differently (measured: 1e-8
 # absolute on a bias gradient of the 2x4 hpZ step); its MLIR fusion emitters, XLA's
 # default, give both the same bits. Tests marked ``bitwise_programs`` compile with them.
-_DEFAULT_EMITTERS = ("xla_cpu_use_fusion_emitters", True)
-
-
 @pytest.fixture(autouse=True)
-def _default_fusion_emitters(request, monkeypatch):
+def _default_fusion_emitters(request):
     if request.node.get_closest_marker("bitwise_programs") is None:
         yield
         return
-    from jax._src import compiler  # the one place JAX builds a program's compile options
+    from zeropp_jax.core import compat
 
-    original = compiler.get_compile_options
-    compiled = []
-
-    def with_default_emitters(*args, **kwargs):
-        options = original(*args, **kwargs)
-        options.env_option_overrides = [
-            *[o for o in options.env_option_overrides if o[0] != _DEFAULT_EMITTERS[0]],
-            _DEFAULT_EMITTERS]
-        compiled.append(True)
-        return options
-
-    monkeypatch.setattr(compiler, "get_compile_options", with_default_emitters)
-    yield
-    # A JAX that builds compile options elsewhere would leave the override unused and the
-    # test compiled with the elemental emitter: fail here instead of passing by chance.
-    assert compiled, ("bitwise_programs: no program of this test was compiled through "
-                      "jax._src.compiler.get_compile_options; update the fixture in "
-                      "tests/conftest.py for this JAX")
+    with compat.xla_options({"xla_cpu_use_fusion_emitters": True}) as built:
+        yield
+    # Programs served from JAX's in-memory caches keep the emitter they were compiled with:
+    # a test whose programs were all compiled elsewhere would compare the elemental
+    # emitter's and pass or fail by chance.
+    assert built, ("bitwise_programs: no program of this test was compiled here, so none "
+                   "got XLA's default fusion emitters (see tests/conftest.py)")

@@ -56,10 +56,18 @@ def pairs_covered(cases: list, factors: list) -> bool:
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment for a Python subprocess of a test: this one's, less what fixes the
     device count (the child simulates its own), with the suite's compile flags
-    (conftest.COMPILE_FLAGS, passed on in ZEROPP_TEST_XLA_FLAGS) as its XLA_FLAGS."""
+    (conftest.COMPILE_FLAGS, passed on in ZEROPP_TEST_XLA_FLAGS) as its XLA_FLAGS and the
+    run's compile cache."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     if os.environ.get("ZEROPP_TEST_XLA_FLAGS"):
         env["XLA_FLAGS"] = os.environ["ZEROPP_TEST_XLA_FLAGS"]
+    if os.environ.get("ZEROPP_TEST_COMPILE_CACHE"):
+        # The run's compile cache (conftest), through JAX's own environment variables: the
+        # processes of a multi-process test compile the same programs, and reruns of an
+        # example the programs an earlier test compiled.
+        env.update(JAX_COMPILATION_CACHE_DIR=os.environ["ZEROPP_TEST_COMPILE_CACHE"],
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.update(extra)
     return env
 
@@ -246,6 +254,11 @@ def _float32_reads_as_float64(modules):
             m.jnp = j
 
 
+# Compiled float64 references, by function and argument shapes: a test's fresh random inputs
+# of the same shapes reuse the program (checked for fp32 once, when it was compiled).
+_FLOAT64_PROGRAMS: dict = {}
+
+
 def float64_outputs(fn, *args, widen=()):
     """``fn(*args)`` in float64: every floating leaf of ``args`` widened, x64 on, the explicit
     fp32 casts of the modules in ``widen`` kept float64. Fails if the program still holds an
@@ -256,9 +269,28 @@ def float64_outputs(fn, *args, widen=()):
 
     with jax.enable_x64(True), _float32_reads_as_float64(widen):
         args = jax.tree_util.tree_map(wide, args)
-        lowered = jax.jit(fn).lower(*args)
-        assert "f32" not in lowered.as_text(), "the float64 reference still computes in fp32"
-        return jax.tree_util.tree_map(np.asarray, lowered.compile()(*args))
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        key = (fn, tuple(widen), treedef, tuple((x.shape, x.dtype) for x in leaves))
+        if key not in _FLOAT64_PROGRAMS:
+            if len(_FLOAT64_PROGRAMS) >= 256:  # functions made anew per call never hit
+                _FLOAT64_PROGRAMS.clear()
+            lowered = jax.jit(fn).lower(*args)
+            assert "f32" not in lowered.as_text(), "the float64 reference still computes in fp32"
+            _FLOAT64_PROGRAMS[key] = lowered.compile()
+        return jax.tree_util.tree_map(np.asarray, _FLOAT64_PROGRAMS[key](*args))
+
+
+@functools.lru_cache(maxsize=256)
+def jitted(fn):
+    """``jax.jit(fn)``, one per function: a helper called again with the same function
+    (a model's loss, ``value_and_grad_of``) reuses its compiled programs."""
+    return jax.jit(fn)
+
+
+@functools.lru_cache(maxsize=256)
+def value_and_grad_of(fn):
+    """``jax.value_and_grad(fn)``, one per function (so ``jitted`` of it is reused)."""
+    return jax.value_and_grad(fn)
 
 
 def _leaf_errors(actual, exact) -> list[float]:
@@ -285,7 +317,7 @@ def rounding_of(fn, *args, fn64=None, widen=(), orders=()) -> Rounding:
     then allows rho for each of two runs (``assert_rounding_close``).
     """
     exact = float64_outputs(fn if fn64 is None else fn64, *args, widen=widen)
-    evaluations = [jax.jit(fn)(*args)] + [order() for order in orders]
+    evaluations = [jitted(fn)(*args)] + [order() for order in orders]
     rho = max(max(_leaf_errors(y, exact)) for y in evaluations)
     unit = max(float(jnp.finfo(x.dtype).eps) / 2 for x in jax.tree_util.tree_leaves(evaluations[0])
                if jnp.issubdtype(x.dtype, jnp.floating))
@@ -301,7 +333,7 @@ def loss_and_grads_rounding(loss_of, params, batch, *, shards=(8,), loss_of64=No
     own rounding stayed within 1.1x of this rho over 12 seeds, where the whole-batch order
     alone missed it by up to 1.8x: a maximum over leaves is a noisy statistic, and the
     sliced order computes the same per-device sums as the sharded step."""
-    value_and_grad = jax.jit(jax.value_and_grad(loss_of))
+    value_and_grad = jitted(value_and_grad_of(loss_of))
 
     def sliced(s):
         def run():
@@ -313,24 +345,32 @@ def loss_and_grads_rounding(loss_of, params, batch, *, shards=(8,), loss_of64=No
                                     dtype=np.float32), *parts)
         return run
 
-    fn64 = jax.value_and_grad(loss_of if loss_of64 is None else loss_of64)
-    return rounding_of(jax.value_and_grad(loss_of), params, batch, fn64=fn64, widen=widen,
-                         orders=[sliced(s) for s in shards])
+    fn64 = value_and_grad_of(loss_of if loss_of64 is None else loss_of64)
+    return rounding_of(value_and_grad_of(loss_of), params, batch, fn64=fn64, widen=widen,
+                       orders=[sliced(s) for s in shards])
 
 
 def fp32_gradient_rounding(model, params, batch, *, shards=(8,)) -> Rounding:
     """``loss_and_grads_rounding`` of the demo GPT's loss: the float64 reference is the model
     with ``dtype="float64"`` and its fp32 casts (logits, softmax) widened."""
-    import dataclasses
-
     import zeropp_demo.gpt as gpt
+
+    loss32, loss64 = gpt_losses(model)
+    return loss_and_grads_rounding(loss32, params, batch, shards=shards, loss_of64=loss64,
+                                   widen=(gpt,))
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_losses(model):
+    """The demo GPT's loss ``(params, tokens [b, T + 1]) -> scalar`` for ``model`` and for its
+    float64 twin; one pair per model configuration (flax modules hash by their fields), so
+    every test of the same model reuses the references' compiled programs."""
+    import dataclasses
 
     def loss_with(m):
         return lambda p, b: loss_fn(m.apply({"params": p}, b[:, :-1]), b[:, 1:])
 
-    wide = GPT(dataclasses.replace(model.config, dtype="float64"))
-    return loss_and_grads_rounding(loss_with(model), params, batch, shards=shards,
-                                   loss_of64=loss_with(wide), widen=(gpt,))
+    return loss_with(model), loss_with(GPT(dataclasses.replace(model.config, dtype="float64")))
 
 
 def assert_rounding_close(actual, expected, rho: float) -> None:

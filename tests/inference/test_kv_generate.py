@@ -197,8 +197,10 @@ def _check_transformers(transformers, arch):
     # transformers stops a row at the config's eos token and pads it with pad_token_id.
     out = np.asarray(zpp.generate(state, prompts, 8, stop_tokens=[model.config.eos_token_id],
                                   pad_token=0))
-    own = np.asarray(model.generate(prompts, max_length=12, do_sample=False,
-                                    pad_token_id=0).sequences)
+    # transformers' own greedy search, under one jax.jit (run op by op it compiles each op).
+    own = np.asarray(jax.jit(lambda p, x: model.generate(
+        x, params=p, max_length=12, do_sample=False, pad_token_id=0).sequences)(
+            model.params, prompts))
     np.testing.assert_array_equal(out, own)
     assert len(np.unique(out[:, 4:])) > 2, f"seed {seed}: degenerate continuation"
 

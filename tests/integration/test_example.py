@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import subprocess_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch", "8",
@@ -20,7 +22,7 @@ def _run(tmp_path: pathlib.Path, name: str, *args: str) -> dict:
     out = tmp_path / f"{name}.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *TINY, "--json", str(out), *args],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=subprocess_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "zeropp_jax train_gpt" in proc.stdout  # the one-screen summary

@@ -218,27 +218,6 @@ state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                               mesh=zpp.make_mesh(2, 2))
 """
 
-_DISAGREE = _TINY_STATE + r"""
-@zpp.train_step
-def step(state, batch):
-    return state, {{}}
-
-rows = 8 if {pid} == 0 else 12  # process 1 passes another global batch
-try:
-    step(state, np.zeros((rows, 8), np.int32))
-except ValueError as e:
-    print("REFUSED", e)
-    sys.exit(0)
-sys.exit(3)
-"""
-
-
-def test_processes_passing_different_global_batches_are_refused(tmp_path):
-    for out in _run_workers(tmp_path, lambda pid, port: [
-            "-c", _DISAGREE.format(port=port, pid=pid)]):
-        assert "processes passed different global batches" in out, out[-3000:]
-
-
 def _start_workers(argv_of, timeout: float, env: dict | None = None,
                    hung: str = "") -> list[tuple[int, str]]:
     """Starts two processes (``argv_of(pid, port)``), waits, returns each one's (return

@@ -2,8 +2,8 @@
 gets a clear error within ZEROPP_COLLECTIVE_TIMEOUT_S, never a hang.
 
 One worker run goes through the scenarios in order (each process starting Python, JAX and
-``jax.distributed`` costs seconds on 2 cores, so they share it): a batch that differs after
-the first step, a save into another directory per process, checkpoints whose shards
+``jax.distributed`` costs seconds on 2 cores, so they share it): a batch that differs at the
+first step and after it, a save into another directory per process, checkpoints whose shards
 process 1 wrote are truncated, deleted or changed, and finally process 1 exiting on an
 uncaught error while process 0 waits for it. Each scenario writes one ``CASE name elapsed
 message`` line per process (to a file of its own: gloo's lines interleave with the log); the test checks the messages and that each took less than the
@@ -79,7 +79,9 @@ def at(s, n):
     return s.replace(step=jax.device_put(np.int32(n), s.step.sharding))
 
 
-# A batch that differs after a first step both processes agreed on.
+# A batch that differs at the very first step (nothing compiled yet), then one that
+# differs after a first step both processes agreed on.
+case("batch_first", lambda: step(state, np.ones((8 if PID == 0 else 12, 6), np.float32)))
 state, _ = step(state, np.ones((8, 6), np.float32))
 # One process lowers the step alone (to read its communication report, as the cluster
 # benchmark's node 0 does): lowering exchanges nothing, so the next step goes through.
@@ -92,8 +94,9 @@ case("batch", lambda: step(state, np.ones((8 if PID == 0 else 12, 6), np.float32
 case("dirs", lambda: ckpt.save(TMP / f"own_{{PID}}", state))
 
 # Steps 1..3 into one directory, 1..2 into another; process 0 damages process 1's shards:
-# truncated in the newest (3), deleted in 2, changed (same sizes) in a copy of the other's
-# 2 (a copy: this process's TensorStore cache still holds what it wrote under the old
+# truncated in the newest (3), deleted in 2, changed (same sizes, every byte: with only
+# the second half of each file changed, one run on a loaded machine restored without an
+# error) in a copy of the other's 2 (a copy: this process's TensorStore cache still holds what it wrote under the old
 # name, and would serve it instead of the changed file).
 for d, last in (("ck", 3), ("ck2", 2)):
     for n in range(1, last + 1):
@@ -110,10 +113,8 @@ if PID == 0:
                 f.write_bytes(bytes(raw[: len(raw) // 2]))
             elif how == "delete":
                 f.unlink()
-            else:
-                for i in range(len(raw) // 2, len(raw)):
-                    raw[i] ^= 0x5A
-                f.write_bytes(bytes(raw))
+            else:  # every byte: a file's layout (which part a restore reads) varies
+                f.write_bytes(bytes(b ^ 0x5A for b in raw))
 zpp.processes.rendezvous("test.damaged")
 tmpl = lambda: zpp.TrainState.create(model=Net(), params=Net().init(jax.random.PRNGKey(1), x0),
                                      tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 2))
@@ -152,16 +153,19 @@ def test_processes_that_disagree_or_fail_get_clear_errors_in_time(tmp_path):
     both = [_cases((tmp_path / f"cases_{pid}.txt").read_text()) for pid in range(2)]
     tails = f"\n--- process 0:\n{out0[-4000:]}\n--- process 1:\n{out1[-4000:]}"
     for pid, cases in enumerate(both):
-        names = ["lower_alone", "batch", "dirs", "truncate", "delete", "flip", "intact"]
+        names = ["batch_first", "lower_alone", "batch", "dirs", "truncate", "delete", "flip",
+                 "intact"]
         assert [n for n in names if n not in cases] == [], tails
         for name in names:
             assert cases[name][0] < TIMEOUT_S + SLACK_S, (pid, name, cases[name], tails)
         assert cases["lower_alone"][1] == "NO ERROR", cases["lower_alone"]
-        # A batch that differs after the first step: every process names both structures.
-        msg = cases["batch"][1]
-        assert msg.startswith("ValueError: processes passed different global batches"), msg
-        assert "process 0 passed {batch: (8, 6) float32}" in msg, msg
-        assert "process 1 passed {batch: (12, 6) float32}" in msg, msg
+        # A batch that differs, at the first step or after it: every process names both
+        # structures (and both go on to the next step).
+        for name in ("batch_first", "batch"):
+            msg = cases[name][1]
+            assert msg.startswith("ValueError: processes passed different global batches"), msg
+            assert "process 0 passed {batch: (8, 6) float32}" in msg, msg
+            assert "process 1 passed {batch: (12, 6) float32}" in msg, msg
         # Another directory per process: refused before anything is written.
         msg = cases["dirs"][1]
         assert msg.startswith("CheckpointError: checkpoint.save was called with different"), msg

@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 
+from helpers import subprocess_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -18,7 +20,8 @@ def test_rlhf_reward_goes_up_and_phases_are_timed(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "rlhf.py"), "--nodes", "2", "--local", "2",
          "--steps", "8", "--new-tokens", "12", "--seed", str(seed), "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
     assert run["mode"] == "zeropp" and run["config"]["hpz"] and run["config"]["quantize_frozen"]

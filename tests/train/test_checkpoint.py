@@ -18,7 +18,7 @@ import zeropp_jax as zpp
 from zeropp_jax.train import checkpoint as ckpt
 from zeropp_demo.gpt import GPT, loss_fn
 
-from helpers import SMALL, U32, init_params, make_step, tokens
+from helpers import subprocess_env, SMALL, U32, init_params, make_step, tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FP32 = dict(compute_dtype="float32")
@@ -199,7 +199,7 @@ def test_save_killed_midway_leaves_the_previous_checkpoint_usable(trained, tmp_p
     d = _copy(d, tmp_path)
     code = _KILLED_SAVE.format(tests=str(ROOT / "tests"), directory=str(d))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=subprocess_env())
     assert proc.returncode == 17, proc.stderr[-2000:]
     assert list(d.glob(".tmp-step_00000003-*")), "the killed save left its temporary directory"
     assert ckpt.available_steps(d) == [2]

@@ -53,6 +53,12 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    A ``scan`` equation says how many of its inputs are constants and carry with
    ``num_consts`` / ``num_carry`` in 0.10.2; 0.11.2 drops both for ``ft_in`` / ``ft_out``
    (private flat-tree objects): ``scan_counts`` reads the counts from the shapes there.
+11. XLA options for every program compiled in a block (``xla_options``): ``jax.jit``'s
+   ``compiler_options`` reach one function's programs only, and ``XLA_FLAGS`` is read once
+   per process. ``jax._src.compiler.get_compile_options`` builds every program's
+   ``CompileOptions`` (``env_option_overrides`` carry XLA debug options) in 0.10 to 0.12,
+   and the persistent compilation cache keys include those overrides. The test suite uses
+   it to compile some tests with XLA:CPU's default fusion emitters (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -297,3 +303,33 @@ def _scan_counts_from_shapes(eqn: Any) -> tuple[int, int]:
     if consts < 0:
         raise ValueError(f"cannot tell a scan's carry from its shapes: {eqn}")
     return consts, carry
+
+
+# -- 11. XLA options for every program compiled in a block -------------------------------------
+
+
+@contextlib.contextmanager
+def xla_options(options: dict[str, Any]) -> Iterator[list[int]]:
+    """Inside, every program JAX compiles gets the XLA debug ``options`` (e.g.
+    ``{"xla_cpu_use_fusion_emitters": True}``) over ``XLA_FLAGS``. Yields a list whose
+    length counts the programs whose options were built (a program served by JAX's
+    in-memory caches is not compiled again, and keeps the options it was compiled with).
+    Not thread-safe: it replaces a module attribute for the duration."""
+    from jax._src import compiler
+
+    original = compiler.get_compile_options
+    built: list[int] = []
+
+    def with_options(*args: Any, **kwargs: Any) -> Any:
+        compile_options = original(*args, **kwargs)
+        compile_options.env_option_overrides = [
+            *[o for o in compile_options.env_option_overrides if o[0] not in options],
+            *options.items()]
+        built.append(1)
+        return compile_options
+
+    compiler.get_compile_options = with_options
+    try:
+        yield built
+    finally:
+        compiler.get_compile_options = original

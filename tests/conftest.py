@@ -84,3 +84,11 @@ def _default_fusion_emitters(request):
     # emitter's and pass or fail by chance.
     assert built, ("bitwise_programs: no program of this test was compiled here, so none "
                    "got XLA's default fusion emitters (see tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The whole-program tests (tests/integration: subprocesses, several seconds each) run
+    first. xdist's worksteal hands each worker a contiguous share and lets an idle worker
+    take the tail of the other's: with the long tests first, the run ends on short ones
+    instead of one worker finishing a 10 s test while the other waits."""
+    items.sort(key=lambda item: "/integration/" not in "/" + item.nodeid)

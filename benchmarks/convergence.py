@@ -49,6 +49,16 @@ CONFIGS = {
         "", 1.0),
     "FP8 weights, INT4 Hadamard grads": (
         ["--mode", "zeropp", "--weight-format", "fp8", "--qgz-hadamard"], "", None),
+    # Error feedback (each device adds back what its last quantizations dropped) and
+    # Hadamard signs drawn anew every step (target for the feedback rows: +0.1%).
+    "zeropp + Hadamard + EF": (["--mode", "zeropp", "--qgz-hadamard", "--qgz-error-feedback"],
+                               "", 0.1),
+    "zeropp + Hadamard, per-step signs": (
+        ["--mode", "zeropp", "--qgz-hadamard", "--qgz-signs", "per_step"], "", None),
+    "zeropp + Hadamard + EF, per-step signs": (
+        ["--mode", "zeropp", "--qgz-hadamard", "--qgz-error-feedback", "--qgz-signs",
+         "per_step"], "", 0.1),
+    "zeropp + EF": (["--mode", "zeropp", "--qgz-error-feedback"], "", None),
 }
 
 

@@ -32,6 +32,10 @@ Beyond the paper (the "Beyond ZeRO++" issue), on the same gradients and weights:
   A shard is whole blocks, so quantizing the flat weights block by block is exactly what
   the gather delivers.
 
+And error feedback (``error_feedback``): the per-step and accumulated error of qgZ's
+reduce-scatter over ``--train-steps`` steps of one training trajectory, with and without
+the kept errors added back, with fixed and per-step Hadamard signs (``feedback_study``).
+
 Writes JSON (``--out``/qgz_accuracy.json).
 """
 
@@ -238,7 +242,125 @@ def main() -> None:
     print(f"trained weights' median excess kurtosis per block: {kurtosis:.2f} "
           "(0: Gaussian, -1.2: uniform, > 0: heavy tails)")
 
+    results["error_feedback"] = feedback_study(args, model, init, data, flat_grad, mesh)
     write_json(args.out, "qgz_accuracy.json", results)
+
+
+def feedback_study(args, model, init, data, flat_grad, mesh) -> dict:
+    """qgZ's error feedback over a training trajectory: per-step and accumulated error.
+
+    ``--train-steps`` steps of fp32 Adam on the exact mean gradient (one trajectory for
+    every variant, so the variants see the same gradients); at each step every device's
+    gradient (its own 8 rows) goes through qgZ's transport, with the kept errors carried
+    from step to step (stored in FP8, as in training) for the feedback variants. Reported
+    per variant: the relative L2 error of the step's reduce-scatter against the exact sum
+    (``per_step``), and of the sum of all reduce-scatters so far against the sum of the
+    exact ones (``accumulated``: what the parameters integrate; error feedback bounds it by
+    one step's kept error, without feedback it grows with the steps).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zeropp_jax as zpp
+    from benchmarks.common import EXAMPLE_GPT
+    from zeropp_demo.data import sample_batch
+    from zeropp_jax.comm.transports import gradient_transport
+
+    num = args.nodes * args.local
+    bs = args.block_size
+    spec = P(("node", "local"))
+    variants = {
+        "qgz": {},
+        "qgz + hadamard": dict(qgz_hadamard=True),
+        "qgz + hadamard, per-step signs": dict(qgz_hadamard=True, qgz_signs="per_step"),
+        "qgz + error feedback": dict(qgz_error_feedback=True),
+        "qgz + hadamard + error feedback": dict(qgz_hadamard=True, qgz_error_feedback=True),
+        "qgz + hadamard + error feedback, per-step signs": dict(
+            qgz_hadamard=True, qgz_error_feedback=True, qgz_signs="per_step"),
+    }
+    n = None
+    runs = {}
+    for label, opts in variants.items():
+        t = gradient_transport(zpp.ZeroPPConfig.zeropp(block_size=bs, **opts))
+        runs[label] = {"transport": t, "kept": None, "sum": 0.0, "per_step": [],
+                       "accumulated": []}
+    params = init
+    tx = optax.adam(3e-3)
+    opt_state = tx.init(params)
+    exact_sum = 0.0
+    fns = {}
+    for step in range(args.train_steps):
+        batch = sample_batch(data, 8 * num, EXAMPLE_GPT.seq_len, seed=args.seed + 100,
+                             step=step)
+        rows = [np.asarray(flat_grad(params, batch[d * 8:(d + 1) * 8])) for d in range(num)]
+        g = np.stack(rows)
+        if n is None:
+            n = g.shape[1] + (-g.shape[1] % (num * bs))
+        g = np.pad(g, ((0, 0), (0, n - g.shape[1])))
+        exact = g.astype(np.float64).sum(axis=0)
+        exact_sum = exact_sum + exact
+        x = jax.device_put(jnp.asarray(g.reshape(-1), jnp.float32), NamedSharding(mesh, spec))
+        for label, r in runs.items():
+            t = r["transport"]
+            if t.error_feedback:
+                if r["kept"] is None:
+                    per = t.feedback_specs(n, args.nodes, args.local)
+                    r["kept"] = tuple(jax.device_put(jnp.zeros((num * s.shape[0],), s.dtype),
+                                                     NamedSharding(mesh, spec)) for s in per)
+                if label not in fns:
+                    fns[label] = jax.jit(jax.shard_map(
+                        lambda v, k, st, t=t: t.reduce_sum_feedback(v, k, None, st[0]),
+                        mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec, spec)))
+                out, r["kept"] = fns[label](x, r["kept"], jnp.array([step], jnp.int32))
+            else:
+                if label not in fns:
+                    fns[label] = jax.jit(jax.shard_map(
+                        lambda v, st, t=t: t.reduce_sum(v, None, st[0]),
+                        mesh=mesh, in_specs=(spec, P()), out_specs=spec))
+                out = fns[label](x, jnp.array([step], jnp.int32))
+            sent = np.asarray(out, np.float64)
+            r["sum"] = r["sum"] + sent
+            r["per_step"].append(float(np.linalg.norm(sent - exact) / np.linalg.norm(exact)))
+            r["accumulated"].append(float(np.linalg.norm(r["sum"] - exact_sum)
+                                          / np.linalg.norm(exact_sum)))
+        size = sum(int(np.size(a)) for a in jax.tree_util.tree_leaves(params))
+        mean_grad = _unflatten_like(params, exact[:size] / num)
+        updates, opt_state = tx.update(mean_grad, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    last = args.train_steps - 1
+    out = {"steps": args.train_steps, "nodes": args.nodes, "local": args.local,
+           "block_size": bs, "variants": {}}
+    print(f"\nerror feedback over {args.train_steps} steps of one trajectory "
+          f"({args.nodes}x{args.local}, INT4, block {bs}): relative L2 error at the last step")
+    print(f"{'variant':<50} {'per step':>10} {'accumulated':>12}")
+    for label, r in runs.items():
+        out["variants"][label] = {"per_step": r["per_step"], "accumulated": r["accumulated"]}
+        print(f"{label:<50} {r['per_step'][last]:>10.5f} {r['accumulated'][last]:>12.5f}")
+    base = runs["qgz"]
+    for label in runs:
+        out["variants"][label]["per_step_over_qgz"] = (
+            runs[label]["per_step"][last] / base["per_step"][last])
+        out["variants"][label]["accumulated_over_qgz"] = (
+            runs[label]["accumulated"][last] / base["accumulated"][last])
+    return out
+
+
+def _unflatten_like(tree, flat):
+    """A flat fp64 vector -> ``tree``'s structure (leaf order of tree_leaves), fp32."""
+    import jax
+    import numpy as np
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out, start = [], 0
+    for leaf in leaves:
+        size = int(np.size(leaf))
+        out.append(np.asarray(flat[start:start + size], np.float32).reshape(np.shape(leaf)))
+        start += size
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 if __name__ == "__main__":

@@ -660,9 +660,10 @@ def overhead(data: dict, view: str | None) -> str:
 def qgz_accuracy(data: dict, view: str | None) -> str:
     """``benchmarks/qgz_accuracy.py``: relative L2 error of reduce-scatters of real gradients
     (no view), of qgZ with Hadamard smoothing and stochastic rounding (``smoothing``), of one
-    quantization of gradients per format (``formats``) and of weight round trips
-    (``weights``)."""
-    views = {"smoothing": _qgz_smoothing, "formats": _qgz_formats, "weights": _qgz_weights}
+    quantization of gradients per format (``formats``), of weight round trips
+    (``weights``) and of qgZ with error feedback over a training run (``feedback``)."""
+    views = {"smoothing": _qgz_smoothing, "formats": _qgz_formats, "weights": _qgz_weights,
+             "feedback": _qgz_feedback}
     if view is not None:
         if view not in views:
             raise TableError(f"qgz_accuracy views: none or one of {sorted(views)}; got {view!r}")
@@ -692,6 +693,28 @@ def _qgz_smoothing(data: dict) -> str:
               f"{data['local']} devices, block {data['block_size']}. \"mean of 8 keys\": the "
               "average of 8 reduce-scatters with different rounding keys (what unbiased "
               "rounding buys over steps).")
+
+
+def _qgz_feedback(data: dict) -> str:
+    if "error_feedback" not in data:
+        raise TableError("qgz_accuracy has no error_feedback study: rerun "
+                         "benchmarks/qgz_accuracy.py")
+    ef = data["error_feedback"]
+    steps = ef["steps"]
+    marks = [s for s in (1, 10, 30) if s < steps] + [steps]
+    rows = []
+    for name, v in ef["variants"].items():
+        rows.append([name]
+                    + [f"{v['per_step'][s - 1]:.3f}" for s in (1, steps)]
+                    + [f"{v['accumulated'][s - 1]:.4f}" for s in marks]
+                    + [f"{v['accumulated_over_qgz']:.2f}x"])
+    header = (["qgZ INT4 reduce-scatter", "one step: step 1", f"step {steps}"]
+              + [f"accumulated: {s} steps" for s in marks] + [f"accumulated vs qgZ at {steps}"])
+    return (_table(header, rows)
+            + f"\n\nRelative L2 error against the exact sum over one training trajectory "
+              f"({ef['nodes']} nodes x {ef['local']} devices, block {ef['block_size']}): of "
+              "each step's reduce-scatter, and of the sum of all reduce-scatters so far (what "
+              "the parameters integrate).")
 
 
 def _qgz_formats(data: dict) -> str:
@@ -953,7 +976,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "cluster_predicted": ["measured", "predicted", "auto", "targets"],
          "generation": ["exactness", "bytes", "speed"],
-         "qgz_accuracy": [None, "smoothing", "formats", "weights"],
+         "qgz_accuracy": [None, "smoothing", "formats", "weights", "feedback"],
          "memory": ["state", "paper", "depth"],
          "quantization": ["block_vs_tensor", "sweep"],
          "int4_weights": [None, "round_trip"]}

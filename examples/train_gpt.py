@@ -63,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Hadamard-smoothed qwZ weight blocks")
     p.add_argument("--stochastic-rounding", action="store_true",
                    help="unbiased stochastic rounding of qgZ's quantizations")
+    p.add_argument("--qgz-error-feedback", action="store_true",
+                   help="qgZ error feedback: each device adds back the error its last "
+                        "quantizations left")
+    p.add_argument("--qgz-signs", default="fixed", choices=["fixed", "per_step"],
+                   help="qgZ's Hadamard signs: one set for the run or new every step")
     p.add_argument("--non-blocked", action="store_true",
                    help="quantize with one scale per message instead of per 256-element "
                         "block (the paper's non-blocked baseline)")
@@ -109,7 +114,8 @@ def make_config(args: argparse.Namespace):
               weight_format=args.weight_format, grad_bits=args.grad_bits,
               blockwise=not args.non_blocked, remat=args.remat, prefetch=args.prefetch,
               qgz_hadamard=args.qgz_hadamard, qwz_hadamard=args.qwz_hadamard,
-              stochastic_rounding=args.stochastic_rounding)
+              stochastic_rounding=args.stochastic_rounding,
+              qgz_error_feedback=args.qgz_error_feedback, qgz_signs=args.qgz_signs)
     if args.qgz_until is not None:
         kw.update(qgz_until=float(args.qgz_until), planned_steps=args.steps)
     if args.stage == 3:
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {k: getattr(config, k) for k in (
             "qwz", "hpz", "qgz", "weight_bits", "grad_bits", "blockwise", "qgz_until",
             "gradient_clipping", "weight_format", "qgz_hadamard", "qwz_hadamard",
-            "stochastic_rounding")},
+            "stochastic_rounding", "qgz_error_feedback", "qgz_signs")},
     }
     print()
     print(f"zeropp_jax train_gpt — {args.mode} (stage {args.stage}) on {args.nodes} node(s) x "

@@ -98,14 +98,24 @@ class ShardedParams:
     ``[n_pad / P]`` per device); with ``sharded=False`` every device holds all of it (ZeRO
     stages 1 and 2 keep full weights in the compute dtype). Use it only through
     ``state.apply_fn``; ``TrainState.consolidate`` turns it back into a Flax params tree.
+
+    ``feedback[name]`` (with ``config.qgz_error_feedback``, else empty) holds unit
+    ``name``'s kept qgZ errors: per device, ``QgzReduceScatter.feedback_specs``' buffers
+    (FP8 values and fp32 scales of each quantizing hop, and an fp32 use count), put end to
+    end over devices and split over ``("node", "local")``. They are not parameters: the
+    step differentiates them only to carry their new values out of backward (the gradient
+    of ``state.params`` holds the new errors in its ``feedback``), and
+    ``apply_gradients`` stores those.
     """
 
     units: dict[str, jax.Array]
     sharded: bool = struct.field(pytree_node=False, default=True)
+    feedback: dict[str, tuple] = struct.field(default_factory=dict)
 
     @property
     def spec(self) -> P:
         return SHARDED if self.sharded else REPLICATED
 
     def specs(self) -> "ShardedParams":
-        return ShardedParams({k: self.spec for k in self.units}, self.sharded)
+        return ShardedParams({k: self.spec for k in self.units}, self.sharded,
+                             {k: tuple(SHARDED for _ in v) for k, v in self.feedback.items()})

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import reduce as _reduce
 from pallas_kernels import reorder as _reorder
@@ -234,3 +235,150 @@ def qgz_reduce_scatter(
     ]
     out = parts[0] if stages == 1 else jnp.concatenate(parts)
     return out[:m]
+
+
+# -- Error feedback ------------------------------------------------------------------------
+# Each device keeps what its quantizations dropped and adds it back before the next call's
+# (LoCo, arXiv 2407.04480). Kept in the original (unrotated) domain, so the Hadamard signs
+# may change from call to call:
+#   hop 1: e1 [n], in the layout of this device's gradient x: y = x + e1 is quantized,
+#          e1' = y - (what the quantized blocks decode to, rotated back, un-reordered);
+#   hop 2 (nodes > 1 and local > 1): e2 [nodes * m_pad], the partial sums this device
+#          requantizes for the node hop, stage by stage ([stages, nodes, m_pad / stages],
+#          row i' the partial sum of slice i'*L + j): z = partial + e2 is quantized,
+#          e2' = z - (its blocks decoded, rotated back).
+# What the devices send plus what they keep equals what they were given plus what they
+# kept before: sum(sent) + sum(e1' + e2') = sum(x) + sum(e1 + e2) (up to fp32 rounding).
+
+
+def feedback_lengths(n: int, *, nodes: int, local: int, block_size: int, stages: int = 1,
+                     single_node: str = "reduce_scatter") -> tuple[int, int]:
+    """Per-device lengths ``(h1, h2)`` of the errors ``qgz_reduce_scatter_feedback`` keeps
+    for an ``[n]`` gradient on a ``nodes x local`` mesh: ``(0, 0)`` when nothing is
+    quantized (one node with ``single_node="reduce_scatter"``), ``h2 = 0`` with one hop."""
+    if nodes == 1 and single_node == "reduce_scatter":
+        return 0, 0
+    m = n // (nodes * local)
+    quantum = stages * block_size
+    m_pad = -(-m // quantum) * quantum
+    return n, (nodes * m_pad if nodes > 1 and local > 1 else 0)
+
+
+def hop2_to_flat(e2: jax.Array, *, nodes: int, local: int, stages: int, m: int,
+                 local_index: jax.Array | int) -> jax.Array:
+    """A device's hop-2 error ``[nodes * m_pad]`` -> ``[nodes * local * m]`` in the layout
+    of its gradient (zeros where it keeps nothing): row ``i'`` of stage ``s`` belongs to
+    sub-slice ``s`` of slice ``i' * local + local_index``. Works on traced and numpy
+    inputs alike (``local_index`` traced: a one-hot product, no dynamic indexing)."""
+    xp = np if isinstance(e2, np.ndarray) else jnp
+    m_pad = e2.shape[0] // nodes
+    sub = m_pad // stages
+    rows = e2.reshape(stages, nodes, sub).transpose(1, 0, 2).reshape(nodes, m_pad)[:, :m]
+    onehot = (xp.arange(local) == local_index).astype(e2.dtype)  # [local]
+    full = rows[:, None, :] * onehot[None, :, None]  # [nodes, local, m]
+    return full.reshape(-1)
+
+
+def _unreorder(parts: list[jax.Array], *, nodes: int, local: int, m: int) -> jax.Array:
+    """Stage outputs in slot order (``[P * m_pad / S]`` each) -> ``[P * m]`` in slice
+    order: inverse of ``reorder_reference`` over all stages, padding dropped."""
+    num = nodes * local
+    rows = [p.reshape(local, nodes, -1).transpose(1, 0, 2).reshape(num, -1) for p in parts]
+    return jnp.concatenate(rows, axis=1)[:, :m].reshape(-1)
+
+
+def _decode(values, scales, impl, signs, **kw):
+    """One quantized buffer -> fp32, rotated back with ``signs``."""
+    return _dequantize_reduce(values[None], scales[None], impl, signs=signs, **kw)
+
+
+def qgz_reduce_scatter_feedback(
+    x: jax.Array,
+    feedback: tuple[jax.Array, jax.Array],
+    *,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    bits: int = 4,
+    block_size: int = 256,
+    stages: int = 1,
+    single_node: str = "reduce_scatter",
+    implementation: str | None = None,
+    hadamard: bool = False,
+    stochastic_rounding: bool = False,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``qgz_reduce_scatter`` with error feedback. Runs inside ``shard_map``.
+
+    Args:
+      x: ``[n]`` this device's full gradient; other arguments as ``qgz_reduce_scatter``.
+      feedback: fp32 ``(e1 [h1], e2 [h2])``, this device's kept errors
+        (``feedback_lengths``; zeros at the first call).
+    Returns:
+      ``(fp32 [n / P] this device's slice of the sum, (e1', e2') the new errors)``: the
+      same collectives and bytes as ``qgz_reduce_scatter`` (all-to-all over ``local_axis``,
+      then ``node_axis``); only the inputs of the quantizations differ.
+    """
+    check_settings(bits, block_size, hadamard=hadamard)
+    if single_node not in SINGLE_NODE_MODES:
+        raise ValueError(f"single_node={single_node!r}; valid values are {SINGLE_NODE_MODES}")
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 1:
+        raise TypeError("qgz_reduce_scatter_feedback takes a 1-D float gradient, got "
+                        f"{x.dtype}{x.shape}")
+    nodes = jax.lax.axis_size(node_axis)
+    local = jax.lax.axis_size(local_axis)
+    num = nodes * local
+    (n,) = x.shape
+    if n % num:
+        raise ValueError(f"{n=} must be divisible by the {num} devices (as for psum_scatter)")
+    h1, h2 = feedback_lengths(n, nodes=nodes, local=local, block_size=block_size,
+                              stages=stages, single_node=single_node)
+    e1, e2 = feedback
+    if e1.shape != (h1,) or e2.shape != (h2,):
+        raise ValueError(f"feedback shapes {e1.shape}, {e2.shape} do not match this mesh "
+                         f"and gradient: expected ({h1},), ({h2},)")
+    if h1 == 0:  # nothing is quantized: qgz_reduce_scatter's plain reduce-scatter
+        return qgz_reduce_scatter(x, node_axis=node_axis, local_axis=local_axis,
+                                  single_node=single_node, bits=bits,
+                                  block_size=block_size), (e1, e2)
+    m = n // num
+    quantum = stages * block_size
+    m_pad = -(-m // quantum) * quantum
+    y = x.astype(jnp.float32) + e1
+    y_pad = y if m_pad == m else jnp.pad(y.reshape(num, m), ((0, 0), (0, m_pad - m))
+                                         ).reshape(-1)
+    impl = _resolve(implementation)
+    kw = dict(bits=bits, block_size=block_size)
+    signs = hadamard_signs(key, block_size) if hadamard else None
+    rkey = None
+    if stochastic_rounding:
+        device = jax.lax.axis_index(node_axis) * local + jax.lax.axis_index(local_axis)
+        rkey = rounding_key(key, x, device)
+
+    def seed(stage: int, hop: int):
+        return None if rkey is None else rounding_seed(rkey, stage, hop)
+
+    sent1, parts, new_e2 = [], [], []
+    sub = m_pad // stages
+    for s in range(stages):
+        values, scales = _reorder_quantize(y_pad, impl, nodes=nodes, local=local,
+                                           stages=stages, stage=s, signs=signs,
+                                           seed=seed(s, 0), **kw)
+        sent1.append(_decode(values, scales, impl, signs, **kw))
+        if local > 1:
+            values, scales = _exchange(values, scales, local, local_axis)
+            if nodes == 1:
+                parts.append(_dequantize_reduce(values, scales, impl, signs=signs, **kw))
+                continue
+            z = _dequantize_reduce(values, scales, impl, signs=signs, **kw)
+            z = z + e2[s * nodes * sub:(s + 1) * nodes * sub]
+            values, scales = _reorder_quantize(z, impl, nodes=1, local=1, signs=signs,
+                                               seed=seed(s, 1), **kw)
+            new_e2.append(z - _decode(values, scales, impl, signs, **kw))
+        values, scales = _exchange(values, scales, nodes, node_axis)
+        parts.append(_dequantize_reduce(values, scales, impl, signs=signs, **kw))
+    out = parts[0] if stages == 1 else jnp.concatenate(parts)
+    e1_new = y - _unreorder(sent1, nodes=nodes, local=local, m=m)
+    e2_new = jnp.concatenate(new_e2) if new_e2 else e2
+    return out[:m], (e1_new, e2_new)

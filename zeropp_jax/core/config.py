@@ -245,6 +245,8 @@ class ZeroPPConfig:
     qwz_hadamard: bool = False
     weight_format: str | None = None
     stochastic_rounding: bool = False
+    qgz_error_feedback: bool = False
+    qgz_signs: str = "fixed"
 
     def __post_init__(self) -> None:
         # Integer settings first: weight_format is derived from weight_bits below.
@@ -266,7 +268,8 @@ class ZeroPPConfig:
         if self.stage not in _VALID_STAGES:
             raise ValueError(f"stage={self.stage!r} is invalid; valid stages are {_VALID_STAGES}")
         for name in ("qwz", "hpz", "qgz", "blockwise", "skip_nonfinite", "quantize_frozen",
-                     "qgz_hadamard", "qwz_hadamard", "stochastic_rounding"):
+                     "qgz_hadamard", "qwz_hadamard", "stochastic_rounding",
+                     "qgz_error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("weight_bits", "grad_bits"):
@@ -286,6 +289,17 @@ class ZeroPPConfig:
                 f"qgZ with grad_bits=4 packs two values per byte: block_size="
                 f"{self.block_size} must be even (or grad_bits=8)"
             )
+        if self.qgz_signs not in ("fixed", "per_step"):
+            raise ValueError(f"qgz_signs={self.qgz_signs!r} is invalid; valid values are "
+                             "'fixed' and 'per_step'")
+        if self.qgz_error_feedback and not self.qgz:
+            raise ValueError("qgz_error_feedback keeps qgZ's quantization errors: it needs "
+                             "qgz=True")
+        if self.qgz_signs == "per_step" and not (
+                self.qgz and (self.qgz_hadamard or self.stochastic_rounding)):
+            raise ValueError("qgz_signs='per_step' draws qgZ's Hadamard signs and rounding "
+                             "seeds from the step: it needs qgz=True with qgz_hadamard=True "
+                             "or stochastic_rounding=True")
         for name, technique in (("qgz_hadamard", "qgz"), ("qwz_hadamard", "qwz")):
             if not (getattr(self, name) and getattr(self, technique)):
                 continue  # like grad_bits without qgZ: unused, so unchecked

@@ -8,6 +8,14 @@ those over the memory budget, and chooses the fastest; ties within ``tie`` go to
 candidate with fewer techniques on (less quantization error). ``auto_config``
 (``ZeroPPConfig.auto``) prints the plan's table and returns the chosen config.
 
+qgZ's error feedback (``qgz_error_feedback``) is never turned on by the plan: it costs
+memory (on two nodes or more each device keeps about ``1 + 1 / local`` bytes per
+parameter of the whole model, whatever the device count: ``workload.feedback_sizes``)
+for accuracy the ranking does not see. A ``base`` with it on gives it to every qgZ
+candidate, whose memory (against the budget too) and quantization work then count it;
+``configs`` with it on are priced likewise. Per-step signs (``qgz_signs="per_step"``)
+likewise come from ``base`` only (they cost nothing the model counts).
+
 The ranking is by speed; accuracy is not modelled. So by default it ranks only the
 techniques of the ZeRO++ paper and DeepSpeed (INT8 weights, hpZ, INT4 gradients), whose
 accuracy the paper and ``benchmarks/convergence.py`` measured. INT4 weights lose accuracy
@@ -103,19 +111,28 @@ def candidate_configs(nodes: int, local: int, base: ZeroPPConfig | None = None, 
                       allow_int4_weights: bool = False) -> list[ZeroPPConfig]:
     """ZeRO-3 and every ZeRO++ combination that means something on ``nodes x local``: qwZ
     (INT8 weights; INT4 too with ``allow_int4_weights``), hpZ (groups of k whole nodes,
-    k < nodes dividing it), qgZ. One node: ZeRO-3 only (nothing crosses nodes to save)."""
+    k < nodes dividing it), qgZ. One node: ZeRO-3 only (nothing crosses nodes to save).
+
+    Every candidate keeps ``base``'s other settings. qgZ's own options
+    (``qgz_error_feedback``, ``qgz_signs="per_step"``) are never turned on here: the qgZ
+    candidates carry ``base``'s, priced as they are (error feedback's kept errors in
+    their memory, ``workload.memory_breakdown``), and the candidates without qgZ drop them
+    (they need qgZ)."""
     base = base or ZeroPPConfig()
     fields = {f.name for f in dataclasses.fields(ZeroPPConfig)}
     keep = {k: getattr(base, k) for k in fields
             if k not in ("qwz", "hpz", "qgz", "weight_bits", "weight_format", "hpz_group_size")}
+    # What only qgZ takes, off for the candidates without it.
+    no_qgz = {"qgz_error_feedback": False, "qgz_signs": "fixed"}
     if nodes == 1:
-        return [ZeroPPConfig(**keep)]
+        return [ZeroPPConfig(**{**keep, **no_qgz})]
     weights = [None, "int8", *(["int4"] if allow_int4_weights else [])]
     groups = [None] + [k * local for k in range(2, nodes) if nodes % k == 0]
     out = []
     for fmt, hpz, qgz in itertools.product(weights, [False, True], [False, True]):
         for group in (groups if hpz else [None]):
-            out.append(ZeroPPConfig(**{**keep, "qwz": fmt is not None, "hpz": hpz, "qgz": qgz,
+            out.append(ZeroPPConfig(**{**keep, **({} if qgz else no_qgz),
+                                       "qwz": fmt is not None, "hpz": hpz, "qgz": qgz,
                                        "weight_format": fmt, "hpz_group_size": group}))
     return out
 
@@ -139,7 +156,9 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
         replace its bandwidths).
       tokens_per_device: tokens each device trains per step (0 or None: compute is left
         out, so the ranking is by communication alone, and the table says so).
-      base: other settings every candidate keeps (dtypes, prefetch, block size...).
+      base: other settings every candidate keeps (dtypes, prefetch, block size...);
+        qgZ's options (``qgz_error_feedback``, ``qgz_signs``) go to the qgZ candidates
+        only, and the plan never turns them on itself (module docstring).
       tie: candidates within this fraction of the fastest count as tied.
       configs: the candidates to rank instead of ``candidate_configs``' (e.g. only the
         configurations a benchmark measured); INT4-weight configs listed here are ranked

@@ -24,7 +24,8 @@ and the count of collectives between nodes are what the library moves at that me
 
 ``memory_breakdown`` follows the same step for the bytes each device holds at its peak:
 the state, the gathered weights, hpZ's secondaries, the activations backward keeps
-(``decoder_activations`` counts a decoder's), the loss's logits and the gradients.
+(``decoder_activations`` counts a decoder's), the loss's logits and the gradients, and
+with qgZ's error feedback the errors each device keeps (``feedback_sizes``).
 
 ``report_workload`` reads the same from a compiled program's ``CommReport`` instead.
 """
@@ -372,17 +373,47 @@ def _costs(what: str, traced: tuple[TracedCollective, ...], nodes: int, local: i
 
 
 def _quantized_elems(config: ZeroPPConfig, n: int, gathers: int, reduced: bool,
-                     local: int) -> tuple[float, float]:
+                     local: int, nodes: int = 0) -> tuple[float, float]:
     """Elements one device runs through quantization kernels for one unit per step, (weight
     path, gradient path): qwZ dequantizes the whole unit per gather (quantizing its own
     shard is 1/P of that); qgZ quantizes the full gradient and requantizes the node's
-    partial sums (``n + 2 n / L``); a Hadamard rotation reads the data once more."""
+    partial sums (``n + 2 n / L``); a Hadamard rotation reads the data once more. With
+    ``config.qgz_error_feedback`` (``nodes`` given), the kept errors are decoded and the
+    new ones encoded once each per step (``2 (h1 + h2)``, ``feedback_sizes``)."""
     weights = grads = 0.0
     if config.qwz:
         weights = gathers * n * (2 if config.qwz_hadamard else 1)
     if config.qgz and reduced:
         grads = (n + 2 * n / local) * (2 if config.qgz_hadamard else 1)
+        if nodes:
+            n_pad = padded_length(n, nodes * local, config.flat_alignment)
+            _, h1, h2 = feedback_sizes(config, n_pad, nodes, local)
+            grads += 2 * (h1 + h2)
     return weights, grads
+
+
+@functools.lru_cache(maxsize=4096)
+def feedback_sizes(config: ZeroPPConfig, n_pad: int, nodes: int, local: int
+                   ) -> tuple[int, int, int]:
+    """What qgZ's error feedback (``config.qgz_error_feedback``) keeps per device for a
+    trainable unit of padded length ``n_pad`` on a ``nodes x local`` mesh: (stored bytes,
+    ``h1``, ``h2``), read from the run's gradient transport
+    (``QgzReduceScatter.feedback_specs`` and ``feedback_lengths``, as
+    ``Engine.feedback_specs`` lays them out).
+
+    Stored: each quantizing hop's error as FP8 values (1 byte each, rounded up to whole
+    blocks of ``FEEDBACK_BLOCK`` = 256) and one fp32 scale per block, and a 4-byte use
+    count: hop 1 the unit's whole gradient (``h1 = n_pad``: every device keeps the error
+    of its own full gradient, before the reduce-scatter), hop 2 (two nodes or more and
+    two devices a node or more) ``h2 = nodes x m_pad`` (about ``n_pad / local``). With
+    one node qgZ does not quantize (``h1 = h2 = 0``): nothing is kept.
+    (0, 0, 0) without error feedback."""
+    if not (config.stage == 3 and config.qgz and config.qgz_error_feedback):
+        return 0, 0, 0
+    transport = gradient_transport(config)
+    specs = transport.feedback_specs(n_pad, nodes, local)
+    h1, h2 = transport.feedback_lengths(n_pad, nodes, local)
+    return sum(math.prod(s.shape) * s.dtype.itemsize for s in specs), h1, h2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,9 +421,9 @@ class MemoryBreakdown:
     """Bytes per device at the peak of one step, by what holds them (``memory_breakdown``).
 
     Attributes:
-      states: the step's arguments: every unit's primary shard (param dtype, padded as the
-        engine pads it) and Adam's two moments, frozen storage, the state's scalars, the
-        batch.
+      states: the step's arguments but the kept errors: every unit's primary shard (param
+        dtype, padded as the engine pads it) and Adam's two moments, frozen storage, the
+        state's scalars, the batch.
       gathered: full weights live at the peak: the rest unit's and the resident units'
         (all step), the units at work then (with those prefetched, or held from forward),
         each in the compute dtype plus the copies the layers cast them to, and qwZ's
@@ -403,11 +434,21 @@ class MemoryBreakdown:
       loss: the loss's float32 ``[tokens, vocab]`` arrays.
       gradients: gradient shards already reduced, the rest and resident units'
         gradients summed over the step, and the full gradient of the unit being reduced
-        at the peak (its weights' gradients and the flat buffer made of them).
+        at the peak (its weights' gradients and the flat buffer made of them). With
+        ``config.qgz_error_feedback`` also the new errors of the units reduced so far
+        (held to the step's end, where they replace the kept ones) and, for the unit
+        being reduced, its errors in fp32 beside its flat gradient: the gradient plus its
+        decoded error, hop 2's decoded and new errors, ``4 (h1 + 2 h2)`` bytes
+        (``feedback_sizes``).
       backend: what XLA's CPU backend adds (``backend="cpu"``): the zero-filled gradient
         of an embedding made at the step's start, and its copies of Adam's moments.
       moment: the moment of the step that sets the peak (``"forward <unit> (start)"``,
         ``"loss"``, ``"backward <unit> (end)"``, ``"end"``...).
+      feedback: with ``config.qgz_error_feedback``, the qgZ errors the state keeps (an
+        argument of the step, like ``states``): every trainable unit's
+        ``feedback_sizes`` bytes, about ``n_pad (1 + 1 / local)`` bytes per device for a
+        unit of ``n_pad`` padded parameters on two nodes or more, whatever the device
+        count; 0 without.
     """
 
     states: float
@@ -418,16 +459,23 @@ class MemoryBreakdown:
     gradients: float
     backend: float
     moment: str
+    feedback: float = 0.0
 
     @property
     def total(self) -> float:
-        return (self.states + self.gathered + self.secondary + self.activations + self.loss
-                + self.gradients + self.backend)
+        return (self.states + self.feedback + self.gathered + self.secondary
+                + self.activations + self.loss + self.gradients + self.backend)
+
+    @property
+    def arguments(self) -> float:
+        """The step's arguments: the state with its kept errors, and the batch (XLA's
+        ``argument_size_in_bytes``)."""
+        return self.states + self.feedback
 
     @property
     def temporaries(self) -> float:
         """Everything but the arguments (XLA's ``temp_size_in_bytes`` counts these)."""
-        return self.total - self.states
+        return self.total - self.arguments
 
 
 def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,
@@ -453,6 +501,14 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     * the end: every gradient shard, and the first unit's gradient with the rest unit's
       (the bucket) reduced together.
 
+    With qgZ's error feedback (``config.qgz_error_feedback``) each device keeps, per
+    trainable unit, the errors its gradient's quantizations left (``feedback_sizes``:
+    about ``n_pad (1 + 1/local)`` bytes for a unit of ``n_pad`` padded parameters, on two
+    nodes or more), counted apart (``feedback``), as an argument of the step; at the end of
+    each unit's backward its errors in fp32 beside its flat gradient (``4 (h1 + 2 h2)``
+    bytes: the gradient plus its decoded error, hop 2's decoded and new errors); and from
+    then to the step's end its new errors (``gradients``).
+
     Sizes: units padded as the engine pads them; full weights in the compute dtype, plus,
     when the model computes in a wider dtype (``shape.itemsize``), the copies its layers
     cast them to; activations in ``shape.itemsize`` (``decoder_activations`` counts a
@@ -468,7 +524,10 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     buffers) at the start of the step. Not counted on either: XLA CPU computes 16-bit
     layers in float32 (a model computing in bfloat16 gets float32 copies of its
     activations there, so measure models that compute in float32 on CPU).
-    ``batch_bytes_per_device``: the batch's arrays, counted in ``states``.
+    ``batch_bytes_per_device``: the batch's arrays, counted in ``states``. On XLA CPU the
+    new errors are held as their quantizer's inputs until the step's end (5 bytes an
+    element of hop 1, 4 of hop 2, read from the compiled step's buffer assignment), not
+    encoded (about 1 byte an element): a GPU's compiler may do the same (not measured).
     """
     if backend not in ("gpu", "cpu"):
         raise ValueError(f"backend is 'gpu' or 'cpu', got {backend!r}")
@@ -493,6 +552,36 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
                + sum(map(pad_frozen, frozen_sizes.values())) * frozen_item) / devices
               + STATE_SCALAR_BYTES + batch_bytes_per_device)
     shards = trainable * p / devices
+
+    # qgZ's error feedback: the errors each device keeps per trainable unit (arguments),
+    # what the step holds of a unit's new ones once it is reduced, and the fp32 errors
+    # while it is reduced (``feedback_sizes``; all 0 without error feedback).
+    def kept_errors(u: str) -> float:
+        return feedback_sizes(config, pad(sizes[u]), nodes, local)[0] if u in sizes else 0.0
+
+    def new_errors(u: str) -> float:
+        """Unit ``u``'s new errors, from its reduce-scatter to the step's end: as stored.
+        XLA CPU fuses their encoding into the step's last update of the kept errors, so
+        it holds the quantizer's inputs instead: hop 1's fp32 sum and its codes (a byte
+        each), hop 2's fp32 error."""
+        if u not in sizes:
+            return 0.0
+        stored, h1, h2 = feedback_sizes(config, pad(sizes[u]), nodes, local)
+        if backend == "cpu" and stored:
+            return 5.0 * h1 + 4.0 * h2 + 4
+        return float(stored)
+
+    def error_work(u: str) -> float:
+        """What unit ``u``'s errors add in fp32 while it is reduced, beside its flat
+        gradient: hop 1's input, the flat gradient plus its kept error decoded (a second
+        full-length buffer; XLA fuses the decoding into the sum, and the new error into
+        its encoding), and hop 2's kept error decoded and its new one."""
+        if u not in sizes:
+            return 0.0
+        _, h1, h2 = feedback_sizes(config, pad(sizes[u]), nodes, local)
+        return 4.0 * (h1 + 2 * h2)
+
+    feedback = float(sum(kept_errors(u) for u in sizes))
 
     def n_of(u: str) -> int:
         """A unit's parameters, trainable and frozen."""
@@ -603,6 +692,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # buffer (its norms read it to the last), its weights' gradients and the flat
     # gradient made of them to be reduced.
     reduced = shared_grads
+    reduced_here = set()  # units reduced in the loop (the others, at the step's end)
     for i in reversed(range(len(order))):
         u = order[i]
         if u in shape.no_regather:
@@ -619,8 +709,10 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         moments.append((f"backward {u} (start)", weights + mine, secs + sec.get(u, 0.0),
                         acts + own, 0.0, reduced))
         moments.append((f"backward {u} (end)", weights + min(mine, gathered(u)), secs, acts,
-                        0.0, gradient(u) + reduced))
+                        0.0, gradient(u) + reduced + error_work(u)))
         reduced += pad(sizes[u]) * p / devices if u in sizes else 0.0
+        reduced += new_errors(u)
+        reduced_here.add(u)
     # The end: the first unit's gradient, bucketed with the rest unit's, and every shard.
     first = order[0] if order else None
     bucket = (config_allows(config) and rest and shape.first == first
@@ -631,6 +723,9 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         # rest unit's are laid out together (one more flat buffer) and reduced at once.
         flat = (pad(sizes[first]) if first in sizes else 0) + (pad(rest) if bucket else 0)
         end_grad = max(shared_grads + gradient(first), flat * g * (2 if bucket else 1))
+    # Every unit's new errors, one of those reduced at the end in fp32 in their place.
+    end_grad += sum(new_errors(u) for u in sizes) + max(
+        [0.0, *(error_work(u) - new_errors(u) for u in sizes if u not in reduced_here)])
     moments.append(("end", 0.0, 0.0, 0.0, 0.0, shards + end_grad))
     extra = {what: 0.0 for what, *_ in moments}
     if backend == "cpu":
@@ -643,7 +738,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     moment, gathered, secs, acts, lo, grads = max(
         moments, key=lambda x: sum(x[1:]) + extra[x[0]])
     return MemoryBreakdown(states, persistent + gathered, secs, acts, lo, grads,
-                           extra[moment], moment)
+                           extra[moment], moment, feedback)
 
 
 def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,
@@ -683,7 +778,7 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
             costs += _costs(f"{name} backward", bwd, nodes, local)
         if not (name == REST and partner):
             costs += _costs(f"{name} gradient", grad, nodes, local)
-        w_elems, g_elems = _quantized_elems(config, n, 1 + regathers, True, local)
+        w_elems, g_elems = _quantized_elems(config, n, 1 + regathers, True, local, nodes)
         quant, grad_quant = quant + w_elems + g_elems, grad_quant + g_elems
     for name, n in shape.frozen:
         fwd, bwd = _frozen_phases(config, n, nodes, local)
@@ -718,7 +813,9 @@ def report_workload(report: CommReport, flops_per_device: float = 0.0,
 
 
 def config_label(config: ZeroPPConfig) -> str:
-    """A short name: ``zero3``, or the ZeRO++ techniques on (``qwz-int4+hpz2+qgz``...)."""
+    """A short name: ``zero3``, or the ZeRO++ techniques on (``qwz-int4+hpz2+qgz``...).
+    qgZ's options: ``-had`` Hadamard smoothing, ``-step`` signs (and rounding seeds)
+    drawn from the step (``qgz_signs="per_step"``), ``+EF`` error feedback."""
     parts = []
     if config.qwz:
         fmt = config.weight_format or f"int{config.weight_bits or 8}"
@@ -727,11 +824,14 @@ def config_label(config: ZeroPPConfig) -> str:
         parts.append("hpz" if config.hpz_group_size is None
                      else f"hpz[{config.hpz_group_size}]")
     if config.qgz:
-        parts.append(f"qgz-int{config.grad_bits}" + ("-had" if config.qgz_hadamard else ""))
+        parts.append(f"qgz-int{config.grad_bits}" + ("-had" if config.qgz_hadamard else "")
+                     + ("-step" if config.qgz_signs == "per_step" else ""))
+        if config.qgz_error_feedback:
+            parts.append("EF")
     label = "+".join(parts) or "zero3"
     return label if config.bucket else label + " unbucketed"
 
 
 __all__ = ["MemoryBreakdown", "ModelShape", "config_label", "config_workload",
-           "decoder_activations", "memory_breakdown", "report_workload", "shape_of_params",
-           "shape_of_state", "transformer_shape"]
+           "decoder_activations", "feedback_sizes", "memory_breakdown", "report_workload",
+           "shape_of_params", "shape_of_state", "transformer_shape"]

@@ -69,6 +69,9 @@ def accumulate_gradients(
         return grad_fn(params, batch)
     micro = _split(batch, micro_batches)
     first = jax.tree_util.tree_map(lambda x: x[0], micro)
+    feedback = getattr(params, "feedback", None)
+    if feedback:
+        return _accumulate_with_feedback(grad_fn, params, micro, first, micro_batches)
     # Shapes and dtypes of one micro-batch's outputs, to build fp32 accumulators.
     out_shape, grad_shape = jax.eval_shape(grad_fn, params, first)
 
@@ -107,3 +110,46 @@ def _varying(x: jax.Array) -> jax.Array:
     # varying micro-batch result makes it so), so the initial carry must say so too.
     axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
     return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _accumulate_with_feedback(grad_fn: Callable[..., Any], params: Any, micro: PyTree,
+                              first: PyTree, micro_batches: int) -> tuple[Any, PyTree]:
+    """``accumulate_gradients`` for ``state.params`` holding qgZ's kept errors
+    (``config.qgz_error_feedback``). Every micro-batch's backward reduce-scatters (as
+    without feedback), so the kept errors are carried from one micro-batch's
+    reduce-scatter to the next: micro-batch ``k`` quantizes its gradient plus the errors
+    micro-batch ``k - 1`` left, and the step returns the last micro-batch's errors. Over the
+    step, the micro-batches send the sum of their gradients plus the errors kept before the
+    step minus those kept after it; the gradients of the parameters are averaged as
+    without feedback."""
+    no_feedback = lambda g: g.replace(feedback={})  # noqa: E731
+    out_shape, grad_shape = jax.eval_shape(
+        lambda p, b: (lambda o, g: (o, no_feedback(g)))(*grad_fn(p, b)), params, first)
+
+    def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
+        dt = jnp.float32 if jnp.issubdtype(s.dtype, jnp.inexact) else s.dtype
+        return jnp.zeros(s.shape, dt)
+
+    def add(acc: jax.Array, x: jax.Array) -> jax.Array:
+        if jnp.issubdtype(acc.dtype, jnp.inexact):
+            return acc + x.astype(acc.dtype)
+        return x
+
+    def body(carry: tuple, mb: PyTree) -> tuple[tuple, None]:
+        out_acc, grad_acc, kept = carry
+        out, grads = grad_fn(params.replace(feedback=kept), mb)
+        return (jax.tree_util.tree_map(add, out_acc, out),
+                jax.tree_util.tree_map(add, grad_acc, no_feedback(grads)),
+                grads.feedback), None
+
+    init = (jax.tree_util.tree_map(zeros, out_shape), jax.tree_util.tree_map(zeros, grad_shape))
+    init = (*jax.tree_util.tree_map(_varying, init), params.feedback)
+    (out_sum, grad_sum, kept), _ = jax.lax.scan(body, init, micro)
+
+    def mean(acc: jax.Array, s: jax.ShapeDtypeStruct) -> jax.Array:
+        if jnp.issubdtype(acc.dtype, jnp.inexact):
+            return (acc / micro_batches).astype(s.dtype)
+        return acc
+
+    grads = jax.tree_util.tree_map(mean, grad_sum, grad_shape)
+    return jax.tree_util.tree_map(mean, out_sum, out_shape), grads.replace(feedback=kept)

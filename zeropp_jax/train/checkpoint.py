@@ -16,8 +16,10 @@ Layout of ``directory``::
 
     step_00000100/          one finished checkpoint
       meta.json             step, units and leaf shapes, optimizer-state leaves, checksums,
-                            the size of every file under arrays/
+                            the size of every file under arrays/ and feedback/
       arrays/               orbax PyTree checkpoint of the global arrays
+      feedback/             orbax PyTree checkpoint of the kept qgZ errors (only for a state
+                            trained with qgz_error_feedback)
     .tmp-step_00000200-…/   a save in progress (or one that was interrupted): ignored
     .lock                   taken by the saving job's process 0 (flock)
 
@@ -31,10 +33,33 @@ in ``meta.json`` that does not depend on how it is split: two sums over its real
 bits (plain and weighted by global index, mod 2^64). Each process sums the elements it
 holds, the processes add their sums, and restore does the same over what it read, so a
 damaged file is an error on every process, never silently different weights. Before
-reading, every process checks that each file under ``arrays/`` is there with the size
-``meta.json`` records, and the processes agree on the verdict: a truncated or deleted shard
-is an error naming the file on every process, never one process failing inside the read
-while the others wait for it.
+reading, every process checks that each file under ``arrays/`` (and ``feedback/``) is
+there with the size ``meta.json`` records, and the processes agree on the verdict: a
+truncated or deleted shard is an error naming the file on every process, never one
+process failing inside the read while the others wait for it.
+
+Kept qgZ errors (``qgz_error_feedback``). Each device keeps, per unit, what its gradient's
+quantizations left out (``state.params.feedback``): gradient not yet sent, which the next
+step adds back. They are saved as they are, in ``feedback/`` (each process its own
+devices' buffers, with checksums like every other array), apart from the weights, so that
+``load_params`` and a restore that does not want them never read them. Restoring:
+
+- onto the same mesh shape (nodes x local) with the same unit layouts, every device gets
+  its own errors back, bit for bit, and training continues exactly as it would have;
+- onto another mesh, where a device's errors mean nothing (they are laid out by the
+  writing mesh's slices and quantization hops), the rule is: per unit, every device's kept
+  errors are decoded, put into the layout of the unit's flat gradient (hop 2's into the
+  slices they belong to) and summed over devices and hops, in fp32, over the unit's real
+  elements: the gradient mass that was not sent yet. Every device of the new mesh keeps
+  an equal share of it, total / (number of devices), as its hop-1 error (re-encoded in FP8
+  with block scales, which rounds it once more: by at most 2^-4 of each element plus
+  2^-10 of its block's scale) and nothing for hop 2, so the next step sends the whole
+  total. On a single node qgZ does not quantize (it reduce-scatters in full precision) and
+  keeps no errors: there the mass is dropped;
+- a checkpoint without kept errors (saved with the feedback off, or by an older
+  zeropp_jax) restores into a state with the feedback on with errors of zero, as a new
+  run starts; a state with the feedback off ignores the checkpoint's errors (the
+  parameters and optimizer restore as always, and ``feedback/`` is not read).
 """
 
 from __future__ import annotations
@@ -51,6 +76,7 @@ import uuid
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -60,6 +86,13 @@ from zeropp_jax.comm.frozen import merge_trees
 from zeropp_jax.core.mesh import mesh_shape
 from zeropp_jax.comm.partition import REST, UnitLayout, merge_units
 from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams, is_prng_key, place
+from zeropp_jax.comm.qgz import hop2_to_flat
+from zeropp_jax.comm.transports.qgz import (
+    FEEDBACK_BLOCK,
+    FEEDBACK_FORMAT,
+    decode_error,
+    encode_error,
+)
 from zeropp_jax.train.state import TrainState
 
 PyTree = Any
@@ -352,6 +385,183 @@ def _flat(arrays: dict) -> dict[str, jax.Array]:
     return {f"{g}/{k}": x for g, d in arrays.items() for k, x in d.items()}
 
 
+# -- kept qgZ errors ---------------------------------------------------------------------------
+# Per unit and device five buffers (``QgzReduceScatter.feedback_specs``): hop 1's FP8 values
+# and fp32 scales, hop 2's, and a use count; globally each is the devices' buffers end to
+# end (device node * local + local index), split over ("node", "local"). Stored under
+# ``feedback/`` as ``feedback/f{i}_{k}`` (unit i of meta["feedback"]["units"], buffer k),
+# empty buffers (no hop 2, or nothing quantized on one node) left out: orbax cannot store
+# them.
+
+_FEEDBACK_LAYOUT = ("n", "n_pad", "h1", "h2", "stages", "shapes", "dtypes")
+
+
+def _feedback_units(engine: Any) -> list[dict]:
+    """One record per unit with kept errors on this engine's mesh (``[]`` without
+    ``qgz_error_feedback``): its lengths (``n`` real, ``n_pad`` padded), the per-device
+    fp32 error lengths of hop 1 and hop 2 (``h1``, ``h2``), qgZ's pipeline stages (hop 2's
+    layout), and the global shapes and dtypes of the five stored buffers."""
+    nodes, local = mesh_shape(engine.mesh)
+    recs = []
+    for name, specs in engine.feedback_specs().items():
+        lay = engine.layouts[name]
+        transport = engine.transports[name].gradients
+        h1, h2 = transport.feedback_lengths(lay.n_pad, nodes, local)
+        recs.append({"name": name, "n": lay.n, "n_pad": lay.n_pad, "h1": int(h1),
+                     "h2": int(h2), "stages": int(getattr(transport, "stages", 1)),
+                     "shapes": [int(s.shape[0]) for s in specs],
+                     "dtypes": [str(np.dtype(s.dtype)) for s in specs]})
+    return recs
+
+
+def _feedback_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict | None]:
+    """The kept errors to store (``{"f{i}_{k}": global array}``) and their record for
+    ``meta["feedback"]`` (None when the state keeps none)."""
+    engine = state.engine
+    kept = getattr(state.params, "feedback", None) or {}
+    recs = _feedback_units(engine)
+    if not kept or not recs:
+        return {}, None
+    arrays = {}
+    for i, rec in enumerate(recs):
+        bufs = kept[rec["name"]]
+        if [tuple(x.shape) for x in bufs] != [(n,) for n in rec["shapes"]]:
+            raise AssertionError(f"unit {rec['name']!r}: kept errors of shapes "
+                                 f"{[x.shape for x in bufs]}, expected {rec['shapes']}")
+        rec["stored"] = [k for k, n in enumerate(rec["shapes"]) if n]
+        for k in rec["stored"]:
+            arrays[f"f{i}_{k}"] = bufs[k]
+    nodes, local = mesh_shape(engine.mesh)
+    return arrays, {"nodes": nodes, "local": local, "block": FEEDBACK_BLOCK,
+                    "format": FEEDBACK_FORMAT, "units": recs}
+
+
+def _feedback_real(info: dict) -> dict[str, int]:
+    """``"feedback/f{i}_{k}" -> elements``: every element of a stored buffer is real (it
+    belongs to the writing mesh as a whole)."""
+    return {f"feedback/f{i}_{k}": rec["shapes"][k]
+            for i, rec in enumerate(info["units"]) for k in rec["stored"]}
+
+
+def _zeros(shape: int, dtype: Any, sharding: NamedSharding) -> jax.Array:
+    return place(np.zeros((shape,), jnp.dtype(dtype)), sharding)
+
+
+def _feedback_converter(engine: Any, old: dict, old_mesh: tuple[int, int], new: dict
+                        ) -> Any:
+    """A jitted function: unit's stored buffers from another mesh (hop 1's values and
+    scales, hop 2's; None where the writing mesh kept none; any global length at least
+    the stored one, zero padded) -> its five buffers on this engine's mesh, by the rule of
+    the module docstring; the use counts are set to 1, as after a step (a step reads only
+    the counts its gradient brings, ``Engine._next_feedback``). Global arrays in and out:
+    each process reads and writes only its own devices' pieces, and the sum over the old
+    devices is XLA's to communicate (so its fp32 order, and the last bit of a scale, may
+    depend on how the devices are split into processes)."""
+    nodes_o, local_o = old_mesh
+    devices_o = nodes_o * local_o
+    nodes, local = mesh_shape(engine.mesh)
+    devices = nodes * local
+    sharded = NamedSharding(engine.mesh, SHARDED)
+
+    def decode_all(values: jax.Array, scales: jax.Array, h: int) -> jax.Array:
+        """Every old device's buffer -> fp32 ``[devices_o, h]``."""
+        h_pad = -(-h // FEEDBACK_BLOCK) * FEEDBACK_BLOCK
+        flat = decode_error(values[: devices_o * h_pad],
+                            scales[: devices_o * h_pad // FEEDBACK_BLOCK], devices_o * h_pad)
+        return flat.reshape(devices_o, h_pad)[:, :h]
+
+    def convert(v1, s1, v2, s2):
+        total = jnp.zeros((old["n_pad"],), jnp.float32)  # the old flat gradient layout
+        if old["h1"]:  # hop 1: already in that layout
+            total = total + jnp.sum(decode_all(v1, s1, old["h1"]), axis=0)
+        if old["h2"]:  # hop 2: per local index j, its rows into slices i' * local + j
+            e2 = decode_all(v2, s2, old["h2"]).reshape(nodes_o, local_o, old["h2"])
+            by_local = jnp.sum(e2, axis=0)  # hop2_to_flat is linear: add nodes first
+            for j in range(local_o):
+                total = total + hop2_to_flat(by_local[j], nodes=nodes_o, local=local_o,
+                                             stages=old["stages"],
+                                             m=old["n_pad"] // devices_o, local_index=j)
+        share = total[: old["n"]] / jnp.float32(devices)
+        out = []
+        if new["h1"]:
+            values, scales = encode_error(jnp.pad(share, (0, new["h1"] - old["n"])))
+            out += [jnp.tile(values, devices), jnp.tile(scales, devices)]
+        else:  # one node: nothing is quantized, nothing is kept
+            out += [jnp.zeros((0,), jnp.dtype(new["dtypes"][0])),
+                    jnp.zeros((0,), jnp.dtype(new["dtypes"][1]))]
+        out += [jnp.zeros((new["shapes"][k],), jnp.dtype(new["dtypes"][k])) for k in (2, 3)]
+        out.append(jnp.ones((new["shapes"][4],), jnp.dtype(new["dtypes"][4])))
+        return tuple(out)
+
+    key = ("checkpoint.feedback", json.dumps([old, list(old_mesh), new], sort_keys=True))
+    return engine.remembered(key, lambda: jax.jit(convert, out_shardings=(sharded,) * 5))
+
+
+def _restore_feedback(path: pathlib.Path, meta: dict, state: TrainState) -> dict:
+    """The kept errors for a restore into ``state`` (``ShardedParams.feedback``; ``{}``
+    when its config keeps none), by the rule of the module docstring. Collective, like
+    ``restore``: every process reads its own devices' pieces of ``feedback/``."""
+    engine = state.engine
+    mine = _feedback_units(engine)
+    if not mine:
+        return {}
+    info = meta.get("feedback")
+    if not info:
+        return engine.zero_feedback()
+    if info.get("block") != FEEDBACK_BLOCK or info.get("format") != FEEDBACK_FORMAT:
+        raise CheckpointError(
+            f"{path} stores its kept qgZ errors as {info.get('format')} in blocks of "
+            f"{info.get('block')}; this zeropp_jax reads {FEEDBACK_FORMAT} in blocks of "
+            f"{FEEDBACK_BLOCK}. Restore it with the version that wrote it, or into a state "
+            "with qgz_error_feedback=False"
+        )
+    sharded = NamedSharding(engine.mesh, SHARDED)
+    nodes, local = mesh_shape(engine.mesh)
+    devices = nodes * local
+    same_mesh = (info["nodes"], info["local"]) == (nodes, local)
+    saved = {r["name"]: (i, r) for i, r in enumerate(info["units"])}
+    plan: dict[str, tuple | None] = {}
+    args: dict[str, Any] = {}
+    for rec in mine:
+        if rec["name"] not in saved:
+            plan[rec["name"]] = None
+            continue
+        i, old = saved[rec["name"]]
+        exact = same_mesh and all(old[k] == rec[k] for k in _FEEDBACK_LAYOUT)
+        plan[rec["name"]] = (i, old, exact)
+        for k in old["stored"]:  # all of them (orbax reads whole trees; the counts are P)
+            # Onto another mesh: the stored length rounded up to whole shards, zeros after.
+            shape = rec["shapes"][k] if exact else -(-old["shapes"][k] // devices) * devices
+            args[f"f{i}_{k}"] = compat.orbax_resizing_restore_args(
+                sharded, (shape,), jnp.dtype(old["dtypes"][k]))
+    read: dict[str, jax.Array] = {}
+    if args:
+        read = _read_arrays(path, {"feedback": args}, "checkpoint.restore.feedback",
+                            sub="feedback")["feedback"]
+        flat = _flat({"feedback": read})
+        _verify(path, {"checksums": info["checksums"]},
+                _checksums("checkpoint.restore.feedback.checksums", flat,
+                           _feedback_real(info)))
+    out = {}
+    for rec in mine:
+        name = rec["name"]
+        if plan[name] is None:  # no errors kept for this unit: zero, as a new run's
+            out[name] = tuple(_zeros(n, dt, sharded)
+                              for n, dt in zip(rec["shapes"], rec["dtypes"]))
+            continue
+        i, old, exact = plan[name]
+        if exact:
+            out[name] = tuple(read[f"f{i}_{k}"] if k in old["stored"]
+                              else _zeros(n, dt, sharded)
+                              for k, (n, dt) in enumerate(zip(rec["shapes"], rec["dtypes"])))
+            continue
+        convert = _feedback_converter(engine, {k: old[k] for k in _FEEDBACK_LAYOUT},
+                                      (info["nodes"], info["local"]),
+                                      {k: rec[k] for k in _FEEDBACK_LAYOUT})
+        out[name] = convert(*(read.get(f"f{i}_{k}") for k in range(4)))
+    return out
+
+
 def _same_arguments(name: str, args: dict) -> None:
     """Every process must pass the same arguments to a collective checkpoint call (one
     directory all of them see, one step): compared through the coordination service
@@ -380,19 +590,22 @@ def _file_sizes(arrays_dir: pathlib.Path) -> dict[str, int]:
 
 
 def _damaged_files(path: pathlib.Path, meta: dict) -> list[str]:
-    """Files under ``path/arrays`` that are missing or not the size written, described
-    (``[]`` if all are intact, or the checkpoint predates the file record)."""
+    """Files under ``path/arrays`` (and ``path/feedback``) that are missing or not the size
+    written, described (``[]`` if all are intact, or the checkpoint predates the file
+    record)."""
     out = []
-    for rel, size in (meta.get("files") or {}).items():
-        m = re.match(r"^ocdbt\.process_(\d+)/", rel)
-        who = f" (shard data written by process {m.group(1)})" if m else ""
-        try:
-            have = (path / "arrays" / rel).stat().st_size
-        except OSError:
-            out.append(f"arrays/{rel}{who} is missing")
-            continue
-        if have != size:
-            out.append(f"arrays/{rel}{who} has {have:,} bytes, {size:,} were written")
+    parts = (("arrays", meta.get("files")), ("feedback", (meta.get("feedback") or {}).get("files")))
+    for sub, files in parts:
+        for rel, size in (files or {}).items():
+            m = re.match(r"^ocdbt\.process_(\d+)/", rel)
+            who = f" (shard data written by process {m.group(1)})" if m else ""
+            try:
+                have = (path / sub / rel).stat().st_size
+            except OSError:
+                out.append(f"{sub}/{rel}{who} is missing")
+                continue
+            if have != size:
+                out.append(f"{sub}/{rel}{who} has {have:,} bytes, {size:,} were written")
     return out
 
 
@@ -476,6 +689,10 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
     checkpoints to keep after a successful save (None keeps all): checkpoints of later
     steps written earlier (a run abandoned by restoring an older step) go first, then the
     lowest steps. Saving a step that already exists replaces it.
+
+    With ``qgz_error_feedback`` the kept qgZ errors are saved too (under ``feedback/``,
+    each process its own devices' buffers); ``restore`` gives them back bit for bit on the
+    same mesh shape, and as their total, shared out, on another (see the module docstring).
     """
     import orbax.checkpoint as ocp
 
@@ -502,6 +719,11 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
     }
     meta["checksums"] = _checksums("checkpoint.save.checksums", _flat(arrays),
                                    _real_lengths(arrays, meta))
+    feedback, meta["feedback"] = _feedback_arrays(state)
+    if meta["feedback"] is not None:
+        meta["feedback"]["checksums"] = _checksums(
+            "checkpoint.save.feedback.checksums", _flat({"feedback": feedback}),
+            _feedback_real(meta["feedback"]))
 
     with contextlib.ExitStack() as lock:  # held by process 0 from cleanup to commit
         def prepare() -> str:
@@ -518,6 +740,8 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
         error = None
         try:
             ocp.PyTreeCheckpointer().save(tmp / "arrays", arrays)
+            if feedback:
+                ocp.PyTreeCheckpointer().save(tmp / "feedback", {"feedback": feedback})
         except Exception as e:  # noqa: BLE001 — every process must hear of it
             error = e
         processes.agree("checkpoint.save.write", error, CheckpointError)
@@ -525,6 +749,8 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
         def commit() -> str:
             # Every process has finished writing (agreed above): the sizes are final.
             meta["files"] = _file_sizes(tmp / "arrays")
+            if feedback:
+                meta["feedback"]["files"] = _file_sizes(tmp / "feedback")
             with open(tmp / "meta.json", "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -607,8 +833,9 @@ def _check_files(path: pathlib.Path, meta: dict, name: str) -> None:
     processes.agree(f"{name}.files", error, CheckpointError)
 
 
-def _read_arrays(path: pathlib.Path, targets: dict, name: str) -> dict:
-    """Reads ``path/arrays`` into the shape of ``targets`` (orbax restore args).
+def _read_arrays(path: pathlib.Path, targets: dict, name: str, sub: str = "arrays") -> dict:
+    """Reads ``path/<sub>`` (``arrays``, or ``feedback``) into the shape of ``targets``
+    (orbax restore args).
 
     Through orbax's handler, not its ``Checkpointer``: the Checkpointer ends a restore with
     a device-collective barrier that has no timeout, so a read failing on one process would
@@ -619,7 +846,7 @@ def _read_arrays(path: pathlib.Path, targets: dict, name: str) -> dict:
     arrays, error = None, None
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        arrays = handler.restore(path / "arrays",
+        arrays = handler.restore(path / sub,
                                  args=ocp.args.PyTreeRestore(restore_args=targets))
     except Exception as e:  # noqa: BLE001 — any failure to read means a damaged checkpoint
         error = CheckpointError(
@@ -784,6 +1011,15 @@ def restore(
     devices' shards. ``step``: which checkpoint (default the one written last). Raises
     ``CheckpointError`` (on every process) if the checkpoint is incomplete, damaged, or was
     written for another model, optimizer or frozen-weight storage.
+
+    Kept qgZ errors (a ``state`` with ``qgz_error_feedback``): on the mesh shape the
+    checkpoint was written on (same nodes x local, same unit layouts), every device's own,
+    bit for bit. On another mesh, per unit, the sum of all devices' errors over both hops
+    (decoded, in the layout of the unit's flat gradient, fp32, its real elements: the
+    gradient not yet sent) is shared out equally: each device keeps total / devices as its
+    hop-1 error (FP8 again: within 2^-4 of each element plus 2^-10 of its block's scale),
+    none for hop 2; on a single node, where qgZ quantizes nothing, they are dropped. Errors
+    of zero if the checkpoint has none; a ``state`` with the feedback off ignores them.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"restore expects a zeropp_jax.TrainState template, got "
@@ -830,7 +1066,8 @@ def restore(
             values={k: arrays["frozen"][f"v{fsaved[k]}"] for k in f.values},
             scales={k: arrays["frozen"][f"s{fsaved[k]}"] for k in f.scales}))
     if cfg.stage == 3:
-        return new.replace(params=ShardedParams(master, True))
+        return new.replace(params=ShardedParams(master, True,
+                                                _restore_feedback(path, meta, state)))
     cdt = cfg.compute_jnp_dtype  # stages 1 and 2: replicated compute-dtype weights too
     full = {k: jax.jit(lambda v: v.astype(cdt), out_shardings=replicated)(v)
             for k, v in master.items()}

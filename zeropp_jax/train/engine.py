@@ -58,10 +58,13 @@ class StepState:
       frozen: the state's frozen shards (``TrainState.frozen``), or None.
       qgz_on: with ``config.qgz_until``, a traced bool: qgZ (True) or the plain
         reduce-scatter for this step; None: qgZ whenever ``config.qgz``.
+      step: with ``config.qgz_signs="per_step"``, the traced optimizer step (qgZ's signs
+        and seeds follow it); None otherwise.
     """
 
     frozen: FrozenShards | None = None
     qgz_on: jax.Array | None = None
+    step: jax.Array | None = None
 
 
 def _stack(*xs: Any) -> Any:
@@ -291,7 +294,7 @@ class Engine:
                 frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
                 collections=collections, warn_resident=self.explicit_units,
                 memo=self.memo.setdefault("resident", {}), transports=self.transports,
-                **kwargs,
+                step=step.step, feedback=params.feedback, **kwargs,
             )
         else:
             tree = {"params": self.unflatten_full(params.units), **collections}
@@ -424,7 +427,8 @@ class Engine:
             opt_state = jax.tree_util.tree_map(keep, opt_state, old_opt_state)
             skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
         if cfg.stage == 3:
-            return dict(params=ShardedParams(new_master, True), master=None,
+            feedback = self._next_feedback(grads.feedback, params.feedback, finite)
+            return dict(params=ShardedParams(new_master, True, feedback), master=None,
                         opt_state=opt_state, skipped_steps=skipped)
         full = {
             k: collectives.all_gather_flat(v.astype(cfg.compute_jnp_dtype), AXES, invariant=True)
@@ -432,6 +436,32 @@ class Engine:
         }
         return dict(params=ShardedParams(full, False), master=ShardedParams(new_master, True),
                     opt_state=opt_state, skipped_steps=skipped)
+
+    def _next_feedback(self, new: Mapping[str, tuple], old: Mapping[str, tuple],
+                       finite: jax.Array) -> dict[str, tuple]:
+        """The kept qgZ errors after a step (``config.qgz_error_feedback``). Inside
+        ``shard_map``, per device.
+
+        ``new`` is the gradient's ``feedback``: each unit's new errors, with a use count
+        (the last buffer) of 1 when the unit's calls handed their errors on as one chain
+        (``units.apply``), 0 when the unit did not run. Any other count means the
+        gradients of separate chains were added (two ``apply_fn`` calls under one
+        ``jax.grad``, a hand-written accumulation loop), which adds the errors' FP8 codes
+        and scales too: those errors are dropped (zeros: the next step quantizes without
+        feedback, as plain qgZ). A unit that did not run, and every unit in a step skipped
+        for a non-finite gradient, keeps its old errors."""
+        out = {}
+        for name, kept in old.items():
+            got = new.get(name)
+            if got is None:
+                out[name] = kept
+                continue
+            count = got[-1][0]
+            keep_old = (count == 0) | ~finite
+            out[name] = tuple(
+                jnp.where(keep_old, k, jnp.where(count == 1, g.astype(k.dtype), jnp.zeros_like(k)))
+                for g, k in zip(got, kept))
+        return out
 
     def _clip_and_check(self, g: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], jax.Array]:
         """Primary-shard gradients -> (clipped gradients, global "all finite" flag).
@@ -463,10 +493,43 @@ class Engine:
         """What ``apply_fn`` needs of a train state besides the params: its frozen shards,
         and with ``qgz_until`` whether qgZ is on at optimizer step ``step`` (a traced bool,
         so one compiled program serves both phases of the run)."""
-        until = self.config.qgz_until_step if self.config.qgz else None
-        return StepState(frozen, None if until is None else step < until)
+        cfg = self.config
+        until = cfg.qgz_until_step if cfg.qgz else None
+        per_step = cfg.qgz and cfg.qgz_signs == "per_step"
+        return StepState(frozen, None if until is None else step < until,
+                         step if per_step else None)
 
     # -- outside shard_map -----------------------------------------------------------------
+
+    def feedback_specs(self, nodes: int | None = None, local: int | None = None
+                       ) -> dict[str, tuple[jax.ShapeDtypeStruct, ...]]:
+        """Unit name -> the global shapes of its kept qgZ errors on a ``nodes x local``
+        mesh (default: this run's): each per-device buffer of
+        ``QgzReduceScatter.feedback_specs`` put end to end over the devices. Empty without
+        ``config.qgz_error_feedback`` or where qgZ quantizes nothing (one node); every
+        trainable unit otherwise."""
+        cfg = self.config
+        if not (cfg.stage == 3 and cfg.qgz and cfg.qgz_error_feedback):
+            return {}
+        this_nodes, this_local = mesh_shape(self.mesh)
+        nodes, local = nodes or this_nodes, local or this_local
+        devices = nodes * local
+        out = {}
+        for name, lay in self.layouts.items():
+            n_pad = padded_length(lay.n, devices, cfg.flat_alignment)
+            per_device = self.transports[name].gradients.feedback_specs(n_pad, nodes, local)
+            if not per_device:  # nothing quantized on this mesh (one node): nothing kept
+                continue
+            out[name] = tuple(jax.ShapeDtypeStruct((devices * s.shape[0],), s.dtype)
+                              for s in per_device)
+        return out
+
+    def zero_feedback(self) -> dict[str, tuple[jax.Array, ...]]:
+        """Kept qgZ errors of zero (a new run's), placed on the mesh
+        (``feedback_specs``)."""
+        sharded = NamedSharding(self.mesh, SHARDED)
+        return {name: tuple(place(np.zeros(s.shape, s.dtype), sharded) for s in specs)
+                for name, specs in self.feedback_specs().items()}
 
     def shard_batch(self, batch: PyTree, spec: P = SHARDED, *,
                     check_processes: bool = True) -> PyTree:

@@ -317,8 +317,15 @@ class TrainState:
                 _store_frozen(frozen_layouts, frozen_trees, config, sharded)
                 if frozen_layouts else None
             )
-            return cls(step, ShardedParams(master, True), opt_state, None, engine, skipped,
-                       frozen_shards, placed_collections)
+            if config.qgz and config.qgz_error_feedback and any(
+                    lay.layer is not None for lay in layouts.values()):
+                raise ValueError(
+                    "qgz_error_feedback does not support scanned layer stacks (nn.scan / "
+                    "nnx.scan): their layers share one unit call. Unroll the stack, or "
+                    "turn the feedback off")
+            params = ShardedParams(master, True, engine.zero_feedback())
+            return cls(step, params, opt_state, None, engine, skipped, frozen_shards,
+                       placed_collections)
         cdt = config.compute_jnp_dtype
         replicated = NamedSharding(mesh, REPLICATED)
         full = {

@@ -46,6 +46,8 @@ def apply_units(
     warn_resident: bool = False,
     memo: dict | None = None,
     transports: Mapping[str, UnitTransports] | None = None,
+    step: jax.Array | None = None,
+    feedback: Mapping[str, tuple] | None = None,
     **kwargs: Any,
 ) -> Any:
     """The model's call with ZeRO-3 parameters. Runs inside ``shard_map``.
@@ -69,6 +71,10 @@ def apply_units(
         ``config`` per unit.
       memo: where ``find_resident`` keeps its answers for this model (the engine's), so
         a second trace of the same call does not trace the model again; None: no reuse.
+      step: the traced optimizer step, for gradient transports whose randomness follows
+        it (``config.qgz_signs="per_step"``); None: they use a fixed key.
+      feedback: unit name -> this device's kept qgZ errors (``config.qgz_error_feedback``;
+        ``ShardedParams.feedback``); their gradient is the new errors.
       *args, method, **kwargs: as for ``model.apply``.
     """
     frozen_layouts = frozen_layouts or {}
@@ -79,16 +85,30 @@ def apply_units(
             "{'params': state.params, 'frozen': state.frozen}"
         )
 
+    # Each unit's kept errors, handed from one call of the unit to the next (a tied
+    # embedding runs twice): backward passes them back along the same chain.
+    tokens: dict[str, tuple] = dict(feedback or {})
+
     def unit_call(name: str, keep: bool = False, arrived: tuple = ()
                   ) -> Callable[[Callable], Callable]:
         layout, flayout = layouts.get(name), frozen_layouts.get(name)
         stored = () if flayout is None else frozen_local_shards(frozen, name)
         shard = shards[name] if layout is not None else None
+
         def make(fn: Callable) -> Callable:
             unit = zero_unit(fn, layout, config, flayout, keep=keep,
                              transports=None if transports is None else transports[name])
-            return lambda *arrays: unit(order.tie(shard) if shard is not None else None,
-                                        stored, *arrays, qgz_on=qgz_on, arrived=arrived)
+
+            def call(*arrays: Any) -> Any:
+                kept = tokens.get(name, ())
+                out = unit(order.tie(shard) if shard is not None else None, stored, *arrays,
+                           qgz_on=qgz_on, step=step, arrived=arrived, feedback=kept)
+                if not kept:
+                    return out
+                out, tokens[name] = out
+                return out
+
+            return call
 
         return make
 
@@ -115,6 +135,11 @@ def apply_units(
     # weights per layer in a scan, against 0.6x this way; cause not yet found).
     stack_config = (dataclasses.replace(config, remat=unit_policies.minimal_policy)
                     if config.remat == "minimal" else config)
+    if stacks and feedback:
+        raise ValueError(
+            "qgz_error_feedback does not support scanned layer stacks (nn.scan / "
+            "nnx.scan): their layers share one unit call. Unroll the stack, or turn the "
+            "feedback off")
     for path, lays in stacks.items():
         lays.sort(key=lambda lay: lay.layer)
         # Every layer has the same layout; nn.scan hands each iteration its row of this.
@@ -125,7 +150,7 @@ def apply_units(
         def make(fn: Callable, shard: jax.Array, layout: UnitLayout = lays[0]) -> Callable:
             unit = zero_unit(fn, layout, stack_config, transports=None if transports is None
                              else transports[layout.name])
-            return lambda *arrays: unit(shard, (), *arrays, qgz_on=qgz_on)
+            return lambda *arrays: unit(shard, (), *arrays, qgz_on=qgz_on, step=step)
 
         stacked_units[path] = Stacked(make)
     shapes = {path_of[name]: _unit_shapes(layouts.get(name), frozen_layouts.get(name))

@@ -39,6 +39,8 @@ def config_allows(config: Any) -> bool:
         return False
     if (config.qwz or config.qgz) and not config.blockwise:
         return False  # one scale per shard: the bucket's scale would mix the members
+    if config.qgz and config.qgz_error_feedback:
+        return False  # each unit keeps its own errors, laid out like its own gradient
     return not (config.qwz_hadamard or config.qgz_hadamard or config.stochastic_rounding)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from zeropp_jax.core import compat, scopes
 from zeropp_jax.core.config import ZeroPPConfig
@@ -144,6 +145,12 @@ def zero_unit(
       keep: keep the forward's gathered weights for backward instead of regathering them
         (``config.keep_last_unit``: the unit called last in forward, whose backward runs
         next). Same weights bit for bit (gathers are deterministic); one all-gather less.
+        The returned ``unit`` also takes ``step=`` (the traced optimizer step, for a
+        gradient transport whose randomness follows it) and ``feedback=`` (this device's
+        kept quantization errors, ``QgzReduceScatter.feedback_specs``): their gradient is
+        the new kept errors, not a derivative. With ``feedback`` the unit returns ``(outputs,
+        token)``: pass ``token`` as the ``feedback`` of the unit's next call in the step, so
+        backward hands the errors from one call to the next.
       transports: how the unit's weights arrive and its gradient leaves (the plan's,
         ``Engine.transports[name]``); None: resolved from ``config``.
 
@@ -214,12 +221,13 @@ def zero_unit(
         return full, (ffull,), (kept, (ffull,) if keep else frozen_weights.keep(frozen, moved))
 
     @jax.custom_vjp
-    def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple, arrived: tuple) -> Any:
+    def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: dict, arrived: tuple,
+             feedback: tuple) -> Any:
         full, ffull, _ = gather(shard, frozen, arrived)
-        return run(*split(full, ffull), arrays)
+        return run(*split(full, ffull), arrays), feedback
 
-    def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: tuple,
-                 arrived: tuple) -> tuple[Any, tuple]:
+    def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: dict,
+                 arrived: tuple, feedback: tuple) -> tuple[Any, tuple]:
         full, ffull, kept = gather(shard, frozen, arrived)
         w, f = split(full, ffull)
         # The pullback's residuals: what backward needs (all of it with "minimal", what the
@@ -232,10 +240,12 @@ def zero_unit(
             # ``embedding.T``): keep only matmul outputs and collectives instead, which
             # never holds weights, and recompute the elementwise rest.
             out, pullback = pullback_of(_minimal, w, f, arrays)
-        return out, (pullback, kept, flags, len(arrived))
+        return (out, feedback), (pullback, kept, flags, len(arrived), feedback)
 
-    def unit_bwd(res: tuple, g: Any) -> tuple:
-        pullback, kept, flags, n_arrived = res
+    def unit_bwd(res: tuple, g_and_token: Any) -> tuple:
+        pullback, kept, flags, n_arrived, feedback = res
+        g, token = g_and_token
+        no_flags = {k: None for k in flags}
         if keep:  # the forward's full weights, held since: nothing to gather
             full, ffull = kept
         else:
@@ -249,24 +259,44 @@ def zero_unit(
         g_full = flat(g_w)
         if n_arrived:  # the bucket reduce-scatters this gradient with its other members'
             return ((None,), (None,) * n_stored, g_arrays,
-                    (None,) * len(flags), g_full + (None,) * (n_arrived - 1))
-        qgz_on = flags[0] if flags else None
+                    no_flags, g_full + (None,) * (n_arrived - 1), ())
+        on, step = flags.get("on"), flags.get("step")
         with jax.named_scope(scopes.REDUCED):  # marks the shards for train.axes' check
-            g_shard = tuple(reduce_gradient(grads, gf, config.param_jnp_dtype, qgz_on)
+            if feedback:
+                # Error feedback: the kept errors go in, the new ones come back as their
+                # "cotangent" (what the train state stores next: engine.optimizer_step).
+                # A unit called k times passes its errors from one call's backward to the
+                # next (``token``: the cotangent of the errors this call handed on, with a
+                # use count of 1 once a later call's backward has run; 0: none has, so
+                # these are the step's kept errors).
+                later = token[-1][0] > 0
+                incoming = tuple(jnp.where(later, t.astype(k.dtype), k)
+                                 for t, k in zip(token, feedback))
+                shard, new_kept = reduce_gradient(grads, g_full[0], config.param_jnp_dtype,
+                                                  on, step, incoming)
+                return ((shard,), (None,) * n_stored, g_arrays, no_flags, (),
+                        tuple(new_kept))
+            g_shard = tuple(reduce_gradient(grads, gf, config.param_jnp_dtype, on, step)
                             for gf in g_full)
-        return g_shard, (None,) * n_stored, g_arrays, (None,) * len(flags), ()
+        return g_shard, (None,) * n_stored, g_arrays, no_flags, (), ()
 
     unit.defvjp(unit_fwd, unit_bwd)
 
     def call(shard: jax.Array | None, frozen: tuple, *arrays: Any,
-             qgz_on: jax.Array | None = None, arrived: tuple = ()) -> Any:
+             qgz_on: jax.Array | None = None, step: jax.Array | None = None,
+             arrived: tuple = (), feedback: tuple = ()) -> Any:
         if layout is not None and shard.shape != (layout.shard_len,):
             raise ValueError(
                 f"unit {layout.name!r} expects its local primary shard of shape "
                 f"({layout.shard_len},) inside shard_map, got {shard.shape}"
             )
+        if feedback and (shard is None or arrived):
+            raise ValueError(f"unit {layout.name if layout else '?'!r}: error feedback needs "
+                             "a trainable unit that reduce-scatters its own gradient")
         shard_t = () if shard is None else (shard,)
-        return unit(shard_t, tuple(frozen), tuple(varying(a) for a in arrays),
-                    () if qgz_on is None else (qgz_on,), tuple(arrived))
+        flags = {k: v for k, v in (("on", qgz_on), ("step", step)) if v is not None}
+        out, token = unit(shard_t, tuple(frozen), tuple(varying(a) for a in arrays), flags,
+                          tuple(arrived), tuple(feedback))
+        return (out, token) if feedback else out
 
     return call

@@ -88,7 +88,9 @@ def gradient_transport(config: Any) -> GradientTransport:
     return qgz.QgzReduceScatter(
         config.grad_bits, config.block_size if config.blockwise else None,
         config.qgz_pipeline_stages, config.quantization_impl, plain_rs,
-        hadamard=config.qgz_hadamard, stochastic_rounding=config.stochastic_rounding)
+        hadamard=config.qgz_hadamard, stochastic_rounding=config.stochastic_rounding,
+        per_step_signs=config.qgz_signs == "per_step",
+        error_feedback=config.qgz_error_feedback)
 
 
 @dataclasses.dataclass(frozen=True)

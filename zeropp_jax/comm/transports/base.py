@@ -57,10 +57,12 @@ class WeightTransport(Protocol):
 class GradientTransport(Protocol):
     """How a unit's full flat gradient leaves: a reduce-scatter of its sum."""
 
-    def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None) -> jax.Array:
+    def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None,
+                   step: jax.Array | None = None) -> jax.Array:
         """``[n_pad]`` gradient -> this device's ``[n_pad / P]`` slice of the sum over
         ``("node", "local")``, in fp32. ``on``: a traced bool for transports that can switch
-        to a plain reduce-scatter at run time (ignored by the others)."""
+        to a plain reduce-scatter at run time; ``step``: the traced optimizer step, for
+        transports whose randomness follows it (both ignored by the others)."""
         ...
 
 
@@ -81,11 +83,19 @@ class DirectGather:
 
 
 def reduce_gradient(transport: GradientTransport, g_full: jax.Array, shard_dtype,
-                    on: jax.Array | None = None) -> jax.Array:
+                    on: jax.Array | None = None, step: jax.Array | None = None,
+                    feedback: tuple = ()) -> Any:
     """``[n_pad]`` gradient -> this device's ``[n_pad / P]`` slice of the mean over all
-    ``P`` devices of ``("node", "local")``, in ``shard_dtype`` (divided in fp32)."""
+    ``P`` devices of ``("node", "local")``, in ``shard_dtype`` (divided in fp32).
+
+    With ``feedback`` (this device's kept errors, for a transport with error feedback):
+    ``(slice, new kept errors)``."""
     num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
-    summed = transport.reduce_sum(g_full, on)
+    if feedback:
+        summed, kept = transport.reduce_sum_feedback(  # type: ignore[attr-defined]
+            g_full, feedback, on, step)
+        return (summed / num_devices).astype(shard_dtype), kept
+    summed = transport.reduce_sum(g_full, on, step)
     return (summed / num_devices).astype(shard_dtype)
 
 

@@ -19,5 +19,6 @@ class HierarchicalReduceScatter:
     def from_config(cls, config: Any) -> "HierarchicalReduceScatter":
         return cls()
 
-    def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None) -> jax.Array:
+    def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None,
+                   step: jax.Array | None = None) -> jax.Array:
         return hierarchical_reduce_scatter(g_full)

@@ -1,5 +1,5 @@
 """qgZ: the gradient block-quantized to INT4/INT8 for two all-to-all hops (optionally
-Hadamard-smoothed, optionally rounded stochastically)."""
+Hadamard-smoothed, optionally rounded stochastically, optionally with error feedback)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,43 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
-from zeropp_jax.comm.qgz import qgz_reduce_scatter
+from zeropp_jax.comm.qgz import (
+    feedback_lengths,
+    hop2_to_flat,
+    qgz_reduce_scatter,
+    qgz_reduce_scatter_feedback,
+)
 from zeropp_jax.comm.transports.base import GradientTransport
 from zeropp_jax.core.mesh import AXES
+from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
+from zeropp_jax.quant.rotation import fixed_key
+
+# The kept errors are stored as FP8 e4m3 with one fp32 scale per this many elements:
+# 8 bits per element plus 32 / FEEDBACK_BLOCK for the scales (1.125 bits at 256).
+FEEDBACK_BLOCK = 256
+FEEDBACK_FORMAT = "e4m3"
+
+Feedback = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def _padded(n: int) -> int:
+    return -(-n // FEEDBACK_BLOCK) * FEEDBACK_BLOCK
+
+
+def encode_error(e: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp32 ``[h]`` -> (FP8 values ``[h_pad]``, fp32 scales ``[h_pad / FEEDBACK_BLOCK]``),
+    ``h_pad`` ``h`` rounded up to whole blocks (zeros after ``h``)."""
+    (h,) = e.shape
+    if _padded(h) != h:
+        e = jnp.pad(e, (0, _padded(h) - h))
+    return quantize_fp8_flat(e, block_size=FEEDBACK_BLOCK, fmt=FEEDBACK_FORMAT)
+
+
+def decode_error(values: jax.Array, scales: jax.Array, h: int) -> jax.Array:
+    """Inverse of ``encode_error``: fp32 ``[h]``."""
+    return dequantize_fp8_flat(values, scales, block_size=FEEDBACK_BLOCK)[:h]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +61,10 @@ class QgzReduceScatter:
       hadamard: Hadamard smoothing of every block (``config.qgz_hadamard``).
       stochastic_rounding: unbiased rounding of both quantizations
         (``config.stochastic_rounding``).
+      per_step_signs: the Hadamard signs (and rounding seeds) drawn from the step counter
+        (``config.qgz_signs == "per_step"``) instead of one fixed key for the run.
+      error_feedback: each device keeps its quantization errors and adds them back at the
+        next reduce-scatter (``config.qgz_error_feedback``; ``reduce_sum_feedback``).
     """
 
     bits: int
@@ -37,21 +74,97 @@ class QgzReduceScatter:
     fallback: GradientTransport
     hadamard: bool = False
     stochastic_rounding: bool = False
+    per_step_signs: bool = False
+    error_feedback: bool = False
+
+    def _block(self, n: int, num_devices: int) -> int:
+        return self.block_size or n // num_devices // self.stages
+
+    def _key(self, step: jax.Array | None) -> jax.Array | None:
+        if not self.per_step_signs or step is None:
+            return None
+        return jax.random.fold_in(fixed_key(), step)
+
+    def _kwargs(self, n: int, num_devices: int, step: jax.Array | None) -> dict:
+        return dict(bits=self.bits, block_size=self._block(n, num_devices), stages=self.stages,
+                    implementation=self.implementation, hadamard=self.hadamard,
+                    stochastic_rounding=self.stochastic_rounding, key=self._key(step))
 
     def quantized(self, g: jax.Array, key: jax.Array | None = None) -> jax.Array:
         num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
-        block = self.block_size or g.shape[0] // num_devices // self.stages
+        block = self._block(g.shape[0], num_devices)
         return qgz_reduce_scatter(g, bits=self.bits, block_size=block, stages=self.stages,
                                   implementation=self.implementation, hadamard=self.hadamard,
                                   stochastic_rounding=self.stochastic_rounding, key=key)
 
     def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None,
-                   key: jax.Array | None = None) -> jax.Array:
-        """``key``: the step's PRNG key, the same on every device (Hadamard signs and
-        rounding seeds: ``comm.qgz.qgz_reduce_scatter``). The unit transform passes none
-        today, so the signs are the fixed key's and the rounding seeds come from each
-        device's gradient."""
-        quantized = functools.partial(self.quantized, key=key)
+                   step: jax.Array | None = None) -> jax.Array:
+        """``step``: the optimizer step (traced int), for ``per_step_signs``; without it,
+        the fixed key's signs, and rounding seeds from each device's gradient."""
+        quantized = functools.partial(self.quantized, key=self._key(step))
         if on is None:
             return quantized(g_full)
         return jax.lax.cond(on, quantized, self.fallback.reduce_sum, g_full)
+
+    # -- error feedback --------------------------------------------------------------------
+
+    def feedback_lengths(self, n_pad: int, nodes: int, local: int) -> tuple[int, int]:
+        """Per-device fp32 lengths ``(h1, h2)`` of the errors kept for a unit of padded
+        length ``n_pad`` (``comm.qgz.feedback_lengths``)."""
+        return feedback_lengths(n_pad, nodes=nodes, local=local,
+                                block_size=self._block(n_pad, nodes * local),
+                                stages=self.stages)
+
+    def feedback_specs(self, n_pad: int, nodes: int, local: int
+                       ) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Per-device shapes of a unit's kept errors, as stored: FP8 values and fp32 scales
+        of hop 1, the same of hop 2, and an fp32 ``[1]`` use count (``reduce_sum_feedback``);
+        none when nothing is quantized (one node: the plain reduce-scatter). Global arrays
+        put ``P`` of these end to end, split over ``("node", "local")``."""
+        lengths = self.feedback_lengths(n_pad, nodes, local)
+        if lengths == (0, 0):
+            return ()
+        out = []
+        for h in lengths:
+            out += [jax.ShapeDtypeStruct((_padded(h),), jnp.float8_e4m3fn),
+                    jax.ShapeDtypeStruct((_padded(h) // FEEDBACK_BLOCK,), jnp.float32)]
+        return (*out, jax.ShapeDtypeStruct((1,), jnp.float32))
+
+    def reduce_sum_feedback(self, g_full: jax.Array, kept: Feedback,
+                            on: jax.Array | None = None, step: jax.Array | None = None
+                            ) -> tuple[jax.Array, Feedback]:
+        """``reduce_sum`` with error feedback: ``kept`` (this device's stored errors,
+        ``feedback_specs``) is decoded, added before each quantization, and the new errors
+        come back encoded, with a use count of 1 (a caller that finds another count knows
+        the errors were summed over several uses and are not errors any more).
+
+        When qgZ is off for the step (``on`` False), the kept errors go into the plain
+        reduce-scatter's input and the new ones are zero."""
+        num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
+        nodes, local = jax.lax.axis_size(AXES[0]), jax.lax.axis_size(AXES[1])
+        (n,) = g_full.shape
+        h1, h2 = self.feedback_lengths(n, nodes, local)
+        e1 = decode_error(kept[0], kept[1], h1)
+        e2 = decode_error(kept[2], kept[3], h2)
+        kw = self._kwargs(n, num_devices, step)
+
+        def quantized(g, e1, e2):
+            out, (e1n, e2n) = qgz_reduce_scatter_feedback(g, (e1, e2), **kw)
+            return out, e1n, e2n
+
+        def plain(g, e1, e2):
+            x = g.astype(jnp.float32)
+            if h1:
+                x = x + e1
+            if h2:
+                x = x + hop2_to_flat(e2, nodes=nodes, local=local, stages=self.stages,
+                                     m=n // num_devices,
+                                     local_index=jax.lax.axis_index(AXES[1]))
+            return (self.fallback.reduce_sum(x.astype(g.dtype)), jnp.zeros_like(e1),
+                    jnp.zeros_like(e2))
+
+        if on is None:
+            out, e1n, e2n = quantized(g_full, e1, e2)
+        else:
+            out, e1n, e2n = jax.lax.cond(on, quantized, plain, g_full, e1, e2)
+        return out, (*encode_error(e1n), *encode_error(e2n), jnp.ones((1,), jnp.float32))

@@ -20,5 +20,6 @@ class FlatReduceScatter:
     def from_config(cls, config: Any) -> "FlatReduceScatter":
         return cls()
 
-    def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None) -> jax.Array:
+    def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None,
+                   step: jax.Array | None = None) -> jax.Array:
         return reduce_scatter_flat(g_full, AXES).astype(jnp.float32)

@@ -208,7 +208,3 @@ def merge_units(rest: Mapping[str, Any], units: Mapping[tuple[str, ...], PyTree]
         put(out, path, sub)
     return out
 
-
-def numpy_shards(flat: np.ndarray, num_shards: int) -> np.ndarray:
-    """``[n_pad]`` -> ``[num_shards, shard_len]`` view (device d's primary shard is row d)."""
-    return np.asarray(flat).reshape(num_shards, -1)

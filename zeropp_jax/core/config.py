@@ -180,7 +180,7 @@ class ZeroPPConfig:
         once; only smaller units, such as a tied head's embedding, may be called after it)
         keeps its gathered weights for its backward, which runs next, instead of
         regathering them: one all-gather less per step, the same weights bit for bit (rule:
-        ``flax._last_unit``). Its full weights then
+        ``units.apply.kept_unit``). Its full weights then
         stay live through the loss instead of being gathered again right after it (FSDP2
         keeps the root module's weights this way; DeepSpeed keeps parameters reused within
         ``stage3_max_reuse_distance``). False: every unit regathers.

@@ -11,20 +11,27 @@ import-linter contracts in ``pyproject.toml``):
     core/                             config, mesh, version-dependent calls, processes
 """
 
-import sys as _sys
-
-from zeropp_jax.comm import collectives, qgz
+# The documented import paths (``zeropp_jax.collectives.qwz_all_gather``,
+# ``from zeropp_jax.checkpoint import save``, ...) are thin modules beside this one, each
+# naming what its home module in a layer folder defines.
+from zeropp_jax import (
+    analysis,
+    checkpoint,
+    collectives,
+    generation,
+    losses,
+    processes,
+    qgz,
+    quantization,
+    ulysses,
+    viz,
+    wrap,
+)
 from zeropp_jax.comm.frozen import FrozenShards
 from zeropp_jax.comm.placement import ShardedParams, global_norm
-from zeropp_jax.core import processes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import make_mesh, simulate_cpu_devices
-from zeropp_jax.inference import generate as _generation
 from zeropp_jax.inference.generate import generate
-from zeropp_jax.measure import analysis, viz
-from zeropp_jax.parallel import ulysses
-from zeropp_jax.quant import quantization
-from zeropp_jax.train import checkpoint, losses
 from zeropp_jax.train.accumulate import accumulate_gradients
 from zeropp_jax.train.checkpoint import consolidate
 from zeropp_jax.train.engine import Engine
@@ -32,17 +39,7 @@ from zeropp_jax.train.global_batch import all_gather_batch, batch_offset
 from zeropp_jax.train.losses import token_mean
 from zeropp_jax.train.state import TrainState
 from zeropp_jax.train.step import eval_step, per_example, train_step
-from zeropp_jax.units import wrap
 
-# Import paths the docs show (``zeropp_jax.collectives.qwz_all_gather``,
-# ``from zeropp_jax.checkpoint import save``, ...) name the same module objects as their
-# homes in the layer folders.
-for _module in (analysis, checkpoint, collectives, losses, processes, qgz,
-                quantization, ulysses, viz, wrap):
-    _sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[-1]}"] = _module
-del _module
-# ``zpp.generate`` is the function; its module keeps the import path the docs show.
-_sys.modules[f"{__name__}.generation"] = _generation
 
 __all__ = [
     "Engine",

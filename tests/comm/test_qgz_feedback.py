@@ -173,12 +173,17 @@ def _signs(hadamard):
 # -- 1. the library against the reference ----------------------------------------------------
 
 
+def _case(seed: int, mesh_shape, hadamard, stages):
+    """Fresh inputs for one case and the library's results on them."""
+    nodes, local = mesh_shape
+    rng = np.random.default_rng(seed + 10 * nodes + 2 * stages + hadamard)
+    x, e1, e2 = _inputs(rng, nodes, local, stages)
+    return (nodes, local, x, e1, e2, *_library(nodes, local, hadamard, stages)(x, e1, e2))
+
+
 @pytest.mark.parametrize("mesh_shape,hadamard,stages", CASES)
 def test_matches_numpy_reference(mesh_shape, hadamard, stages):
-    nodes, local = mesh_shape
-    rng = np.random.default_rng(100 + 10 * nodes + 2 * stages + hadamard)
-    x, e1, e2 = _inputs(rng, nodes, local, stages)
-    out, e1n, e2n = _library(nodes, local, hadamard, stages)(x, e1, e2)
+    nodes, local, x, e1, e2, out, e1n, e2n = _case(100, mesh_shape, hadamard, stages)
     ref_out, ref_e1n, ref_e2n, _ = reference(x, e1, e2, nodes=nodes, local=local,
                                              stages=stages, signs=_signs(hadamard))
     assert out.shape == ref_out.shape and e1n.shape == e1.shape and e2n.shape == e2.shape
@@ -233,10 +238,7 @@ ETA2 = (1 + U) ** (2 * LOG2B + 4) - 1
 
 @pytest.mark.parametrize("mesh_shape,hadamard,stages", CASES)
 def test_error_feedback_conserves_the_sum(mesh_shape, hadamard, stages):
-    nodes, local = mesh_shape
-    rng = np.random.default_rng(200 + 10 * nodes + 2 * stages + hadamard)
-    x, e1, e2 = _inputs(rng, nodes, local, stages)
-    out, e1n, e2n = _library(nodes, local, hadamard, stages)(x, e1, e2)
+    nodes, local, x, e1, e2, out, e1n, e2n = _case(200, mesh_shape, hadamard, stages)
     num, m, m_pad, _ = _geometry(nodes, local, stages, x.shape[1])
     f64 = np.float64
     given = x.astype(f64).sum(0) + e1.astype(f64).sum(0)

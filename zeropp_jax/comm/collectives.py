@@ -297,10 +297,3 @@ def fp8_all_gather(
         return dequantize_fp8_flat(values, scales, block_size=block_size, dtype=out_dtype)
     full = dequantize_fp8_flat(values, scales, block_size=block_size, dtype=jnp.float32)
     return unrotate_reference(full, signs, block_size=block_size).astype(out_dtype)
-
-
-# qgZ's reduce-scatter is a collective of the data path too; it lives in comm/qgz.py (which
-# imports this module inside its functions), and is importable from here as well
-# (``zeropp_jax.collectives.qgz_reduce_scatter``). Imported last, so that neither module
-# needs the other to be complete first.
-from zeropp_jax.comm.qgz import hierarchical_reduce_scatter, qgz_reduce_scatter  # noqa: E402,F401

@@ -42,6 +42,8 @@ import numpy as np
 
 from pallas_kernels import reduce as _reduce
 from pallas_kernels import reorder as _reorder
+from pallas_kernels.reorder import reorder_reference
+from zeropp_jax.comm.collectives import from_wire, pack_rows, to_wire, unpack_rows
 from zeropp_jax.quant.quantization import _interpret, _resolve, check_settings
 from zeropp_jax.quant.rotation import hadamard_signs, rounding_key, rounding_seed
 
@@ -87,9 +89,6 @@ def hierarchical_reduce_scatter(
 
     Returns fp32 ``[n / P]``.
     """
-    from zeropp_jax.comm.collectives import from_wire, to_wire
-    from pallas_kernels.reorder import reorder_reference
-
     nodes = jax.lax.axis_size(node_axis)
     local = jax.lax.axis_size(local_axis)
     (n,) = x.shape
@@ -148,8 +147,6 @@ def _exchange(values: jax.Array, scales: jax.Array, rows: int, axis: str
     """One all-to-all over ``axis`` of row ``g`` of ``values`` with row ``g`` of ``scales``
     (packed into one byte buffer: a collective has a fixed cost, so the scales do not get
     their own). Returns ``[rows, .]`` values and scales as received."""
-    from zeropp_jax.comm.collectives import pack_rows, unpack_rows
-
     value_bytes = values.size // rows * values.dtype.itemsize
     buf = _all_to_all(pack_rows(values, scales, rows), axis)
     return unpack_rows(buf, value_bytes, values.dtype)
@@ -168,7 +165,8 @@ def qgz_reduce_scatter(
     hadamard: bool = False,
     stochastic_rounding: bool = False,
     key: jax.Array | None = None,
-) -> jax.Array:
+    feedback: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Quantized hierarchical reduce-scatter; same placement as
     ``psum_scatter(x, (node_axis, local_axis), tiled=True)``.
 
@@ -193,9 +191,13 @@ def qgz_reduce_scatter(
         device index. None: a fixed key (``quant.rotation.fixed_key``; the same signs
         every call), and for rounding that key folded with a checksum of the device's
         ``x``, so the dither still changes with the gradient.
+      feedback: error feedback: fp32 ``(e1 [h1], e2 [h2])``, this device's kept errors
+        (``feedback_lengths``; zeros at the first call), added before the quantizations
+        (see "Error feedback" below). None: no feedback.
     Returns:
       fp32 ``[n / P]``: the sum over all devices of this device's slice (within the
-      quantization error).
+      quantization error). With ``feedback``: ``(that slice, (e1', e2') the new errors)``,
+      from the same collectives and bytes.
     """
     check_settings(bits, block_size, hadamard=hadamard)
     if single_node not in SINGLE_NODE_MODES:
@@ -210,6 +212,12 @@ def qgz_reduce_scatter(
     (n,) = x.shape
     if n % num:
         raise ValueError(f"{n=} must be divisible by the {num} devices (as for psum_scatter)")
+    if feedback is not None:
+        return _with_feedback(
+            x, feedback, nodes=nodes, local=local, bits=bits, block_size=block_size,
+            stages=stages, single_node=single_node, impl=_resolve(implementation),
+            hadamard=hadamard, stochastic_rounding=stochastic_rounding, key=key,
+            node_axis=node_axis, local_axis=local_axis)
     if nodes == 1 and single_node == "reduce_scatter":
         summed = jax.lax.psum_scatter(x, (node_axis, local_axis), scatter_dimension=0,
                                       tiled=True)
@@ -292,63 +300,34 @@ def _decode(values, scales, impl, signs, **kw):
     return _dequantize_reduce(values[None], scales[None], impl, signs=signs, **kw)
 
 
-def qgz_reduce_scatter_feedback(
-    x: jax.Array,
-    feedback: tuple[jax.Array, jax.Array],
-    *,
-    node_axis: str = "node",
-    local_axis: str = "local",
-    bits: int = 4,
-    block_size: int = 256,
-    stages: int = 1,
-    single_node: str = "reduce_scatter",
-    implementation: str | None = None,
-    hadamard: bool = False,
-    stochastic_rounding: bool = False,
-    key: jax.Array | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """``qgz_reduce_scatter`` with error feedback. Runs inside ``shard_map``.
+def qgz_reduce_scatter_feedback(x: jax.Array, feedback: tuple[jax.Array, jax.Array],
+                                **kwargs) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``qgz_reduce_scatter(x, feedback=feedback, **kwargs)``: the reduce-scatter with
+    error feedback, ``(this device's fp32 [n / P] slice, (e1', e2') its new errors)``."""
+    return qgz_reduce_scatter(x, feedback=feedback, **kwargs)
 
-    Args:
-      x: ``[n]`` this device's full gradient; other arguments as ``qgz_reduce_scatter``.
-      feedback: fp32 ``(e1 [h1], e2 [h2])``, this device's kept errors
-        (``feedback_lengths``; zeros at the first call).
-    Returns:
-      ``(fp32 [n / P] this device's slice of the sum, (e1', e2') the new errors)``: the
-      same collectives and bytes as ``qgz_reduce_scatter`` (all-to-all over ``local_axis``,
-      then ``node_axis``); only the inputs of the quantizations differ.
-    """
-    check_settings(bits, block_size, hadamard=hadamard)
-    if single_node not in SINGLE_NODE_MODES:
-        raise ValueError(f"single_node={single_node!r}; valid values are {SINGLE_NODE_MODES}")
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 1:
-        raise TypeError("qgz_reduce_scatter_feedback takes a 1-D float gradient, got "
-                        f"{x.dtype}{x.shape}")
-    nodes = jax.lax.axis_size(node_axis)
-    local = jax.lax.axis_size(local_axis)
+
+def _with_feedback(x, feedback, *, nodes, local, bits, block_size, stages, single_node, impl,
+                   hadamard, stochastic_rounding, key, node_axis, local_axis):
+    """``qgz_reduce_scatter`` with ``feedback``, its arguments checked."""
     num = nodes * local
     (n,) = x.shape
-    if n % num:
-        raise ValueError(f"{n=} must be divisible by the {num} devices (as for psum_scatter)")
     h1, h2 = feedback_lengths(n, nodes=nodes, local=local, block_size=block_size,
                               stages=stages, single_node=single_node)
     e1, e2 = feedback
     if e1.shape != (h1,) or e2.shape != (h2,):
         raise ValueError(f"feedback shapes {e1.shape}, {e2.shape} do not match this mesh "
                          f"and gradient: expected ({h1},), ({h2},)")
-    if h1 == 0:  # nothing is quantized: qgz_reduce_scatter's plain reduce-scatter
-        return qgz_reduce_scatter(x, node_axis=node_axis, local_axis=local_axis,
-                                  single_node=single_node, bits=bits,
-                                  block_size=block_size), (e1, e2)
+    if h1 == 0:  # nothing is quantized (one node): the plain reduce-scatter
+        summed = jax.lax.psum_scatter(x, (node_axis, local_axis), scatter_dimension=0,
+                                      tiled=True)
+        return summed.astype(jnp.float32), (e1, e2)
     m = n // num
     quantum = stages * block_size
     m_pad = -(-m // quantum) * quantum
     y = x.astype(jnp.float32) + e1
     y_pad = y if m_pad == m else jnp.pad(y.reshape(num, m), ((0, 0), (0, m_pad - m))
                                          ).reshape(-1)
-    impl = _resolve(implementation)
     kw = dict(bits=bits, block_size=block_size)
     signs = hadamard_signs(key, block_size) if hadamard else None
     rkey = None

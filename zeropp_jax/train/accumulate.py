@@ -75,34 +75,45 @@ def accumulate_gradients(
     # Shapes and dtypes of one micro-batch's outputs, to build fp32 accumulators.
     out_shape, grad_shape = jax.eval_shape(grad_fn, params, first)
 
+    def body(carry: tuple, mb: PyTree) -> tuple[tuple, None]:
+        out_acc, grad_acc = carry
+        out, grads = grad_fn(params, mb)
+        return (_tree_add(out_acc, out), _tree_add(grad_acc, grads)), None
+
+    # ``init`` is device-invariant but the accumulated values vary per device: make the
+    # carry's type match what the body returns.
+    init = jax.tree_util.tree_map(_varying, (_zeros(out_shape), _zeros(grad_shape)))
+    (out_sum, grad_sum), _ = jax.lax.scan(body, init, micro)
+    return (_mean(out_sum, out_shape, micro_batches),
+            _mean(grad_sum, grad_shape, micro_batches))
+
+
+def _zeros(shapes: PyTree) -> PyTree:
+    """fp32 zeros for the floating leaves of ``shapes`` (accumulators), zeros of their
+    own dtype for the others."""
     def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
         dt = jnp.float32 if jnp.issubdtype(s.dtype, jnp.inexact) else s.dtype
         return jnp.zeros(s.shape, dt)
 
-    def add(acc: jax.Array, x: jax.Array) -> jax.Array:
-        if jnp.issubdtype(acc.dtype, jnp.inexact):
-            return acc + x.astype(acc.dtype)
-        return x  # integer aux: keep the last
+    return jax.tree_util.tree_map(zeros, shapes)
 
-    def body(carry: tuple, mb: PyTree) -> tuple[tuple, None]:
-        out_acc, grad_acc = carry
-        out, grads = grad_fn(params, mb)
-        return (jax.tree_util.tree_map(add, out_acc, out),
-                jax.tree_util.tree_map(add, grad_acc, grads)), None
 
-    init = (jax.tree_util.tree_map(zeros, out_shape), jax.tree_util.tree_map(zeros, grad_shape))
-    # ``init`` is device-invariant but the accumulated values vary per device: make the
-    # carry's type match what the body returns.
-    init = jax.tree_util.tree_map(_varying, init)
-    (out_sum, grad_sum), _ = jax.lax.scan(body, init, micro)
+def _tree_add(acc: PyTree, x: PyTree) -> PyTree:
+    """Floating leaves added in the accumulator's dtype; integer aux: the last kept."""
+    def add(a: jax.Array, b: jax.Array) -> jax.Array:
+        return a + b.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else b
 
-    def mean(acc: jax.Array, s: jax.ShapeDtypeStruct) -> jax.Array:
-        if jnp.issubdtype(acc.dtype, jnp.inexact):
-            return (acc / micro_batches).astype(s.dtype)
-        return acc
+    return jax.tree_util.tree_map(add, acc, x)
 
-    return (jax.tree_util.tree_map(mean, out_sum, out_shape),
-            jax.tree_util.tree_map(mean, grad_sum, grad_shape))
+
+def _mean(acc: PyTree, shapes: PyTree, micro_batches: int) -> PyTree:
+    """Accumulated sums -> means over micro-batches, in the dtypes of ``shapes``."""
+    def mean(a: jax.Array, s: jax.ShapeDtypeStruct) -> jax.Array:
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            return (a / micro_batches).astype(s.dtype)
+        return a
+
+    return jax.tree_util.tree_map(mean, acc, shapes)
 
 
 def _varying(x: jax.Array) -> jax.Array:
@@ -126,30 +137,13 @@ def _accumulate_with_feedback(grad_fn: Callable[..., Any], params: Any, micro: P
     out_shape, grad_shape = jax.eval_shape(
         lambda p, b: (lambda o, g: (o, no_feedback(g)))(*grad_fn(p, b)), params, first)
 
-    def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
-        dt = jnp.float32 if jnp.issubdtype(s.dtype, jnp.inexact) else s.dtype
-        return jnp.zeros(s.shape, dt)
-
-    def add(acc: jax.Array, x: jax.Array) -> jax.Array:
-        if jnp.issubdtype(acc.dtype, jnp.inexact):
-            return acc + x.astype(acc.dtype)
-        return x
-
     def body(carry: tuple, mb: PyTree) -> tuple[tuple, None]:
         out_acc, grad_acc, kept = carry
         out, grads = grad_fn(params.replace(feedback=kept), mb)
-        return (jax.tree_util.tree_map(add, out_acc, out),
-                jax.tree_util.tree_map(add, grad_acc, no_feedback(grads)),
+        return (_tree_add(out_acc, out), _tree_add(grad_acc, no_feedback(grads)),
                 grads.feedback), None
 
-    init = (jax.tree_util.tree_map(zeros, out_shape), jax.tree_util.tree_map(zeros, grad_shape))
-    init = (*jax.tree_util.tree_map(_varying, init), params.feedback)
-    (out_sum, grad_sum, kept), _ = jax.lax.scan(body, init, micro)
-
-    def mean(acc: jax.Array, s: jax.ShapeDtypeStruct) -> jax.Array:
-        if jnp.issubdtype(acc.dtype, jnp.inexact):
-            return (acc / micro_batches).astype(s.dtype)
-        return acc
-
-    grads = jax.tree_util.tree_map(mean, grad_sum, grad_shape)
-    return jax.tree_util.tree_map(mean, out_sum, out_shape), grads.replace(feedback=kept)
+    init = jax.tree_util.tree_map(_varying, (_zeros(out_shape), _zeros(grad_shape)))
+    (out_sum, grad_sum, kept), _ = jax.lax.scan(body, (*init, params.feedback), micro)
+    grads = _mean(grad_sum, grad_shape, micro_batches)
+    return _mean(out_sum, out_shape, micro_batches), grads.replace(feedback=kept)

@@ -386,7 +386,11 @@ def _scan_layers(me: nnx.Module, path: Path, name: str, method: Callable, args: 
         cell.cell_contents = holder
 
 
-_ROUTED: dict[type, type] = {}
+# The routed subclass of a module class is kept on that class itself (its own __dict__,
+# so a subclass never finds its parent's), not in a module-level cache: a class defined
+# in a function is freed with it (the two refer to each other, a cycle the collector
+# frees).
+_ROUTED_ATTR = "_zeropp_routed_class"
 
 
 def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
@@ -473,7 +477,7 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
             order.record(out)
         return out
 
-    routed = _ROUTED.get(original)
+    routed = original.__dict__.get(_ROUTED_ATTR)
     if routed is None:
         def method(name: str) -> Callable:
             def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -485,6 +489,6 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
                  if callable(v) and (not n.startswith("_") or n == "__call__")}
         routed = type(f"ZeroUnit{original.__name__}", (original,),
                       {n: method(n) for n in names})
-        _ROUTED[original] = routed
+        setattr(original, _ROUTED_ATTR, routed)
     object.__setattr__(sub, "_zeropp_run", run)
     object.__setattr__(sub, "__class__", routed)

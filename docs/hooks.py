@@ -738,6 +738,24 @@ def _qgz_weights(data: dict) -> str:
                "(lighter tails than a Gaussian)." if kurt is not None else "."))
 
 
+def feedback_cost(data: dict, view: str | None) -> str:
+    """``benchmarks/feedback_cost.py``: step time, kept memory and bytes of qgZ's error
+    feedback and per-step signs against Hadamard-smoothed qgZ."""
+    _no_view(view, "feedback_cost")
+    rows = []
+    for name, v in data["variants"].items():
+        rows.append([name, f"{v['median_s'] * 1e3:.0f} ± {v['half_spread_s'] * 1e3:.0f}",
+                     _x(v["ratio"]), f"{v['kept_bytes_per_param_per_device']:.2f}",
+                     "yes" if v["same_wire_bytes"] else "NO"])
+    st = data["settings"]
+    return (_table(["zeropp + Hadamard", "step (ms)", "vs first row",
+                    "kept bytes / parameter / device", "same bytes on the wire"], rows)
+            + f"\n\n{data['params'] / 1e6:.2f}M-parameter GPT, {st['nodes']} x {st['local']} "
+              f"simulated CPU devices on a {data['cpu']}, jax {data['jax']}: median of "
+              f"{st['rounds']} interleaved rounds of {st['steps_per_round']} steps, ± half "
+              "the spread of the rounds.")
+
+
 def int4_weights(data: dict, view: str | None) -> str:
     """``benchmarks/int4_weights.py``: final loss of each config against zero3 per model
     (no view), and the INT4 round trip of each model's weights (``round_trip``)."""
@@ -966,6 +984,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("models", {"models", "layers", "d_model", "devices"}, models),
     ("overhead", {"variants", "targets", "model", "rounds"}, overhead),
     ("qgz_accuracy", {"errors", "block_size"}, qgz_accuracy),
+    ("feedback_cost", {"settings", "variants", "params", "cpu"}, feedback_cost),
     ("quantization", {"block_vs_tensor", "sweep", "default_block_size"}, quantization),
     ("int4_weights", {"settings", "summary", "models", "configs", "cpu"}, int4_weights),
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),

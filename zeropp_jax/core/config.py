@@ -447,7 +447,9 @@ class ZeroPPConfig:
         table and returns the choice. Other keyword arguments (``hardware``,
         ``tokens_per_device``, ``base``, ``tie``, ``allow_int4_weights``, ``verbose``) as
         ``zeropp_jax.plan.auto.auto_config``. None means not given; 0 nodes, a negative
-        bandwidth or a budget given as a string raise naming the argument.
+        bandwidth or a budget given as a string raise naming the argument. qgZ's error
+        feedback and per-step signs are never chosen here: a ``base`` with them on gives
+        them to the qgZ candidates, priced with the feedback's memory.
         """
         # The one upward import of the layers: the planner needs the transports and the
         # engine's units, and users look for it here (pyproject.toml names the exception).

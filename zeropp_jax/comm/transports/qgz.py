@@ -85,17 +85,15 @@ class QgzReduceScatter:
             return None
         return jax.random.fold_in(fixed_key(), step)
 
-    def _kwargs(self, n: int, num_devices: int, step: jax.Array | None) -> dict:
+    def _kwargs(self, n: int, num_devices: int, key: jax.Array | None) -> dict:
+        """``qgz_reduce_scatter``'s settings for an ``[n]`` gradient on ``num_devices``."""
         return dict(bits=self.bits, block_size=self._block(n, num_devices), stages=self.stages,
                     implementation=self.implementation, hadamard=self.hadamard,
-                    stochastic_rounding=self.stochastic_rounding, key=self._key(step))
+                    stochastic_rounding=self.stochastic_rounding, key=key)
 
     def quantized(self, g: jax.Array, key: jax.Array | None = None) -> jax.Array:
         num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
-        block = self._block(g.shape[0], num_devices)
-        return qgz_reduce_scatter(g, bits=self.bits, block_size=block, stages=self.stages,
-                                  implementation=self.implementation, hadamard=self.hadamard,
-                                  stochastic_rounding=self.stochastic_rounding, key=key)
+        return qgz_reduce_scatter(g, **self._kwargs(g.shape[0], num_devices, key))
 
     def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None,
                    step: jax.Array | None = None) -> jax.Array:
@@ -140,13 +138,13 @@ class QgzReduceScatter:
 
         When qgZ is off for the step (``on`` False), the kept errors go into the plain
         reduce-scatter's input and the new ones are zero."""
-        num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
         nodes, local = jax.lax.axis_size(AXES[0]), jax.lax.axis_size(AXES[1])
+        num_devices = nodes * local
         (n,) = g_full.shape
         h1, h2 = self.feedback_lengths(n, nodes, local)
         e1 = decode_error(kept[0], kept[1], h1)
         e2 = decode_error(kept[2], kept[3], h2)
-        kw = self._kwargs(n, num_devices, step)
+        kw = self._kwargs(n, num_devices, self._key(step))
 
         def quantized(g, e1, e2):
             out, (e1n, e2n) = qgz_reduce_scatter_feedback(g, (e1, e2), **kw)

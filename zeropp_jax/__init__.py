@@ -3,6 +3,7 @@
 The package is layered; each folder imports only from the ones below it (checked by the
 import-linter contracts in ``pyproject.toml``):
 
+    plan/                             cost model, memory model, auto_config
     inference/  measure/  parallel/   generation; comm report, memory model, pictures; Ulysses
     train/                            TrainState, the step, optimizer checks, checkpoints
     units/  units/adapters/           the unit transform, ordering, wrap policies; linen/NNX/HF
@@ -32,6 +33,7 @@ from zeropp_jax.comm.placement import ShardedParams, global_norm
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import make_mesh, simulate_cpu_devices
 from zeropp_jax.inference.generate import generate
+from zeropp_jax.plan.auto import auto_config
 from zeropp_jax.train.accumulate import accumulate_gradients
 from zeropp_jax.train.checkpoint import consolidate
 from zeropp_jax.train.engine import Engine
@@ -49,6 +51,7 @@ __all__ = [
     "ZeroPPConfig",
     "accumulate_gradients",
     "all_gather_batch",
+    "auto_config",
     "analysis",
     "batch_offset",
     "checkpoint",

@@ -21,7 +21,7 @@ JSON records the constants used.
 * ``gpu``: HGX H100 nodes (8 GPUs, NVLink 450 GB/s per GPU), 400 Gbit/s InfiniBand or
   100 Gbit/s Ethernet per GPU, GPT models of 1.3B, 7B, 30B and 70B parameters at 8 to 64
   nodes, 1024 or 8192 tokens per GPU (sequence 4096), 80 GiB per GPU: the step time
-  of ZeRO-3, of ZeRO++, and of the configuration ``ZeroPPConfig.auto`` picks. Memory counts
+  of ZeRO-3, of ZeRO++, and of the configuration ``zpp.auto_config`` picks. Memory counts
   model states, gathered units, hpZ's secondary and checkpointed layer inputs (bf16, one
   per layer per token); not the recomputed layer's activations.
 

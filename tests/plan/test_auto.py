@@ -1,4 +1,4 @@
-"""ZeroPPConfig.auto: the fastest candidate by the cost model, within the memory budget."""
+"""zeropp_jax.auto_config: the fastest candidate by the cost model, within the memory budget."""
 
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def test_int4_weights_are_ranked_only_when_allowed_and_the_table_says_so(capsys)
     listed = plan(SHAPE, hardware=SLOW, configs=[zpp.ZeroPPConfig(),
                                                  zpp.ZeroPPConfig.zeropp(weight_format="int4")])
     assert listed.chosen.label == "qwz-int4+hpz+qgz-int4"
-    # ZeroPPConfig.auto passes the switch on and prints the note.
-    config = zpp.ZeroPPConfig.auto(SHAPE, hardware=SLOW)
+    # auto_config passes the switch on and prints the note.
+    config = zpp.auto_config(SHAPE, hardware=SLOW)
     assert config.weight_format == "int8" and config.qwz
     assert "allow_int4_weights=True ranks them" in capsys.readouterr().out
-    assert zpp.ZeroPPConfig.auto(SHAPE, hardware=SLOW, allow_int4_weights=True,
+    assert zpp.auto_config(SHAPE, hardware=SLOW, allow_int4_weights=True,
                                  verbose=False).weight_format == "int4"
 
 
@@ -90,7 +90,7 @@ def test_the_memory_budget_rules_out_hpz_and_an_impossible_budget_names_the_fix(
 
 def test_config_auto_takes_params_prints_and_returns_a_config(capsys):
     params = init_params(SMALL, 0)
-    config = zpp.ZeroPPConfig.auto(params, nodes=2, local=4, inter_gbps=0.1,
+    config = zpp.auto_config(params, nodes=2, local=4, inter_gbps=0.1,
                                    hardware=presets.emulated_cpu(2, 4))
     assert isinstance(config, zpp.ZeroPPConfig) and config.stage == 3
     out = capsys.readouterr().out
@@ -98,7 +98,7 @@ def test_config_auto_takes_params_prints_and_returns_a_config(capsys):
     # Link speeds given replace the hardware's.
     assert "0.1 Gbit/s per node" in out
     with pytest.raises(TypeError, match="jax.eval_shape"):
-        zpp.ZeroPPConfig.auto(object(), nodes=2, local=4)
+        zpp.auto_config(object(), nodes=2, local=4)
 
 
 def test_presets_detect_the_devices():
@@ -141,7 +141,7 @@ def test_bad_arguments_are_refused_by_name_before_any_costing(monkeypatch, kwarg
     with pytest.raises(error, match=match):
         plan(SHAPE, **{"hardware": SLOW, **kwargs})
     with pytest.raises(error, match=match):
-        zpp.ZeroPPConfig.auto(SHAPE, verbose=False, **{"hardware": SLOW, **kwargs})
+        zpp.auto_config(SHAPE, verbose=False, **{"hardware": SLOW, **kwargs})
 
 
 def test_none_means_not_given_and_numpy_ints_are_counts():

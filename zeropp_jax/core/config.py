@@ -433,33 +433,6 @@ class ZeroPPConfig:
         return cls(**{"stage": 3, **modes[mode], **overrides})
 
     @classmethod
-    def auto(cls, state_or_model: Any, *, nodes: int | None = None, local: int | None = None,
-             intra_gbps: float | None = None, inter_gbps: float | None = None,
-             memory_budget_bytes: float | None = None, **kwargs: Any) -> "ZeroPPConfig":
-        """The fastest configuration for a model on a cluster, by the cost model.
-
-        Ranks ZeRO-3 and the ZeRO++ combinations (qwZ with INT8 weights, hpZ over k-node
-        groups, qgZ; INT4 weights too with ``allow_int4_weights=True``: they cost accuracy
-        on some models) by predicted step time on ``nodes`` x ``local`` devices (default: jax's
-        processes and local devices) with links of ``intra_gbps`` (per device, inside a
-        node) and ``inter_gbps`` (per node, between nodes) Gbit/s, keeps those under
-        ``memory_budget_bytes`` per device (a number, e.g. ``70 * 2**30``), prints the
-        table and returns the choice. Other keyword arguments (``hardware``,
-        ``tokens_per_device``, ``base``, ``tie``, ``allow_int4_weights``, ``verbose``) as
-        ``zeropp_jax.plan.auto.auto_config``. None means not given; 0 nodes, a negative
-        bandwidth or a budget given as a string raise naming the argument. qgZ's error
-        feedback and per-step signs are never chosen here: a ``base`` with them on gives
-        them to the qgZ candidates, priced with the feedback's memory.
-        """
-        # The one upward import of the layers: the planner needs the transports and the
-        # engine's units, and users look for it here (pyproject.toml names the exception).
-        from zeropp_jax.plan.auto import auto_config
-
-        return auto_config(state_or_model, nodes=nodes, local=local, intra_gbps=intra_gbps,
-                           inter_gbps=inter_gbps, memory_budget_bytes=memory_budget_bytes,
-                           **kwargs)
-
-    @classmethod
     def from_deepspeed(cls, ds_config: Mapping[str, Any], **overrides: Any) -> "ZeroPPConfig":
         """Reads a DeepSpeed config dict: its ``zero_optimization`` section and the top-level
         keys that set how training computes.

@@ -2,5 +2,5 @@
 
 ``cost_model`` is the arithmetic (hardware constants x a step's collectives, flops and
 memory); ``workload`` lists a configuration's collectives for a model; ``auto`` ranks the
-configurations and picks one (``ZeroPPConfig.auto``).
+configurations and picks one (``zpp.auto_config``).
 """

@@ -6,7 +6,7 @@ whole nodes; qgZ; and their combinations), predicts each one's step time and mem
 device on the hardware (``cost_model.predict_step`` of ``workload.config_workload``), drops
 those over the memory budget, and chooses the fastest; ties within ``tie`` go to the
 candidate with fewer techniques on (less quantization error). ``auto_config``
-(``ZeroPPConfig.auto``) prints the plan's table and returns the chosen config.
+(``zpp.auto_config``) prints the plan's table and returns the chosen config.
 
 qgZ's error feedback (``qgz_error_feedback``) is never turned on by the plan: it costs
 memory (on two nodes or more each device keeps about ``1 + 1 / local`` bytes per
@@ -253,9 +253,22 @@ def auto_config(state_or_model: Any, *, nodes: int | None = None, local: int | N
                 intra_gbps: float | None = None, inter_gbps: float | None = None,
                 memory_budget_bytes: float | None = None, verbose: bool = True,
                 **kwargs: Any) -> ZeroPPConfig:
-    """``plan(...)``'s chosen config; prints the candidate table unless ``verbose=False``.
-    Other keyword arguments go to ``plan`` (``hardware``, ``tokens_per_device``, ``base``,
-    ``tie``, ``configs``, ``allow_int4_weights``)."""
+    """The fastest configuration for a model on a cluster, by the cost model
+    (``zpp.auto_config``).
+
+    Ranks ZeRO-3 and the ZeRO++ combinations (qwZ with INT8 weights, hpZ over k-node
+    groups, qgZ; INT4 weights too with ``allow_int4_weights=True``: they cost accuracy on
+    some models) by predicted step time on ``nodes`` x ``local`` devices (default: jax's
+    processes and local devices) with links of ``intra_gbps`` (per device, inside a node)
+    and ``inter_gbps`` (per node, between nodes) Gbit/s, keeps those under
+    ``memory_budget_bytes`` per device (a number, e.g. ``70 * 2**30``), prints the table
+    (unless ``verbose=False``) and returns the chosen ``ZeroPPConfig``. Other keyword
+    arguments go to ``plan`` (``hardware``, ``tokens_per_device``, ``base``, ``tie``,
+    ``configs``, ``allow_int4_weights``). None means not given; 0 nodes, a negative
+    bandwidth or a budget given as a string raise naming the argument. qgZ's error
+    feedback and per-step signs are never chosen here: a ``base`` with them on gives them
+    to the qgZ candidates, priced with the feedback's memory.
+    """
     p = plan(state_or_model, nodes=nodes, local=local, intra_gbps=intra_gbps,
              inter_gbps=inter_gbps, memory_budget_bytes=memory_budget_bytes, **kwargs)
     if verbose:
@@ -275,7 +288,7 @@ def _shape_of(x: Any) -> ModelShape:
     if isinstance(x, dict) or hasattr(x, "items"):
         return shape_of_params(x)
     raise TypeError(
-        f"ZeroPPConfig.auto takes a TrainState, a params tree or a plan.workload.ModelShape, "
+        f"auto_config takes a TrainState, a params tree or a plan.workload.ModelShape, "
         f"got {type(x).__name__}. For a Flax module, pass its params "
         "(jax.eval_shape(model.init, key, batch)['params'] costs no memory)")
 

@@ -32,6 +32,15 @@ from zeropp_jax.comm.frozen import FrozenShards
 from zeropp_jax.comm.placement import ShardedParams, global_norm
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import make_mesh, simulate_cpu_devices
+from zeropp_jax.core.settings import (
+    Gradients,
+    Precision,
+    Quantization,
+    Schedule,
+    Secondary,
+    Update,
+    Weights,
+)
 from zeropp_jax.inference.generate import generate
 from zeropp_jax.plan.auto import auto_config
 from zeropp_jax.train.accumulate import accumulate_gradients
@@ -46,8 +55,15 @@ from zeropp_jax.train.step import eval_step, per_example, train_step
 __all__ = [
     "Engine",
     "FrozenShards",
+    "Gradients",
+    "Precision",
+    "Quantization",
+    "Schedule",
+    "Secondary",
     "ShardedParams",
     "TrainState",
+    "Update",
+    "Weights",
     "ZeroPPConfig",
     "accumulate_gradients",
     "all_gather_batch",

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.units.bucket import config_allows
+from zeropp_jax.comm.transports import plan_of
 from zeropp_jax.core import compat
 from zeropp_demo.gpt import GPT
 from zeropp_jax.quant.quantization import compiled_kernels
@@ -33,7 +33,7 @@ def test_zeropp_step_with_pallas_kernels_lowers_for_cuda(weight_bits, smooth):
     kernels = text.count(compat.TRITON_CALL_TARGET)
     # Units moved by collectives of their own: the rest unit rides in the first unit's
     # unless a Hadamard sign pattern or a rounding seed depends on its place (bucket).
-    units = len(state.engine.layouts) - config_allows(cfg)
+    units = len(state.engine.layouts) - plan_of(cfg).buckets()
     # At least: per unit a forward quantize and dequantize (qwZ), and per unit and stage
     # the reorder+quantize, the fused middle hop and the final reduction (qgZ).
     assert kernels >= units * 2 + units * 2 * 3, kernels

@@ -66,6 +66,13 @@ def _transports(engine: Engine) -> dict[str, SecondaryRegather]:
     return out
 
 
+def _stored_buffers(engine: Any, name: str) -> int:
+    """How many buffers unit ``name``'s frozen part is stored in (its transport's)."""
+    layout = engine.frozen_layouts[name]
+    return len(engine.transports[name].frozen.stored_specs(layout.n_pad,
+                                                          engine.config.param_jnp_dtype))
+
+
 def _specs(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda _: SHARDED, tree)
 
@@ -104,8 +111,7 @@ def _build_gather_program(engine: Engine) -> Any:
     def run(units: dict, frozen: Any) -> dict:
         in_specs = (_specs(units), None if frozen is None else frozen.specs())
         names = [("params/" + n, 1) for n in engine.layouts] + [
-            ("frozen/" + n, 2 if engine.config.quantize_frozen else 1)
-            for n in engine.frozen_layouts]
+            ("frozen/" + n, _stored_buffers(engine, n)) for n in engine.frozen_layouts]
         out_specs = {n: (SHARDED,) * c for n, c in names}
         return jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
                              out_specs=out_specs)(units, frozen)
@@ -486,7 +492,7 @@ def generate(state: TrainState, prompts: Any, max_new_tokens: int, *, model: Any
     rollout = _rollout(max_new_tokens, temperature, top_k, top_p, stop_tokens, pad_token)
     engine, convention, prompts_, lengths, key_ = _check_generate(
         state, prompts, rollout.max_new_tokens, model, prompt_lengths, rollout.sampling, key)
-    hpz = engine.config.hpz
+    hpz = engine.secondary_devices > 0
     source = secondary if (hpz and secondary is not None) else _source(state, hpz)
     prefill = engine.remembered(
         ("generate", "prefill", _hashable(convention.module), prompts_.shape,
@@ -506,7 +512,7 @@ def lower_generation_step(state: TrainState, prompts: Any, max_new_tokens: int, 
     sampling = Sampling()
     engine, convention, prompts_, _, _ = _check_generate(
         state, prompts, max_new_tokens, model, None, sampling, None)
-    hpz = engine.config.hpz
+    hpz = engine.secondary_devices > 0
     source = _source(state, hpz)
     length = prompts_.shape[1] + max_new_tokens
 

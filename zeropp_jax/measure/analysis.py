@@ -6,9 +6,7 @@
 from __future__ import annotations
 
 from zeropp_jax.train.engine import Engine
-from zeropp_jax.comm.hpz import group_nodes
 from zeropp_jax.comm.partition import REST
-from zeropp_jax.core.mesh import mesh_shape
 
 
 def secondary_bytes(engine: Engine) -> int:
@@ -19,12 +17,10 @@ def secondary_bytes(engine: Engine) -> int:
     live only until that unit's backward, so the peak is all units at once (the end of
     the forward pass), which is what this returns.
     """
-    config = engine.config
-    if not config.hpz:
+    group = engine.secondary_devices
+    if not group:
         return 0
-    nodes, local = mesh_shape(engine.mesh)
-    group = group_nodes(config.hpz_group_size, nodes, local) * local
-    itemsize = config.compute_jnp_dtype.itemsize
+    itemsize = engine.config.compute_jnp_dtype.itemsize
     # The rest unit keeps no secondary: its full weights stay gathered for the step.
     return sum(lay.n_pad // group * itemsize for name, lay in engine.layouts.items()
                if name != REST)

@@ -113,12 +113,13 @@ def plot_partition(mesh: Any, config: Any = None, *, ax: Any = None) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    from zeropp_jax.comm.hpz import group_nodes as _group_nodes
+    from zeropp_jax.comm.transports import plan_of
 
     nodes, local = _shape(mesh)
     p = nodes * local
-    hpz = bool(config is not None and getattr(config, "hpz", False))
-    k = _group_nodes(config.hpz_group_size, nodes, local) if hpz else 1
+    group = plan_of(config).secondary_devices(nodes, local) if config is not None else 0
+    hpz = group > 0
+    k = group // local if hpz else 1
     fig, ax = plt.subplots(figsize=(max(6, p * 0.8), 2.2)) if ax is None else (ax.figure, ax)
     cmap = plt.get_cmap("tab10")
     for s, d in enumerate(primary_owner(nodes, local)):

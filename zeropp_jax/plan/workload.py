@@ -40,12 +40,8 @@ from typing import Any, Mapping
 import jax
 
 from zeropp_jax.comm.frozen import frozen_alignment
-from zeropp_jax.comm.hpz import group_nodes
-from zeropp_jax.comm.partition import REST, padded_length
-from zeropp_jax.comm.transports import (
-    gradient_transport,
-    weight_transport,
-)
+from zeropp_jax.comm.partition import REST, UnitLayout, padded_length
+from zeropp_jax.comm.transports import plan_of
 from zeropp_jax.comm.transports.base import gradient_collectives, weight_collectives
 from zeropp_jax.comm.wire import TracedCollective, axis_groups, count_bytes
 from zeropp_jax.core.config import ZeroPPConfig
@@ -53,7 +49,6 @@ from zeropp_jax.core.mesh import AXES
 from zeropp_jax.measure.comm_report import CommReport
 from zeropp_jax.plan.cost_model import CollectiveCost, Workload
 from zeropp_jax.units.apply import first_unit, kept_unit
-from zeropp_jax.units.bucket import config_allows
 
 # Adam's two fp32 moments per parameter.
 ADAM_BYTES_PER_PARAM = 8
@@ -347,22 +342,23 @@ def _unit_phases(config: ZeroPPConfig, n: int, nodes: int, local: int
                  ) -> tuple[tuple[TracedCollective, ...], ...]:
     """(forward, backward, gradient) collectives of a trainable unit of ``n`` parameters."""
     n_pad = padded_length(n, nodes * local, config.flat_alignment)
-    w = weight_collectives(weight_transport(config), n_pad, config.param_jnp_dtype, nodes,
-                           local)
-    g = gradient_collectives(gradient_transport(config), n_pad, config.compute_jnp_dtype,
-                             nodes, local)
+    plan = plan_of(config)
+    w = weight_collectives(plan.weights, n_pad, config.param_jnp_dtype, nodes, local)
+    g = gradient_collectives(plan.gradients, n_pad, config.compute_jnp_dtype, nodes, local)
     return w["forward"], w["backward"], g
+
+
+def _frozen_transport(config: ZeroPPConfig, n: int, devices: int) -> tuple[Any, int]:
+    """(transport, padded length) of a frozen part of ``n`` parameters on ``devices``."""
+    n_pad = padded_length(n, devices, frozen_alignment(config))
+    layout = UnitLayout("frozen", (), None, ((n,),), n, n_pad, devices)
+    return plan_of(config).unit(None, layout).frozen, n_pad
 
 
 def _frozen_phases(config: ZeroPPConfig, n: int, nodes: int, local: int
                    ) -> tuple[tuple[TracedCollective, ...], ...]:
-    from zeropp_jax.comm.partition import UnitLayout
-
-    devices = nodes * local
-    n_pad = padded_length(n, devices, frozen_alignment(config))
-    layout = UnitLayout("frozen", (), None, ((n,),), n, n_pad, devices)
-    w = weight_collectives(weight_transport(config, layout), n_pad, config.param_jnp_dtype,
-                           nodes, local)
+    transport, n_pad = _frozen_transport(config, n, nodes * local)
+    w = weight_collectives(transport, n_pad, config.param_jnp_dtype, nodes, local)
     return w["forward"], w["backward"]
 
 
@@ -370,26 +366,6 @@ def _costs(what: str, traced: tuple[TracedCollective, ...], nodes: int, local: i
            ) -> list[CollectiveCost]:
     return [CollectiveCost(what, c.kind, c.bytes.cross / nodes,
                            c.bytes.intra / (nodes * local), c.spans_nodes) for c in traced]
-
-
-def _quantized_elems(config: ZeroPPConfig, n: int, gathers: int, reduced: bool,
-                     local: int, nodes: int = 0) -> tuple[float, float]:
-    """Elements one device runs through quantization kernels for one unit per step, (weight
-    path, gradient path): qwZ dequantizes the whole unit per gather (quantizing its own
-    shard is 1/P of that); qgZ quantizes the full gradient and requantizes the node's
-    partial sums (``n + 2 n / L``); a Hadamard rotation reads the data once more. With
-    ``config.qgz_error_feedback`` (``nodes`` given), the kept errors are decoded and the
-    new ones encoded once each per step (``2 (h1 + h2)``, ``feedback_sizes``)."""
-    weights = grads = 0.0
-    if config.qwz:
-        weights = gathers * n * (2 if config.qwz_hadamard else 1)
-    if config.qgz and reduced:
-        grads = (n + 2 * n / local) * (2 if config.qgz_hadamard else 1)
-        if nodes:
-            n_pad = padded_length(n, nodes * local, config.flat_alignment)
-            _, h1, h2 = feedback_sizes(config, n_pad, nodes, local)
-            grads += 2 * (h1 + h2)
-    return weights, grads
 
 
 @functools.lru_cache(maxsize=4096)
@@ -407,13 +383,8 @@ def feedback_sizes(config: ZeroPPConfig, n_pad: int, nodes: int, local: int
     of its own full gradient, before the reduce-scatter), hop 2 (two nodes or more and
     two devices a node or more) ``h2 = nodes x m_pad`` (about ``n_pad / local``). With
     one node qgZ does not quantize (``h1 = h2 = 0``): nothing is kept.
-    (0, 0, 0) without error feedback."""
-    if not (config.stage == 3 and config.qgz and config.qgz_error_feedback):
-        return 0, 0, 0
-    transport = gradient_transport(config)
-    specs = transport.feedback_specs(n_pad, nodes, local)
-    h1, h2 = transport.feedback_lengths(n_pad, nodes, local)
-    return sum(math.prod(s.shape) * s.dtype.itemsize for s in specs), h1, h2
+    (0, 0, 0) without error feedback (``Plan.feedback``)."""
+    return plan_of(config).feedback(n_pad, nodes, local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,9 +518,16 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     pad_frozen = functools.partial(padded_length, num_shards=devices,
                                    align=frozen_alignment(config))
     trainable = sum(pad(n) for _, n in shape.units)
-    frozen_item = (1 + 4 / config.block_size) if config.quantize_frozen else p
+    plan = plan_of(config)
+
+    def frozen_storage(n: int) -> float:
+        """Bytes a frozen part of ``n`` parameters is stored in, over all devices."""
+        transport, n_pad = _frozen_transport(config, n, devices)
+        specs = transport.stored_specs(n_pad, config.param_jnp_dtype)
+        return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in specs))
+
     states = ((trainable * (p + ADAM_BYTES_PER_PARAM)
-               + sum(map(pad_frozen, frozen_sizes.values())) * frozen_item) / devices
+               + sum(map(frozen_storage, frozen_sizes.values()))) / devices
               + STATE_SCALAR_BYTES + batch_bytes_per_device)
     shards = trainable * p / devices
 
@@ -599,10 +577,10 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     def decoding(u: str) -> float:
         """qwZ's quantized buffer (values and one fp32 scale per block) beside the decoded
         weights while a gather runs (a frozen part stored quantized, likewise)."""
-        q = (pad(sizes[u]) * ((config.weight_bits or 8) / 8 + 4 / config.block_size)
-             if config.qwz and u in sizes else 0.0)
-        if config.quantize_frozen and u in frozen_sizes:
-            q += pad_frozen(frozen_sizes[u]) * (1 + 4 / config.block_size)
+        q = plan.weights.moved_bytes(pad(sizes[u])) if u in sizes else 0.0
+        if u in frozen_sizes:
+            transport, n_pad = _frozen_transport(config, frozen_sizes[u], devices)
+            q += transport.moved_bytes(n_pad)
         return q
 
     resident = [u for u in shape.resident if u in sizes or u in frozen_sizes]
@@ -623,8 +601,8 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     holds = {u for u in order if u == kept or (cast and config.remat == "minimal"
                                                and u in shape.small_weights)}
     regathered = [u for u in order if u not in holds and u not in shape.no_regather]
-    group = group_nodes(config.hpz_group_size, nodes, local) * local
-    sec = {u: gathered(u) / group for u in regathered} if config.hpz else {}
+    group = plan.secondary_devices(nodes, local)
+    sec = {u: gathered(u) / group for u in regathered} if group else {}
 
     # Activations kept from forward to backward.
     full_remat = config.remat == "full"
@@ -715,7 +693,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         reduced_here.add(u)
     # The end: the first unit's gradient, bucketed with the rest unit's, and every shard.
     first = order[0] if order else None
-    bucket = (config_allows(config) and rest and shape.first == first
+    bucket = (plan.buckets() and rest and shape.first == first
               and first in sizes and first not in frozen_sizes)
     end_grad = shared_grads + pad(rest) * g
     if first is not None:
@@ -757,7 +735,7 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     sizes, frozen_names = dict(shape.units), dict(shape.frozen)
     # The unit whose forward gather and gradient reduce-scatter carry the rest unit's too.
     partner = shape.first if (
-        config_allows(config) and REST in sizes and REST not in frozen_names
+        plan_of(config).buckets() and REST in sizes and REST not in frozen_names
         and shape.first in sizes and shape.first != kept
         and shape.first not in frozen_names) else None
     # A unit that keeps its weights' cast copies for backward regathers nothing
@@ -778,7 +756,9 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
             costs += _costs(f"{name} backward", bwd, nodes, local)
         if not (name == REST and partner):
             costs += _costs(f"{name} gradient", grad, nodes, local)
-        w_elems, g_elems = _quantized_elems(config, n, 1 + regathers, True, local, nodes)
+        w_elems, g_elems = plan_of(config).quantized_elems(
+            n, padded_length(n, devices, config.flat_alignment), 1 + regathers, True, nodes,
+            local)
         quant, grad_quant = quant + w_elems + g_elems, grad_quant + g_elems
     for name, n in shape.frozen:
         fwd, bwd = _frozen_phases(config, n, nodes, local)
@@ -815,21 +795,9 @@ def report_workload(report: CommReport, flops_per_device: float = 0.0,
 def config_label(config: ZeroPPConfig) -> str:
     """A short name: ``zero3``, or the ZeRO++ techniques on (``qwz-int4+hpz2+qgz``...).
     qgZ's options: ``-had`` Hadamard smoothing, ``-step`` signs (and rounding seeds)
-    drawn from the step (``qgz_signs="per_step"``), ``+EF`` error feedback."""
-    parts = []
-    if config.qwz:
-        fmt = config.weight_format or f"int{config.weight_bits or 8}"
-        parts.append(f"qwz-{fmt}" + ("-had" if config.qwz_hadamard else ""))
-    if config.hpz:
-        parts.append("hpz" if config.hpz_group_size is None
-                     else f"hpz[{config.hpz_group_size}]")
-    if config.qgz:
-        parts.append(f"qgz-int{config.grad_bits}" + ("-had" if config.qgz_hadamard else "")
-                     + ("-step" if config.qgz_signs == "per_step" else ""))
-        if config.qgz_error_feedback:
-            parts.append("EF")
-    label = "+".join(parts) or "zero3"
-    return label if config.bucket else label + " unbucketed"
+    drawn from the step (``qgz_signs="per_step"``), ``+EF`` error feedback
+    (``Plan.label``)."""
+    return plan_of(config).label()
 
 
 __all__ = ["MemoryBreakdown", "ModelShape", "config_label", "config_workload",

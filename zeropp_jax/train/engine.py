@@ -42,7 +42,7 @@ from zeropp_jax.comm.placement import (
     place,
     to_host,
 )
-from zeropp_jax.comm.transports import UnitTransports, plan_transports, reduce_gradient
+from zeropp_jax.comm.transports import Plan, UnitTransports, plan_of, reduce_gradient
 from zeropp_jax.comm.transports.base import gradient_bytes, weight_bytes
 from zeropp_jax.comm.wire import WireBytes
 from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
@@ -168,8 +168,14 @@ class Engine:
 
     def __post_init__(self) -> None:
         if not self.transports:
-            object.__setattr__(self, "transports", plan_transports(
-                self.config, self.layouts, self.frozen_layouts))
+            object.__setattr__(self, "transports", self.plan.units(self.layouts,
+                                                                   self.frozen_layouts))
+
+    @property
+    def plan(self) -> Plan:
+        """How this run's bytes travel (``comm.transports.Plan``), resolved from the
+        config once: what the step, generation and the measurements ask."""
+        return plan_of(self.config)
 
     def remembered(self, key: Any, build: Callable[[], Any]) -> Any:
         """``memo[key]``, built by ``build()`` the first time it is asked for."""
@@ -228,6 +234,12 @@ class Engine:
     def num_devices(self) -> int:
         nodes, local = mesh_shape(self.mesh)
         return nodes * local
+
+    @property
+    def secondary_devices(self) -> int:
+        """Devices of the group trainable weights are rebuilt inside in backward (hpZ's
+        secondary partition, ``Plan.secondary_devices``); 0: the whole mesh."""
+        return self.plan.secondary_devices(*mesh_shape(self.mesh))
 
     # -- inside shard_map ------------------------------------------------------------------
 
@@ -493,11 +505,10 @@ class Engine:
         """What ``apply_fn`` needs of a train state besides the params: its frozen shards,
         and with ``qgz_until`` whether qgZ is on at optimizer step ``step`` (a traced bool,
         so one compiled program serves both phases of the run)."""
-        cfg = self.config
-        until = cfg.qgz_until_step if cfg.qgz else None
-        per_step = cfg.qgz and cfg.qgz_signs == "per_step"
+        grads = self.plan.gradients
+        until = grads.switch_step()
         return StepState(frozen, None if until is None else step < until,
-                         step if per_step else None)
+                         step if grads.follows_step() else None)
 
     # -- outside shard_map -----------------------------------------------------------------
 
@@ -509,8 +520,6 @@ class Engine:
         ``config.qgz_error_feedback`` or where qgZ quantizes nothing (one node); every
         trainable unit otherwise."""
         cfg = self.config
-        if not (cfg.stage == 3 and cfg.qgz and cfg.qgz_error_feedback):
-            return {}
         this_nodes, this_local = mesh_shape(self.mesh)
         nodes, local = nodes or this_nodes, local or this_local
         devices = nodes * local

@@ -11,36 +11,19 @@ from typing import Any, Callable, Mapping, Sequence
 
 import flax.linen as nn
 import jax
-import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax.core import processes, scopes
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.train.engine import Engine
-from zeropp_jax.comm.frozen import (
-    FrozenFilter,
-    FrozenShards,
-    as_predicate,
-    frozen_alignment,
-    quantize_frozen_flat,
-    split_frozen,
-)
-from zeropp_jax.units.adapters import adapt
-from zeropp_jax.comm.hpz import group_nodes
 from zeropp_jax.core.mesh import mesh_shape
-from zeropp_jax.train.optim import check_elementwise
-from zeropp_jax.comm.partition import (
-    REST,
-    UnitLayout,
-    make_unit_layout,
-    split_units,
-    stack_layers,
-    unit_name,
-)
-from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams, place, place_replicated
-from zeropp_jax.units.wrap import describe_units, resolve_units, scan_stacks, warn_if_unbalanced
+from zeropp_jax.train import build
+from zeropp_jax.train.engine import Engine
+from zeropp_jax.comm.frozen import FrozenFilter, FrozenShards
+from zeropp_jax.units.adapters import adapt
+from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams
+from zeropp_jax.units.wrap import describe_units, warn_if_unbalanced
 
 PyTree = Any
 
@@ -209,170 +192,40 @@ class TrainState:
         config = ZeroPPConfig.zero3() if config is None else config
         # The model's kind is decided here, once: everything after asks the adapter.
         adapter, params, collections = adapt(model, params, collections)
-        if params is None:
-            raise TypeError("TrainState.create needs params= (model.init(...)['params'])")
-        if not isinstance(config, ZeroPPConfig):
-            raise TypeError(f"config must be a ZeroPPConfig, got {type(config).__name__}")
+        build.check_arguments(params, config)
         nodes, local = mesh_shape(mesh)
-        num_devices = nodes * local
-        collections = dict(collections or {})
-        if batch_stats is not None:
-            collections["batch_stats"] = batch_stats
-        if isinstance(params, Mapping) and "params" in params and isinstance(
-            params["params"], Mapping
-        ) and all(isinstance(v, Mapping) for v in params.values()):
-            # The whole variables dict of model.init: params plus other collections.
-            collections = {**{k: v for k, v in params.items() if k != "params"},
-                           **collections}
-            params = params["params"]
-        collections = {k: v for k, v in collections.items() if jax.tree_util.tree_leaves(v)}
-        if not isinstance(params, Mapping) or not jax.tree_util.tree_leaves(params):
-            raise ValueError(
-                "the model has no parameters, so there is nothing for ZeRO to shard; "
-                "check that params comes from model.init(...)['params']"
-            )
-        check_elementwise(tx)
-        if config.hpz:
-            group_nodes(config.hpz_group_size, nodes, local)  # raises naming the valid sizes
+        params, collections = build.split_variables(params, collections, batch_stats)
+        build.check_setup(params, tx, config, nodes, local)
 
-        stacked = tuple(tuple(p.split("/")) if isinstance(p, str) else tuple(p) for p in stacked)
-        if units is None or (isinstance(units, str) and units == "auto"):
-            # The default policy also finds nn.scan stacks (each layer its own unit).
-            stacked += tuple(p for p in scan_stacks(params) if p not in stacked)
-        # A scanned stack is a unit per layer by construction: no policy looks inside it.
-        unit_paths = tuple(
-            p for p in resolve_units(units, params, adapter)
-            if not any(p[: len(s)] == s or s[: len(p)] == p for s in stacked))
-        unit_paths += stacked
-        unit_trees, rest = split_units(params, unit_paths)
-        frozen_trees: dict[tuple[str, ...], PyTree] = {}
-        if stacked and frozen is not None:
-            raise NotImplementedError(
-                "frozen parameters inside nn.scan stacks are not supported yet; freeze "
-                "parameters outside the stacked modules, or pass no stacked= paths"
-            )
-        if frozen is not None:
-            if config.stage != 3:
-                raise NotImplementedError(
-                    "frozen parameters need ZeRO stage 3 (stages 1 and 2 keep full replicated "
-                    "weights, which the frozen layout does not cover); use stage=3"
-                )
-            is_frozen = as_predicate(frozen)
-            split = {p: split_frozen(sub, is_frozen, p) for p, sub in unit_trees.items()}
-            split[()] = split_frozen(rest, is_frozen, ())
-            unit_trees = {p: t for p, (t, _) in split.items() if p != () and t}
-            rest = split[()][0]
-            frozen_trees = {p: f for p, (_, f) in split.items() if f}
-            if not unit_trees and not jax.tree_util.tree_leaves(rest):
-                raise ValueError(
-                    "the frozen filter freezes every parameter, so there is nothing to train; "
-                    "check the filter (it gets each parameter's path, e.g. ('block_0', 'attn', "
-                    "'qkv', 'kernel'), and returns True for frozen ones)"
-                )
-        elif config.quantize_frozen:
-            raise ValueError(
-                "config.quantize_frozen=True but no parameters are frozen: pass "
-                "TrainState.create(..., frozen=<filter>)"
-            )
-        layouts: dict[str, UnitLayout] = {}
-        trees: dict[str, PyTree] = {}
-        align = config.flat_alignment
-        for path, sub in unit_trees.items():
-            subs = stack_layers(sub, path) if path in stacked else [sub]
-            for i, layer_tree in enumerate(subs):
-                lay = make_unit_layout(path, layer_tree, num_devices, align,
-                                       layer=i if path in stacked else None)
-                layouts[lay.name], trees[lay.name] = lay, layer_tree
-        if jax.tree_util.tree_leaves(rest):
-            layouts[REST], trees[REST] = make_unit_layout((), rest, num_devices, align), rest
-        frozen_layouts = {
-            unit_name(p): make_unit_layout(p, f, num_devices, frozen_alignment(config))
-            for p, f in frozen_trees.items()
-        }
+        stacked = build.stack_paths(stacked, units, params)
+        unit_trees, rest = build.split_into_units(params, units, adapter, stacked)
+        build.check_frozen(frozen, stacked, config)
+        unit_trees, rest, frozen_trees = build.split_frozen_units(unit_trees, rest, frozen)
+        num_devices = nodes * local
+        layouts, trees = build.unit_layouts(unit_trees, rest, stacked, num_devices,
+                                            config.flat_alignment)
+        frozen_layouts = build.frozen_layouts(frozen_trees, num_devices, config)
 
         pdt = config.param_jnp_dtype
         sharded = NamedSharding(mesh, SHARDED)
-        master = {
-            name: place(
-                np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt)),
-                sharded,
-            )
-            for name, lay in layouts.items()
-        }
-
-        opt_specs = _opt_state_specs(tx, layouts, pdt)
-        opt_state = jax.jit(
-            jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=opt_specs)
-        )(master)
-
+        master = build.place_units(layouts, trees, pdt, sharded)
+        opt_specs = build.opt_state_specs(tx, layouts, pdt)
+        opt_state = build.init_opt_state(tx, mesh, opt_specs, master)
         engine = Engine(adapter, tx, mesh, config, layouts, opt_specs, frozen_layouts,
                         explicit_units=units is not None and units != "auto")
         warn_if_unbalanced(*engine.unit_table(), params)
-        step = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
-        placed_collections = jax.tree_util.tree_map(
-            lambda x: place_replicated(x, NamedSharding(mesh, REPLICATED)), collections)
-        skipped = place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
+        step = build.replicated_zero(mesh)
+        placed_collections = build.place_collections(collections, mesh)
+        skipped = build.replicated_zero(mesh)
         if config.stage == 3:
-            frozen_shards = (
-                _store_frozen(frozen_layouts, frozen_trees, config, sharded)
-                if frozen_layouts else None
-            )
-            if config.qgz and config.qgz_error_feedback and any(
-                    lay.layer is not None for lay in layouts.values()):
-                raise ValueError(
-                    "qgz_error_feedback does not support scanned layer stacks (nn.scan / "
-                    "nnx.scan): their layers share one unit call. Unroll the stack, or "
-                    "turn the feedback off")
+            frozen_shards = (build.store_frozen(frozen_layouts, frozen_trees, config, sharded)
+                             if frozen_layouts else None)
+            build.check_feedback(config, layouts, nodes, local)
             params = ShardedParams(master, True, engine.zero_feedback())
             return cls(step, params, opt_state, None, engine, skipped, frozen_shards,
                        placed_collections)
-        cdt = config.compute_jnp_dtype
-        replicated = NamedSharding(mesh, REPLICATED)
-        full = {
-            name: place(
-                np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[name]), pdt))
-                .astype(cdt),
-                replicated,
-            )
-            for name, lay in layouts.items()
-        }
+        # Stages 1 and 2: the step differentiates full replicated compute-dtype weights.
+        full = build.place_units(layouts, trees, pdt, NamedSharding(mesh, REPLICATED),
+                                 cast=config.compute_jnp_dtype)
         return cls(step, ShardedParams(full, False), opt_state, ShardedParams(master, True), engine,
                    skipped, None, placed_collections)
-
-
-def _opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, UnitLayout],
-                     dtype: Any) -> PyTree:
-    """PartitionSpec of each optimizer-state leaf: sharded if it follows the parameters.
-
-    A leaf is per-parameter (Adam's moments) if its shape follows the shard length, and
-    global otherwise (a step count). Decided by initialising abstractly at two different
-    shard lengths, so it holds on a one-device mesh too, where local and global shapes agree.
-    """
-    def state_at(scale: int) -> PyTree:
-        shapes = {k: jax.ShapeDtypeStruct((scale * lay.shard_len,), dtype)
-                  for k, lay in layouts.items()}
-        return jax.eval_shape(tx.init, shapes)
-
-    return jax.tree_util.tree_map(
-        lambda a, b: REPLICATED if a.shape == b.shape else SHARDED, state_at(1), state_at(2)
-    )
-
-
-def _store_frozen(
-    layouts: Mapping[str, UnitLayout],
-    trees: Mapping[tuple[str, ...], PyTree],
-    config: ZeroPPConfig,
-    sharding: NamedSharding,
-) -> FrozenShards:
-    """Frozen subtrees -> their primary shards on the mesh, quantized if configured."""
-    values, scales = {}, {}
-    for name, lay in layouts.items():
-        flat = np.asarray(lay.flatten(jax.tree_util.tree_map(np.asarray, trees[lay.path]),
-                                      config.param_jnp_dtype))
-        if config.quantize_frozen:
-            v, s = quantize_frozen_flat(flat, config, lay)
-            values[name], scales[name] = place(v, sharding), place(s, sharding)
-        else:
-            values[name] = place(flat, sharding)
-    return FrozenShards(values, scales, config.quantize_frozen, config.weight_bits,
-                        config.block_size)

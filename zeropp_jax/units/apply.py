@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST, STACKED_SHARD, UnitLayout, merge_units
-from zeropp_jax.comm.transports import UnitTransports, unit_transports
+from zeropp_jax.comm.transports import UnitTransports, plan_of
 from zeropp_jax.core import compat
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.units import unit as unit_policies
@@ -45,7 +45,7 @@ def apply_units(
     collections: Mapping[str, PyTree] | None = None,
     warn_resident: bool = False,
     memo: dict | None = None,
-    transports: Mapping[str, UnitTransports] | None = None,
+    transports: Mapping[str, UnitTransports],
     step: jax.Array | None = None,
     feedback: Mapping[str, tuple] | None = None,
     **kwargs: Any,
@@ -67,8 +67,7 @@ def apply_units(
         replicated; with ``mutable=`` the call returns ``(output, updated collections)``.
       warn_resident: warn when units must stay gathered for the whole step (the user
         chose them; the default policy's leftovers are resident without a word).
-      transports: unit name -> its transports (the plan's); None: resolved from
-        ``config`` per unit.
+      transports: unit name -> its transports (``Plan.units``, ``Engine.transports``).
       memo: where ``find_resident`` keeps its answers for this model (the engine's), so
         a second trace of the same call does not trace the model again; None: no reuse.
       step: the traced optimizer step, for gradient transports whose randomness follows
@@ -97,7 +96,7 @@ def apply_units(
 
         def make(fn: Callable) -> Callable:
             unit = zero_unit(fn, layout, config, flayout, keep=keep,
-                             transports=None if transports is None else transports[name])
+                             transports=transports[name])
 
             def call(*arrays: Any) -> Any:
                 kept = tokens.get(name, ())
@@ -148,8 +147,7 @@ def apply_units(
         rest = merge_units(rest, {path: stacked_shards[path]})
 
         def make(fn: Callable, shard: jax.Array, layout: UnitLayout = lays[0]) -> Callable:
-            unit = zero_unit(fn, layout, stack_config, transports=None if transports is None
-                             else transports[layout.name])
+            unit = zero_unit(fn, layout, stack_config, transports=transports[layout.name])
             return lambda *arrays: unit(shard, (), *arrays, qgz_on=qgz_on, step=step)
 
         stacked_units[path] = Stacked(make)
@@ -185,7 +183,7 @@ def apply_units(
             gathered_rest = unit_call(REST, keep=True)(lambda p: p)()
         else:
             (rest_full, _), (full, moved) = bucket_gather(
-                _transports_of(config, REST, layouts, transports),
+                transports[REST],
                 (shards[REST], shards[partner]), config, qgz_on)
             gathered_rest, arrived = layouts[REST].unflatten(rest_full), (full, *moved)
         rest = merge_units(gathered_rest, stacked_shards)
@@ -264,7 +262,7 @@ def _bucket_partner(config: ZeroPPConfig, calls: tuple[tuple[str, ...], ...], na
                     path_of: Mapping[str, tuple[str, ...]], resident: set[tuple[str, ...]],
                     kept: tuple[str, ...] | None, layouts: Mapping[str, UnitLayout],
                     frozen_layouts: Mapping[str, UnitLayout],
-                    transports: Mapping[str, UnitTransports] | None) -> str | None:
+                    transports: Mapping[str, UnitTransports]) -> str | None:
     """The unit whose collectives the rest unit shares (``config.bucket``), or None.
 
     The first unit the model calls, if no other unit is called between its calls (one
@@ -279,19 +277,11 @@ def _bucket_partner(config: ZeroPPConfig, calls: tuple[tuple[str, ...], ...], na
     if (name is None or first in resident or first == kept or name not in layouts
             or REST in frozen_layouts or name in frozen_layouts):
         return None
-    pair = [_transports_of(config, n, layouts, transports) for n in (REST, name)]
-    if not bucketable(config, pair):
+    if not bucketable(plan_of(config), [transports[n] for n in (REST, name)]):
         return None
     if layouts[REST].num_shards != layouts[name].num_shards:
         return None
     return name
-
-
-def _transports_of(config: ZeroPPConfig, name: str, layouts: Mapping[str, UnitLayout],
-                   transports: Mapping[str, UnitTransports] | None) -> UnitTransports:
-    """Unit ``name``'s transports: the plan's, or the config's default for its layout."""
-    return transports[name] if transports is not None else unit_transports(config,
-                                                                           layouts[name])
 
 
 def _unit_size(layout: UnitLayout | None, frozen: UnitLayout | None) -> int:

@@ -24,33 +24,22 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.comm.transports import UnitTransports, reduce_gradient
+from zeropp_jax.comm.transports import Plan, UnitTransports, reduce_gradient
 from zeropp_jax.core import scopes
 
 Buffers = tuple[jax.Array, ...]
 
 
-def config_allows(config: Any) -> bool:
-    """True if ``config`` buckets (``config.bucket``) and its transports give a unit in a
-    bucket bit for bit what they give it alone: any quantization blockwise, with no
-    position-dependent step (a Hadamard sign pattern or a stochastic rounding seed would
-    differ with the unit's offset in the bucket)."""
-    if not config.bucket:
-        return False
-    if (config.qwz or config.qgz) and not config.blockwise:
-        return False  # one scale per shard: the bucket's scale would mix the members
-    if config.qgz and config.qgz_error_feedback:
-        return False  # each unit keeps its own errors, laid out like its own gradient
-    return not (config.qwz_hadamard or config.qgz_hadamard or config.stochastic_rounding)
-
-
-def bucketable(config: Any, transports: Sequence[UnitTransports]) -> bool:
-    """True if units with ``transports`` can share collectives (``config_allows``) with one
-    transport for all, on trainable parts only."""
+def bucketable(plan: Plan, transports: Sequence[UnitTransports]) -> bool:
+    """True if units with ``transports`` can share collectives: the run buckets and its
+    transports give a unit in a bucket bit for bit what they give it alone
+    (``Plan.buckets``: any quantization blockwise, with no position-dependent step such as
+    a Hadamard sign pattern, a rounding seed or kept errors), with one transport for all,
+    on trainable parts only."""
     first = transports[0]
     if any(t != first or t.frozen is not None or t.weights is None for t in transports):
         return False
-    return config_allows(config)
+    return plan.buckets()
 
 
 def _join(members: Sequence[jax.Array], devices: int) -> jax.Array:

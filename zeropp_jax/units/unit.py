@@ -35,7 +35,7 @@ from zeropp_jax.comm.frozen import merge_trees
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.units.ordering import after
 from zeropp_jax.comm.partition import UnitLayout
-from zeropp_jax.comm.transports import UnitTransports, reduce_gradient, unit_transports
+from zeropp_jax.comm.transports import UnitTransports, reduce_gradient
 
 PyTree = Any
 
@@ -132,7 +132,8 @@ def zero_unit(
     config: ZeroPPConfig,
     frozen_layout: UnitLayout | None = None,
     keep: bool = False,
-    transports: UnitTransports | None = None,
+    *,
+    transports: UnitTransports,
 ) -> Callable[..., Any]:
     """Wraps ``fn(params_tree, *arrays)`` into ``unit(shard, frozen, *arrays)``.
 
@@ -152,7 +153,7 @@ def zero_unit(
         token)``: pass ``token`` as the ``feedback`` of the unit's next call in the step, so
         backward hands the errors from one call to the next.
       transports: how the unit's weights arrive and its gradient leaves (the plan's,
-        ``Engine.transports[name]``); None: resolved from ``config``.
+        ``Engine.transports[name]``).
 
     Returns:
       ``unit(shard, frozen, *arrays)`` with the outputs of ``fn``, to be called inside
@@ -168,11 +169,11 @@ def zero_unit(
     """
     policy = remat_policy(config.remat)
     # Chosen once per run, by the plan: how the weights travel, and the gradient.
-    if transports is None:
-        transports = unit_transports(config, layout, frozen_layout)
     weights, frozen_weights, grads = transports.weights, transports.frozen, transports.gradients
-    # Frozen storage: (values, scales) when stored quantized, else (values,).
-    n_stored = 0 if frozen_layout is None else (2 if config.quantize_frozen else 1)
+    # Frozen storage: as many buffers as its transport stores ((values, scales) when
+    # stored quantized, else (values,)).
+    n_stored = 0 if frozen_layout is None else len(
+        frozen_weights.stored_specs(frozen_layout.n_pad, config.param_jnp_dtype))
 
     def split(full: tuple, ffull: tuple) -> tuple[tuple, tuple]:
         """Full flat buffers -> the unit's weight arrays (trainable, frozen), in leaf order.

@@ -53,6 +53,35 @@ class WeightTransport(Protocol):
         ``n_pad`` (each split over all devices on its first dimension)."""
         ...
 
+    # What the rest of the library asks instead of reading the config (the engine, the
+    # buckets, generation, the memory and cost models). ``WeightFacts`` has the defaults of
+    # a transport that moves the weights as they are.
+
+    def label(self) -> str:
+        """Its part of a run's short name (``"qwz-int8"``, ``"hpz"``); "" for ZeRO-3's."""
+        ...
+
+    def quantized_elems(self, n: int) -> float:
+        """Elements one device runs through quantization kernels per gather of an
+        ``n``-element unit (0 for a transport that quantizes nothing in the step)."""
+        ...
+
+    def moved_bytes(self, n_pad: int) -> float:
+        """Bytes of the gathered wire buffers held beside the decoded full weights while a
+        gather of a unit of padded length ``n_pad`` decodes (0 when what moved is the full
+        weights)."""
+        ...
+
+    def bucketable(self) -> bool:
+        """True if a unit in a bucket (``units.bucket``) gets bit for bit what it gets
+        alone: element-wise, or blockwise without position-dependent steps."""
+        ...
+
+    def secondary_devices(self, nodes: int, local: int) -> int:
+        """Devices of the group backward regathers inside (hpZ's secondary partition, on a
+        ``nodes x local`` mesh); 0 when backward regathers over the whole mesh."""
+        ...
+
 
 class GradientTransport(Protocol):
     """How a unit's full flat gradient leaves: a reduce-scatter of its sum."""
@@ -65,9 +94,90 @@ class GradientTransport(Protocol):
         transports whose randomness follows it (both ignored by the others)."""
         ...
 
+    # Asked instead of the config; ``GradientFacts`` has a plain reduce-scatter's defaults.
+
+    def label(self) -> str:
+        """Its part of a run's short name (``"qgz-int4-had"``); "" for a plain one."""
+        ...
+
+    def quantized_elems(self, n: int, nodes: int, local: int) -> float:
+        """Elements one device runs through quantization kernels per reduce-scatter of an
+        ``n``-element gradient on a ``nodes x local`` mesh."""
+        ...
+
+    def bucketable(self) -> bool:
+        """True if gradients reduce-scattered in a bucket get bit for bit what they get
+        alone (as ``WeightTransport.bucketable``)."""
+        ...
+
+    def switch_step(self) -> int | None:
+        """The optimizer step from which ``reduce_sum(on=False)`` applies (its ``on`` is
+        ``step < switch_step()``); None: ``on`` is not used."""
+        ...
+
+    def follows_step(self) -> bool:
+        """True if ``reduce_sum`` needs the traced optimizer step (``step=``)."""
+        ...
+
+    def feedback_specs(self, n_pad: int, nodes: int, local: int
+                       ) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Per-device shapes of the errors kept for a unit of padded length ``n_pad``
+        between steps (error feedback); ``()`` when nothing is kept."""
+        ...
+
+    def feedback_lengths(self, n_pad: int, nodes: int, local: int) -> tuple[int, int]:
+        """The fp32 lengths ``(h1, h2)`` behind ``feedback_specs`` (``(0, 0)``: none)."""
+        ...
+
+
+class WeightFacts:
+    """Defaults of ``WeightTransport``'s questions, for a transport that gathers the
+    weights as they are."""
+
+    def label(self) -> str:
+        return ""
+
+    def quantized_elems(self, n: int) -> float:
+        return 0.0
+
+    def moved_bytes(self, n_pad: int) -> float:
+        return 0.0
+
+    def bucketable(self) -> bool:
+        return True
+
+    def secondary_devices(self, nodes: int, local: int) -> int:
+        return 0
+
+
+class GradientFacts:
+    """Defaults of ``GradientTransport``'s questions, for a plain reduce-scatter."""
+
+    def label(self) -> str:
+        return ""
+
+    def quantized_elems(self, n: int, nodes: int, local: int) -> float:
+        return 0.0
+
+    def bucketable(self) -> bool:
+        return True
+
+    def switch_step(self) -> int | None:
+        return None
+
+    def follows_step(self) -> bool:
+        return False
+
+    def feedback_specs(self, n_pad: int, nodes: int, local: int
+                       ) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return ()
+
+    def feedback_lengths(self, n_pad: int, nodes: int, local: int) -> tuple[int, int]:
+        return 0, 0
+
 
 @dataclasses.dataclass(frozen=True)
-class DirectGather:
+class DirectGather(WeightFacts):
     """Base of the transports that keep the stored buffers for backward and regather them
     over the whole mesh (ZeRO-3's regather; hpZ's ``SecondaryRegather`` replaces this)."""
 

@@ -8,10 +8,11 @@ from typing import Any
 import jax
 
 from zeropp_jax.comm.qgz import hierarchical_reduce_scatter
+from zeropp_jax.comm.transports.base import GradientFacts
 
 
 @dataclasses.dataclass(frozen=True)
-class HierarchicalReduceScatter:
+class HierarchicalReduceScatter(GradientFacts):
     """qgZ's two all-to-all hops and slice order without quantization
     (``config.reduce_scatter="hierarchical"``): each byte crosses nodes once."""
 

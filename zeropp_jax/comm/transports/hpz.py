@@ -49,6 +49,24 @@ class SecondaryRegather:
         k = self.nodes()
         return self.inner.decode(tuple(hpz_all_gather(w, k) for w in kept))
 
+    def label(self) -> str:
+        own = "hpz" if self.group_size is None else f"hpz[{self.group_size}]"
+        return "+".join(p for p in (self.inner.label(), own) if p)
+
+    def quantized_elems(self, n: int) -> float:
+        return self.inner.quantized_elems(n)
+
+    def moved_bytes(self, n_pad: int) -> float:
+        return self.inner.moved_bytes(n_pad)
+
+    def bucketable(self) -> bool:
+        return self.inner.bucketable()
+
+    def secondary_devices(self, nodes: int, local: int) -> int:
+        """``k * local``: the devices of ``k`` whole nodes (``group_size``; one node if
+        None), checked against the mesh (raises naming the valid sizes)."""
+        return group_nodes(self.group_size, nodes, local) * local
+
 
 def wrap(inner: Any, config: Any) -> SecondaryRegather:
     return SecondaryRegather(inner, config.hpz_group_size)

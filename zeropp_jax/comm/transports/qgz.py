@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from zeropp_jax.comm.qgz import (
     qgz_reduce_scatter,
     qgz_reduce_scatter_feedback,
 )
-from zeropp_jax.comm.transports.base import GradientTransport
+from zeropp_jax.comm.transports.base import GradientFacts, GradientTransport
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
 from zeropp_jax.quant.rotation import fixed_key
@@ -47,7 +48,7 @@ def decode_error(values: jax.Array, scales: jax.Array, h: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class QgzReduceScatter:
+class QgzReduceScatter(GradientFacts):
     """qgZ's hierarchical all-to-all (``"local"``, then ``"node"``) carrying quantized
     blocks, dequantized and summed in fp32 at each hop.
 
@@ -65,6 +66,8 @@ class QgzReduceScatter:
         (``config.qgz_signs == "per_step"``) instead of one fixed key for the run.
       error_feedback: each device keeps its quantization errors and adds them back at the
         next reduce-scatter (``config.qgz_error_feedback``; ``reduce_sum_feedback``).
+      until: qgZ for optimizer steps ``< until``, ``fallback`` after
+        (``config.qgz_until_step``); None: always qgZ.
     """
 
     bits: int
@@ -76,6 +79,38 @@ class QgzReduceScatter:
     stochastic_rounding: bool = False
     per_step_signs: bool = False
     error_feedback: bool = False
+    until: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, fallback: GradientTransport) -> "QgzReduceScatter":
+        return cls(config.grad_bits, config.block_size if config.blockwise else None,
+                   config.qgz_pipeline_stages, config.quantization_impl, fallback,
+                   hadamard=config.qgz_hadamard,
+                   stochastic_rounding=config.stochastic_rounding,
+                   per_step_signs=config.qgz_signs == "per_step",
+                   error_feedback=config.qgz_error_feedback, until=config.qgz_until_step)
+
+    def label(self) -> str:
+        name = (f"qgz-int{self.bits}" + ("-had" if self.hadamard else "")
+                + ("-step" if self.per_step_signs else ""))
+        return name + ("+EF" if self.error_feedback else "")
+
+    def quantized_elems(self, n: int, nodes: int, local: int) -> float:
+        # The full gradient, then the node's partial sums requantized for the node hop
+        # (``2 n / L``); a rotation reads the data once more. Kept errors: see the plan.
+        return (n + 2 * n / local) * (2 if self.hadamard else 1)
+
+    def bucketable(self) -> bool:
+        # Blocks never straddle members, but one scale per slice, the rotation's signs,
+        # rounding seeds and per-unit kept errors follow a unit's place in the buffer.
+        return (self.block_size is not None and not self.hadamard
+                and not self.stochastic_rounding and not self.error_feedback)
+
+    def switch_step(self) -> int | None:
+        return self.until
+
+    def follows_step(self) -> bool:
+        return self.per_step_signs
 
     def _block(self, n: int, num_devices: int) -> int:
         return self.block_size or n // num_devices // self.stages
@@ -108,7 +143,10 @@ class QgzReduceScatter:
 
     def feedback_lengths(self, n_pad: int, nodes: int, local: int) -> tuple[int, int]:
         """Per-device fp32 lengths ``(h1, h2)`` of the errors kept for a unit of padded
-        length ``n_pad`` (``comm.qgz.feedback_lengths``)."""
+        length ``n_pad`` (``comm.qgz.feedback_lengths``); ``(0, 0)`` without
+        ``error_feedback``."""
+        if not self.error_feedback:
+            return 0, 0
         return feedback_lengths(n_pad, nodes=nodes, local=local,
                                 block_size=self._block(n_pad, nodes * local),
                                 stages=self.stages)

@@ -56,3 +56,20 @@ class QwzGather(DirectGather):
 
     def decode(self, moved: Buffers) -> jax.Array:
         return moved[0]
+
+    def label(self) -> str:
+        return f"qwz-int{self.bits}" + ("-had" if self.hadamard else "")
+
+    def quantized_elems(self, n: int) -> float:
+        # Every device dequantizes the whole unit (quantizing its own shard is 1/P of
+        # that); a rotation reads the data once more.
+        return float(n * (2 if self.hadamard else 1))
+
+    def moved_bytes(self, n_pad: int) -> float:
+        """The quantized buffer (values and one fp32 scale per block)."""
+        return n_pad * (self.bits / 8 + 4 / (self.block_size or n_pad))
+
+    def bucketable(self) -> bool:
+        # One scale per shard would mix the members; the rotation's signs follow the
+        # position in the buffer.
+        return self.block_size is not None and not self.hadamard

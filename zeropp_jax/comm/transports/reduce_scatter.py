@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax.comm.collectives import reduce_scatter_flat
+from zeropp_jax.comm.transports.base import GradientFacts
 from zeropp_jax.core.mesh import AXES
 
 
 @dataclasses.dataclass(frozen=True)
-class FlatReduceScatter:
+class FlatReduceScatter(GradientFacts):
     """One reduce-scatter over all devices in the gradient's dtype, summed to fp32."""
 
     @classmethod

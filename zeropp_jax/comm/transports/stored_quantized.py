@@ -79,3 +79,8 @@ class StoredQuantizedGather(DirectGather):
         values, scales = moved
         return dequantize_flat(values, scales, bits=self.bits, block_size=self.block_size,
                                dtype=self.dtype, implementation=self.implementation)
+
+    def moved_bytes(self, n_pad: int) -> float:
+        """What moved as stored: the values (``bits / 8`` bytes each), one fp32 scale per
+        block."""
+        return n_pad * (self.bits / 8 + 4 / self.block_size)

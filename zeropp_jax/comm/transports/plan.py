@@ -1,0 +1,113 @@
+"""The plan: how a run's bytes travel, resolved once from its config.
+
+Everything outside the transports asks the plan (or the transports it holds) what the
+techniques mean for it — the engine (which transports each unit gets, what the step
+needs), the buckets (may units share collectives), generation (does backward regather
+inside a group), the comm report and the memory and cost models (hpZ's group, quantization
+work, kept errors, the run's name) — instead of reading ``config.qwz`` / ``hpz`` / ``qgz``
+and their options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+from zeropp_jax.comm.transports.base import GradientTransport, WeightTransport
+from zeropp_jax.comm.transports.registry import gradient_transport, weight_transport
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitTransports:
+    """How one unit's bytes travel for the whole run; the plan gives one per unit.
+
+    Attributes:
+      weights: its trainable part's transport (hpZ-wrapped when configured), or None if
+        the unit has no trainable part.
+      frozen: its frozen part's transport, or None if it has none.
+      gradients: how its trainable part's gradient leaves.
+    """
+
+    weights: WeightTransport | None
+    frozen: WeightTransport | None
+    gradients: GradientTransport
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run's transports and what they imply. Frozen and hashable; ``plan_of(config)``.
+
+    Attributes:
+      config: the ``ZeroPPConfig`` it was resolved from (frozen parts' transports depend
+        on each frozen layout, so they are resolved per unit from it).
+      weights: how trainable weights travel (hpZ-wrapped when configured).
+      gradients: how gradients leave.
+    """
+
+    config: Any
+    weights: WeightTransport
+    gradients: GradientTransport
+
+    def unit(self, layout: Any = None, frozen_layout: Any = None) -> UnitTransports:
+        """The transports of a unit with trainable part ``layout`` and frozen part
+        ``frozen_layout`` (either may be None)."""
+        return UnitTransports(
+            None if layout is None else self.weights,
+            None if frozen_layout is None else weight_transport(self.config, frozen_layout),
+            self.gradients)
+
+    def units(self, layouts: Mapping[str, Any], frozen_layouts: Mapping[str, Any]
+              ) -> dict[str, UnitTransports]:
+        """Unit name -> its transports, for every unit of a run (trainable, frozen or
+        both)."""
+        return {name: self.unit(layouts.get(name), frozen_layouts.get(name))
+                for name in (*layouts, *(n for n in frozen_layouts if n not in layouts))}
+
+    def label(self) -> str:
+        """A short name: ``zero3``, or the techniques on (``qwz-int4+hpz[16]+qgz-int4-had``,
+        ``+EF`` for kept errors), `` unbucketed`` with buckets turned off."""
+        name = "+".join(p for p in (self.weights.label(), self.gradients.label()) if p)
+        return (name or "zero3") + ("" if self.config.bucket else " unbucketed")
+
+    def buckets(self) -> bool:
+        """True if units may share collectives (``units.bucket``): buckets on
+        (``config.bucket``) and both transports give a unit in a bucket what it gets
+        alone."""
+        return (self.config.bucket and self.weights.bucketable()
+                and self.gradients.bucketable())
+
+    def secondary_devices(self, nodes: int, local: int) -> int:
+        """Devices in the group backward regathers trainable weights inside (hpZ), on a
+        ``nodes x local`` mesh; 0 when it regathers over the whole mesh. Raises naming
+        the valid group sizes when the mesh cannot hold the configured group."""
+        return self.weights.secondary_devices(nodes, local)
+
+    def feedback(self, n_pad: int, nodes: int, local: int) -> tuple[int, int, int]:
+        """What one device keeps between steps for a trainable unit of padded length
+        ``n_pad`` on a ``nodes x local`` mesh: (stored bytes, ``h1``, ``h2``), the
+        gradient transport's kept errors (``feedback_specs``, ``feedback_lengths``); all 0
+        when nothing is kept."""
+        specs = self.gradients.feedback_specs(n_pad, nodes, local)
+        h1, h2 = self.gradients.feedback_lengths(n_pad, nodes, local)
+        return sum(math.prod(s.shape) * s.dtype.itemsize for s in specs), h1, h2
+
+    def quantized_elems(self, n: int, n_pad: int, gathers: int, reduced: bool, nodes: int,
+                        local: int) -> tuple[float, float]:
+        """Elements one device runs through quantization kernels for one unit of ``n``
+        elements (padded ``n_pad``) per step, (weight path, gradient path): ``gathers``
+        gathers, and its gradient's reduce-scatter if ``reduced``, with kept errors decoded
+        and the new ones encoded once each (``2 (h1 + h2)``)."""
+        weights = gathers * self.weights.quantized_elems(n)
+        grads = 0.0
+        if reduced:
+            _, h1, h2 = self.feedback(n_pad, nodes, local)
+            grads = self.gradients.quantized_elems(n, nodes, local) + 2 * (h1 + h2)
+        return weights, grads
+
+
+@functools.lru_cache(maxsize=256)
+def plan_of(config: Any) -> Plan:
+    """The plan of ``config`` (a ``ZeroPPConfig``), resolved from the registry."""
+    return Plan(config, weight_transport(config), gradient_transport(config))

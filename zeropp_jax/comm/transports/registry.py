@@ -1,0 +1,69 @@
+"""The registry: which transport a config's settings name. Adding a wire format is a file
+beside this one and one entry here."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from zeropp_jax.comm.transports import fp8, hpz, plain, qgz, qwz, reduce_scatter, stored_quantized
+from zeropp_jax.comm.transports import hierarchical_reduce_scatter as hierarchical
+from zeropp_jax.comm.transports.base import GradientTransport, WeightTransport
+
+# Trainable weights, by ``weight_format(config)``.
+WEIGHTS: dict[str, Callable[[Any], WeightTransport]] = {
+    "plain": plain.PlainGather.from_config,
+    "qwz": qwz.QwzGather.from_config,
+    "fp8": fp8.Fp8Gather.from_config,
+}
+# Frozen weights stored in another form than the param dtype, by ``frozen_format(config)``
+# (frozen weights stored in the param dtype travel like trainable ones).
+FROZEN: dict[str, Callable[[Any, Any], WeightTransport]] = {
+    "stored_quantized": stored_quantized.StoredQuantizedGather.from_config,
+}
+# Gradients, by ``gradient_format(config)``. The unquantized reduce-scatters first: qgZ
+# falls back to the configured one when switched off at run time (``qgz_until``).
+GRADIENTS: dict[str, Callable[[Any], GradientTransport]] = {
+    "flat": reduce_scatter.FlatReduceScatter.from_config,
+    "hierarchical": hierarchical.HierarchicalReduceScatter.from_config,
+}
+GRADIENTS["qgz"] = lambda config: qgz.QgzReduceScatter.from_config(
+    config, GRADIENTS[config.reduce_scatter](config))
+
+
+def weight_format(config: Any) -> str:
+    """The ``WEIGHTS`` entry of the config: plain without qwZ; with it, by
+    ``config.weight_format`` (INT8 and INT4 are qwZ's, FP8 its own)."""
+    if not config.qwz:
+        return "plain"
+    return "fp8" if config.weight_format == "fp8" else "qwz"
+
+
+def frozen_format(config: Any) -> str | None:
+    """The ``FROZEN`` entry of the config, or None: frozen weights travel as trainable."""
+    return "stored_quantized" if config.quantize_frozen else None
+
+
+def gradient_format(config: Any) -> str:
+    """The ``GRADIENTS`` entry of the config: qgZ, or the unquantized reduce-scatter."""
+    return "qgz" if config.qgz else config.reduce_scatter
+
+
+def value_transport(config: Any, frozen_layout: Any = None) -> WeightTransport:
+    """How a unit's trainable weights (or, with ``frozen_layout``, its frozen ones) travel
+    in forward, before any hpZ wrapping."""
+    fmt = frozen_format(config) if frozen_layout is not None else None
+    if fmt is not None:
+        return FROZEN[fmt](config, frozen_layout)
+    return WEIGHTS[weight_format(config)](config)
+
+
+def weight_transport(config: Any, frozen_layout: Any = None) -> WeightTransport:
+    """The run's transport for a unit's trainable weights, or its frozen ones: the value
+    transport, wrapped by hpZ's secondary regather when ``config.hpz``."""
+    inner = value_transport(config, frozen_layout)
+    return hpz.wrap(inner, config) if config.hpz else inner
+
+
+def gradient_transport(config: Any) -> GradientTransport:
+    """The run's gradient reduce-scatter (``GRADIENTS[gradient_format(config)]``)."""
+    return GRADIENTS[gradient_format(config)](config)

@@ -383,7 +383,7 @@ def feedback_sizes(config: ZeroPPConfig, n_pad: int, nodes: int, local: int
     of its own full gradient, before the reduce-scatter), hop 2 (two nodes or more and
     two devices a node or more) ``h2 = nodes x m_pad`` (about ``n_pad / local``). With
     one node qgZ does not quantize (``h1 = h2 = 0``): nothing is kept.
-    (0, 0, 0) without error feedback (``Plan.feedback``)."""
+    (0, 0, 0) without error feedback (``TransportPlan.feedback``)."""
     return plan_of(config).feedback(n_pad, nodes, local)
 
 
@@ -796,7 +796,7 @@ def config_label(config: ZeroPPConfig) -> str:
     """A short name: ``zero3``, or the ZeRO++ techniques on (``qwz-int4+hpz2+qgz``...).
     qgZ's options: ``-had`` Hadamard smoothing, ``-step`` signs (and rounding seeds)
     drawn from the step (``qgz_signs="per_step"``), ``+EF`` error feedback
-    (``Plan.label``)."""
+    (``TransportPlan.label``)."""
     return plan_of(config).label()
 
 

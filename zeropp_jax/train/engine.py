@@ -42,7 +42,7 @@ from zeropp_jax.comm.placement import (
     place,
     to_host,
 )
-from zeropp_jax.comm.transports import Plan, UnitTransports, plan_of, reduce_gradient
+from zeropp_jax.comm.transports import TransportPlan, UnitTransports, plan_of, reduce_gradient
 from zeropp_jax.comm.transports.base import gradient_bytes, weight_bytes
 from zeropp_jax.comm.wire import WireBytes
 from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
@@ -172,8 +172,8 @@ class Engine:
                                                                    self.frozen_layouts))
 
     @property
-    def plan(self) -> Plan:
-        """How this run's bytes travel (``comm.transports.Plan``), resolved from the
+    def plan(self) -> TransportPlan:
+        """How this run's bytes travel (``comm.transports.TransportPlan``), resolved from the
         config once: what the step, generation and the measurements ask."""
         return plan_of(self.config)
 
@@ -238,7 +238,7 @@ class Engine:
     @property
     def secondary_devices(self) -> int:
         """Devices of the group trainable weights are rebuilt inside in backward (hpZ's
-        secondary partition, ``Plan.secondary_devices``); 0: the whole mesh."""
+        secondary partition, ``TransportPlan.secondary_devices``); 0: the whole mesh."""
         return self.plan.secondary_devices(*mesh_shape(self.mesh))
 
     # -- inside shard_map ------------------------------------------------------------------

@@ -67,7 +67,7 @@ def apply_units(
         replicated; with ``mutable=`` the call returns ``(output, updated collections)``.
       warn_resident: warn when units must stay gathered for the whole step (the user
         chose them; the default policy's leftovers are resident without a word).
-      transports: unit name -> its transports (``Plan.units``, ``Engine.transports``).
+      transports: unit name -> its transports (``TransportPlan.units``, ``Engine.transports``).
       memo: where ``find_resident`` keeps its answers for this model (the engine's), so
         a second trace of the same call does not trace the model again; None: no reuse.
       step: the traced optimizer step, for gradient transports whose randomness follows

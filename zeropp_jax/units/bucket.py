@@ -24,16 +24,16 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.comm.transports import Plan, UnitTransports, reduce_gradient
+from zeropp_jax.comm.transports import TransportPlan, UnitTransports, reduce_gradient
 from zeropp_jax.core import scopes
 
 Buffers = tuple[jax.Array, ...]
 
 
-def bucketable(plan: Plan, transports: Sequence[UnitTransports]) -> bool:
+def bucketable(plan: TransportPlan, transports: Sequence[UnitTransports]) -> bool:
     """True if units with ``transports`` can share collectives: the run buckets and its
     transports give a unit in a bucket bit for bit what they give it alone
-    (``Plan.buckets``: any quantization blockwise, with no position-dependent step such as
+    (``TransportPlan.buckets``: any quantization blockwise, with no position-dependent step such as
     a Hadamard sign pattern, a rounding seed or kept errors), with one transport for all,
     on trainable parts only."""
     first = transports[0]

@@ -18,7 +18,7 @@ Gradients (``base.GradientTransport``):
   ``qgz``               two hops carrying quantized blocks (optionally switched at run time,
                         Hadamard-smoothed, rounded stochastically).
 
-A run's transports are resolved once from its config into a ``Plan`` (``plan.py``): the
+A run's transports are resolved once from its config into a ``TransportPlan`` (``plan.py``): the
 one object the engine, the buckets, generation, the comm report and the memory and cost
 models ask (its label, whether units can share collectives, hpZ's group, quantization
 work, kept errors).
@@ -34,7 +34,7 @@ from zeropp_jax.comm.transports.base import (
     WeightTransport,
     reduce_gradient,
 )
-from zeropp_jax.comm.transports.plan import Plan, UnitTransports, plan_of
+from zeropp_jax.comm.transports.plan import TransportPlan, UnitTransports, plan_of
 from zeropp_jax.comm.transports.registry import (
     FROZEN,
     GRADIENTS,
@@ -63,7 +63,7 @@ __all__ = [
     "FROZEN",
     "GRADIENTS",
     "GradientTransport",
-    "Plan",
+    "TransportPlan",
     "WEIGHTS",
     "WeightTransport",
     "frozen_format",

@@ -11,7 +11,6 @@ and their options.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Mapping
 
@@ -36,7 +35,7 @@ class UnitTransports:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class TransportPlan:
     """A run's transports and what they imply. Frozen and hashable; ``plan_of(config)``.
 
     Attributes:
@@ -107,7 +106,7 @@ class Plan:
         return weights, grads
 
 
-@functools.lru_cache(maxsize=256)
-def plan_of(config: Any) -> Plan:
-    """The plan of ``config`` (a ``ZeroPPConfig``), resolved from the registry."""
-    return Plan(config, weight_transport(config), gradient_transport(config))
+def plan_of(config: Any) -> TransportPlan:
+    """The plan of ``config`` (a ``ZeroPPConfig``), resolved from the registry. Cheap (a
+    few small dataclasses), so it is not cached: nothing global holds configs."""
+    return TransportPlan(config, weight_transport(config), gradient_transport(config))

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
-from zeropp_jax.comm.transports import unit_transports
+from zeropp_jax.comm.transports import plan_of
 from zeropp_jax.comm.transports.base import gradient_bytes, weight_bytes
 from zeropp_jax.comm.transports.fp8 import Fp8Gather
 from zeropp_jax.comm.transports.hierarchical_reduce_scatter import HierarchicalReduceScatter
@@ -179,7 +179,7 @@ def test_the_plan_resolves_each_units_transports_once():
     assert isinstance(t["up"].frozen, SecondaryRegather)
     assert isinstance(t["up"].frozen.inner, StoredQuantizedGather)
     assert isinstance(t["down"].weights, SecondaryRegather) and t["down"].frozen is None
-    assert t["down"] == unit_transports(cfg, state.engine.layouts["down"])
+    assert t["down"] == plan_of(cfg).unit(state.engine.layouts["down"])
     rows = state.engine.wire_bytes()
     assert "gradient" not in rows["up"] and rows["down"]["backward"].cross == 0
     # At 64 nodes the same plan's forward bytes grow with the nodes; hpZ's backward doesn't.

@@ -32,3 +32,49 @@ def test_core_config_does_not_reach_the_planner():
     # The planner is a top-layer function; the config (bottom layer) knows nothing of it.
     assert zpp.auto_config.__module__ == "zeropp_jax.plan.auto"
     assert not hasattr(zpp.ZeroPPConfig, "auto")
+
+
+# A technique's settings; outside the transports, the config (with its groups and the
+# DeepSpeed reader) and the planner that builds candidate configs, code asks the
+# transport plan instead of reading them.
+TECHNIQUE_FIELDS = {
+    "qwz", "hpz", "qgz", "weight_format", "grad_bits", "qwz_hadamard", "qgz_hadamard",
+    "stochastic_rounding", "qgz_error_feedback", "qgz_signs", "hpz_group_size",
+    "qgz_pipeline_stages", "qgz_until", "quantize_frozen"}
+READERS = {"comm/transports", "core/config.py", "core/settings.py", "core/deepspeed.py",
+           "plan/auto.py"}
+
+
+def _is_config(node: ast.AST) -> bool:
+    """``config``, ``cfg``, ``base`` or ``<anything>.config``: a ZeroPPConfig by the
+    library's naming."""
+    if isinstance(node, ast.Name):
+        return node.id in ("config", "cfg", "base")
+    return isinstance(node, ast.Attribute) and node.attr == "config"
+
+
+def test_only_the_transports_and_the_config_read_technique_settings():
+    offenders = []
+    for path in (ROOT / "zeropp_jax").rglob("*.py"):
+        rel = path.relative_to(ROOT / "zeropp_jax").as_posix()
+        if any(rel.startswith(r) for r in READERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in TECHNIQUE_FIELDS
+                    and _is_config(node.value)):
+                offenders.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, offenders
+
+
+def test_no_module_level_caches():
+    # Caches belong to an owner (the engine's memo, a call's local memo), not to a module:
+    # a module-level cache keeps configs, classes and closures alive for the process.
+    offenders = []
+    for path in (ROOT / "zeropp_jax").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                for dec in node.decorator_list:
+                    text = ast.unparse(dec)
+                    if "lru_cache" in text or text.endswith("cache"):
+                        offenders.append(f"{path.name}:{node.lineno} {text}")
+    assert not offenders, offenders

@@ -1,6 +1,8 @@
-"""Frozen (non-trainable) parameters: which ones, and how they are stored.
+"""Frozen (non-trainable) parameters: which ones, and the container of their shards.
 
-``comm.transports.stored_quantized`` gathers what is stored quantized.
+How they are stored and gathered is their transport's (``comm.transports``: the
+transport plan's ``frozen_alignment``, ``store_frozen``, ``unstore_frozen``;
+``stored_quantized`` for the quantized form).
 
 Fine-tuning with LoRA (or RLHF's adapters) keeps most weights frozen. A frozen weight never
 gets a gradient or optimizer state, so it need not be kept in the param dtype: with
@@ -21,13 +23,9 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import AXES
-from zeropp_jax.comm.partition import UnitLayout
 
 PyTree = Any
 FrozenFilter = Callable[[tuple[str, ...]], bool] | Sequence[Sequence[str]]
@@ -129,48 +127,6 @@ class FrozenShards:
         """Global bytes of the stored frozen weights (values plus scales)."""
         return int(sum(x.size * x.dtype.itemsize
                        for x in jax.tree_util.tree_leaves((self.values, self.scales))))
-
-
-def frozen_alignment(config: ZeroPPConfig) -> int:
-    """Each frozen primary shard's length is a multiple of this (whole blocks)."""
-    if not config.quantize_frozen:
-        return config.flat_alignment
-    if not config.blockwise:
-        return 2  # one scale per shard; INT4 still packs pairs
-    return config.block_size
-
-
-def frozen_block_size(config: ZeroPPConfig, layout: UnitLayout) -> int:
-    """Elements per quantization block of a frozen layout (non-blocked: one per shard)."""
-    return config.block_size if config.blockwise else layout.shard_len
-
-
-def quantize_frozen_flat(
-    flat: np.ndarray, config: ZeroPPConfig, layout: UnitLayout
-) -> tuple[np.ndarray, np.ndarray]:
-    """Host fp32 ``[n_pad]`` -> (values, scales) of the whole buffer, quantized in blocks.
-
-    Shards are whole blocks, so device ``d``'s slice of the result is exactly its own shard
-    quantized on its own (what ``qwz_all_gather`` would send). Uses the jnp reference,
-    bit-identical to the Pallas kernels.
-    """
-    from pallas_kernels.quantize import quantize_reference
-
-    block = frozen_block_size(config, layout)
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        v, s = quantize_reference(jnp.asarray(flat, jnp.float32), bits=config.weight_bits,
-                                  block_size=block)
-    return np.asarray(v), np.asarray(s)
-
-
-def dequantize_frozen_flat(values: Any, scales: Any, config: ZeroPPConfig,
-                           layout: UnitLayout, dtype: Any = jnp.float32) -> jax.Array:
-    """Inverse of ``quantize_frozen_flat``: ``[n_pad]`` of ``dtype``."""
-    from zeropp_jax.quant.quantization import dequantize_flat
-
-    return dequantize_flat(jnp.asarray(values), jnp.asarray(scales), bits=config.weight_bits,
-                           block_size=frozen_block_size(config, layout), dtype=dtype,
-                           implementation=config.quantization_impl)
 
 
 def frozen_local_shards(frozen: FrozenShards, name: str) -> tuple[jax.Array, ...]:

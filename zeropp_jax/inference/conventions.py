@@ -21,7 +21,6 @@ A convention says which arguments make the cache and which run one step; the dec
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from typing import Any
 
@@ -92,9 +91,8 @@ class TransformersCache:
 Convention = FlaxCache | TransformersCache
 
 
-@functools.lru_cache(maxsize=None)
 def _call_parameters(module_class: type) -> frozenset[str] | None:
-    """The parameter names of ``module_class.__call__`` (read once per class), or None when
+    """The parameter names of ``module_class.__call__``, or None when
     it takes ``**kwargs`` (then every name is accepted)."""
     params = inspect.signature(module_class.__call__).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

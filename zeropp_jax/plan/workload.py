@@ -39,7 +39,6 @@ from typing import Any, Mapping
 
 import jax
 
-from zeropp_jax.comm.frozen import frozen_alignment
 from zeropp_jax.comm.partition import REST, UnitLayout, padded_length
 from zeropp_jax.comm.transports import plan_of
 from zeropp_jax.comm.transports.base import gradient_collectives, weight_collectives
@@ -337,7 +336,6 @@ def _only_embeddings(tree: Any) -> bool:
                                 for p, _ in leaves)
 
 
-@functools.lru_cache(maxsize=4096)
 def _unit_phases(config: ZeroPPConfig, n: int, nodes: int, local: int
                  ) -> tuple[tuple[TracedCollective, ...], ...]:
     """(forward, backward, gradient) collectives of a trainable unit of ``n`` parameters."""
@@ -350,7 +348,7 @@ def _unit_phases(config: ZeroPPConfig, n: int, nodes: int, local: int
 
 def _frozen_transport(config: ZeroPPConfig, n: int, devices: int) -> tuple[Any, int]:
     """(transport, padded length) of a frozen part of ``n`` parameters on ``devices``."""
-    n_pad = padded_length(n, devices, frozen_alignment(config))
+    n_pad = padded_length(n, devices, plan_of(config).frozen_alignment())
     layout = UnitLayout("frozen", (), None, ((n,),), n, n_pad, devices)
     return plan_of(config).unit(None, layout).frozen, n_pad
 
@@ -368,7 +366,6 @@ def _costs(what: str, traced: tuple[TracedCollective, ...], nodes: int, local: i
                            c.bytes.intra / (nodes * local), c.spans_nodes) for c in traced]
 
 
-@functools.lru_cache(maxsize=4096)
 def feedback_sizes(config: ZeroPPConfig, n_pad: int, nodes: int, local: int
                    ) -> tuple[int, int, int]:
     """What qgZ's error feedback (``config.qgz_error_feedback``) keeps per device for a
@@ -516,7 +513,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # The arguments: primary shards and Adam's moments (fp32 each), frozen storage, batch.
     frozen_sizes = dict(shape.frozen)
     pad_frozen = functools.partial(padded_length, num_shards=devices,
-                                   align=frozen_alignment(config))
+                                   align=plan_of(config).frozen_alignment())
     trainable = sum(pad(n) for _, n in shape.units)
     plan = plan_of(config)
 
@@ -742,12 +739,14 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     # (``memory_breakdown``).
     copies = (shape.small_weights if config.remat == "minimal"
               and (shape.itemsize or 0) > config.compute_jnp_dtype.itemsize else frozenset())
+    # Traced once per unit size for this call (a model's layers share one), then dropped.
+    phases = functools.cache(lambda n: _unit_phases(config, n, nodes, local))
     for name, n in shape.units:
-        fwd, bwd, grad = _unit_phases(config, n, nodes, local)
+        fwd, bwd, grad = phases(n)
         if name == partner:  # one collective moves both: the padded lengths add up
             pad = functools.partial(padded_length, num_shards=devices,
                                     align=config.flat_alignment)
-            fwd, _, grad = _unit_phases(config, pad(n) + pad(sizes[REST]), nodes, local)
+            fwd, _, grad = phases(pad(n) + pad(sizes[REST]))
         regathers = (name not in (REST, kept) and name not in shape.no_regather
                      and name not in copies)
         if not (name == REST and partner):

@@ -20,11 +20,9 @@ from zeropp_jax.comm.frozen import (
     FrozenFilter,
     FrozenShards,
     as_predicate,
-    frozen_alignment,
-    quantize_frozen_flat,
     split_frozen,
 )
-from zeropp_jax.comm.transports import plan_of
+from zeropp_jax.comm.transports import frozen_format, plan_of
 from zeropp_jax.comm.partition import (
     REST,
     UnitLayout,
@@ -121,7 +119,7 @@ def check_frozen(frozen: FrozenFilter | None, stacked: tuple[Path, ...],
                 "frozen parameters need ZeRO stage 3 (stages 1 and 2 keep full replicated "
                 "weights, which the frozen layout does not cover); use stage=3"
             )
-    elif config.quantize_frozen:
+    elif frozen_format(config) is not None:  # frozen storage configured, nothing frozen
         raise ValueError(
             "config.quantize_frozen=True but no parameters are frozen: pass "
             "TrainState.create(..., frozen=<filter>)"
@@ -172,9 +170,10 @@ def unit_layouts(
 
 def frozen_layouts(frozen_trees: Mapping[Path, PyTree], num_devices: int,
                    config: ZeroPPConfig) -> dict[str, UnitLayout]:
-    """The flat layout of each unit's frozen part, by unit name (``frozen_alignment``)."""
+    """The flat layout of each unit's frozen part, by unit name (whole blocks of its
+    storage: ``TransportPlan.frozen_alignment``)."""
     return {
-        unit_name(p): make_unit_layout(p, f, num_devices, frozen_alignment(config))
+        unit_name(p): make_unit_layout(p, f, num_devices, plan_of(config).frozen_alignment())
         for p, f in frozen_trees.items()
     }
 
@@ -243,13 +242,12 @@ def store_frozen(
     values, scales = {}, {}
     for name, lay in layouts.items():
         flat = flat_numpy(lay, trees[lay.path], config.param_jnp_dtype)
-        if config.quantize_frozen:
-            v, s = quantize_frozen_flat(flat, config, lay)
-            values[name], scales[name] = place(v, sharding), place(s, sharding)
-        else:
-            values[name] = place(flat, sharding)
-    return FrozenShards(values, scales, config.quantize_frozen, config.weight_bits,
-                        config.block_size)
+        stored = plan_of(config).store_frozen(flat, lay)
+        values[name] = place(stored[0], sharding)
+        if len(stored) > 1:
+            scales[name] = place(stored[1], sharding)
+    # bits and block_size describe quantized storage (checkpoint metadata).
+    return FrozenShards(values, scales, bool(scales), config.weight_bits, config.block_size)
 
 
 def check_feedback(config: ZeroPPConfig, layouts: Mapping[str, UnitLayout], nodes: int,

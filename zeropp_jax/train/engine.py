@@ -27,12 +27,7 @@ from zeropp_jax.core import processes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.units.adapters import ModelAdapter
 from zeropp_jax.units.apply import apply_units
-from zeropp_jax.comm.frozen import (
-    FrozenShards,
-    dequantize_frozen_flat,
-    frozen_alignment,
-    merge_trees,
-)
+from zeropp_jax.comm.frozen import FrozenShards, frozen_local_shards, merge_trees
 from zeropp_jax.core.mesh import AXES, mesh_shape
 from zeropp_jax.comm.partition import REST, UnitLayout, merge_units, padded_length
 from zeropp_jax.comm.placement import (
@@ -216,7 +211,7 @@ class Engine:
         for name, t in self.transports.items():
             row: dict[str, WireBytes] = {}
             parts = [(t.weights, self.layouts.get(name), cfg.flat_alignment),
-                     (t.frozen, self.frozen_layouts.get(name), frozen_alignment(cfg))]
+                     (t.frozen, self.frozen_layouts.get(name), self.plan.frozen_alignment())]
             for transport, lay, align in parts:
                 if transport is None:
                     continue
@@ -380,12 +375,8 @@ class Engine:
         dequantized values a forward pass computes with, before the compute-dtype cast)."""
         out = {}
         for name, lay in self.frozen_layouts.items():
-            values = to_host(frozen.values[name])
-            if frozen.quantized:
-                with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                    values = dequantize_frozen_flat(values, to_host(frozen.scales[name]),
-                                                    self.config, lay)
-            out[name] = np.asarray(values, np.float32)
+            stored = tuple(to_host(b) for b in frozen_local_shards(frozen, name))
+            out[name] = self.plan.unstore_frozen(stored, lay)
         return out
 
     def optimizer_step(

@@ -39,24 +39,13 @@ from zeropp_jax.comm.transports.registry import (
     FROZEN,
     GRADIENTS,
     WEIGHTS,
+    frozen_alignment,
     frozen_format,
     gradient_format,
     gradient_transport,
-    value_transport,
     weight_format,
     weight_transport,
 )
-
-
-def unit_transports(config, layout=None, frozen_layout=None) -> UnitTransports:
-    """The transports of a unit with trainable part ``layout`` and frozen part
-    ``frozen_layout`` (either may be None): ``plan_of(config).unit(...)``."""
-    return plan_of(config).unit(layout, frozen_layout)
-
-
-def plan_transports(config, layouts, frozen_layouts) -> dict[str, UnitTransports]:
-    """Unit name -> its transports, for every unit of a run: ``plan_of(config).units(...)``."""
-    return plan_of(config).units(layouts, frozen_layouts)
 
 
 __all__ = [
@@ -66,15 +55,13 @@ __all__ = [
     "TransportPlan",
     "WEIGHTS",
     "WeightTransport",
+    "frozen_alignment",
     "frozen_format",
     "UnitTransports",
     "gradient_format",
     "gradient_transport",
     "plan_of",
-    "plan_transports",
-    "unit_transports",
     "reduce_gradient",
-    "value_transport",
     "weight_format",
     "weight_transport",
 ]

@@ -53,6 +53,15 @@ class WeightTransport(Protocol):
         ``n_pad`` (each split over all devices on its first dimension)."""
         ...
 
+    def store(self, flat: Any) -> tuple[Any, ...]:
+        """Host ``[n_pad]`` weights in the param dtype -> the host buffers ``stored_specs``
+        describes (frozen weights are stored once, at creation)."""
+        ...
+
+    def unstore(self, stored: tuple[Any, ...]) -> Any:
+        """``store``'s buffers (host, global) -> fp32 ``[n_pad]`` values."""
+        ...
+
     # What the rest of the library asks instead of reading the config (the engine, the
     # buckets, generation, the memory and cost models). ``WeightFacts`` has the defaults of
     # a transport that moves the weights as they are.
@@ -190,6 +199,17 @@ class DirectGather(WeightFacts):
     def stored_specs(self, n_pad: int, param_dtype: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
         """``(shard,)``: the primary shard in the param dtype."""
         return (jax.ShapeDtypeStruct((n_pad,), jnp.dtype(param_dtype)),)
+
+    def store(self, flat: Any) -> tuple[Any, ...]:
+        """Host ``[n_pad]`` weights in the param dtype -> the buffers stored (as they
+        are)."""
+        return (flat,)
+
+    def unstore(self, stored: tuple[Any, ...]) -> Any:
+        """``store``'s buffers (host, global) -> fp32 ``[n_pad]`` values."""
+        import numpy as np
+
+        return np.asarray(stored[0], np.float32)
 
 
 def reduce_gradient(transport: GradientTransport, g_full: jax.Array, shard_dtype,

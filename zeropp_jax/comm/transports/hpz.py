@@ -41,6 +41,12 @@ class SecondaryRegather:
     def stored_specs(self, n_pad: int, param_dtype: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
         return self.inner.stored_specs(n_pad, param_dtype)
 
+    def store(self, flat: Any) -> tuple[Any, ...]:
+        return self.inner.store(flat)
+
+    def unstore(self, stored: tuple[Any, ...]) -> Any:
+        return self.inner.unstore(stored)
+
     def keep(self, stored: Buffers, moved: Buffers) -> Buffers:
         k = self.nodes()
         return tuple(secondary_slice(m, k) for m in moved)

@@ -15,7 +15,11 @@ import math
 from typing import Any, Mapping
 
 from zeropp_jax.comm.transports.base import GradientTransport, WeightTransport
-from zeropp_jax.comm.transports.registry import gradient_transport, weight_transport
+from zeropp_jax.comm.transports.registry import (
+    frozen_alignment,
+    gradient_transport,
+    weight_transport,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,19 @@ class TransportPlan:
         both)."""
         return {name: self.unit(layouts.get(name), frozen_layouts.get(name))
                 for name in (*layouts, *(n for n in frozen_layouts if n not in layouts))}
+
+    def frozen_alignment(self) -> int:
+        """Each frozen primary shard's length is a multiple of this."""
+        return frozen_alignment(self.config)
+
+    def store_frozen(self, flat: Any, layout: Any) -> tuple[Any, ...]:
+        """A frozen part's host ``[n_pad]`` weights (param dtype) -> the buffers it is
+        stored in (``(values,)``, or ``(values, scales)`` stored quantized)."""
+        return self.unit(None, layout).frozen.store(flat)
+
+    def unstore_frozen(self, stored: tuple[Any, ...], layout: Any) -> Any:
+        """``store_frozen``'s buffers (host, global) -> fp32 ``[n_pad]`` values."""
+        return self.unit(None, layout).frozen.unstore(stored)
 
     def label(self) -> str:
         """A short name: ``zero3``, or the techniques on (``qwz-int4+hpz[16]+qgz-int4-had``,

@@ -16,9 +16,10 @@ WEIGHTS: dict[str, Callable[[Any], WeightTransport]] = {
     "fp8": fp8.Fp8Gather.from_config,
 }
 # Frozen weights stored in another form than the param dtype, by ``frozen_format(config)``
-# (frozen weights stored in the param dtype travel like trainable ones).
-FROZEN: dict[str, Callable[[Any, Any], WeightTransport]] = {
-    "stored_quantized": stored_quantized.StoredQuantizedGather.from_config,
+# (frozen weights stored in the param dtype travel like trainable ones): classes with
+# ``from_config(config, layout)`` and ``alignment(config)``.
+FROZEN: dict[str, Any] = {
+    "stored_quantized": stored_quantized.StoredQuantizedGather,
 }
 # Gradients, by ``gradient_format(config)``. The unquantized reduce-scatters first: qgZ
 # falls back to the configured one when switched off at run time (``qgz_until``).
@@ -43,6 +44,13 @@ def frozen_format(config: Any) -> str | None:
     return "stored_quantized" if config.quantize_frozen else None
 
 
+def frozen_alignment(config: Any) -> int:
+    """Each frozen primary shard's length is a multiple of this: the frozen storage's, or
+    the trainable weights' (``config.flat_alignment``) when frozen weights travel alike."""
+    fmt = frozen_format(config)
+    return FROZEN[fmt].alignment(config) if fmt is not None else config.flat_alignment
+
+
 def gradient_format(config: Any) -> str:
     """The ``GRADIENTS`` entry of the config: qgZ, or the unquantized reduce-scatter."""
     return "qgz" if config.qgz else config.reduce_scatter
@@ -53,7 +61,7 @@ def value_transport(config: Any, frozen_layout: Any = None) -> WeightTransport:
     in forward, before any hpZ wrapping."""
     fmt = frozen_format(config) if frozen_layout is not None else None
     if fmt is not None:
-        return FROZEN[fmt](config, frozen_layout)
+        return FROZEN[fmt].from_config(config, frozen_layout)
     return WEIGHTS[weight_format(config)](config)
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zeropp_jax.comm.collectives import axis_size, gather_tiled, pack_rows, unpack_rows
-from zeropp_jax.comm.frozen import frozen_block_size
 from zeropp_jax.comm.transports.base import Buffers, DirectGather
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.quant.quantization import dequantize_flat
@@ -59,9 +59,36 @@ class StoredQuantizedGather(DirectGather):
 
     @classmethod
     def from_config(cls, config: Any, layout: Any) -> "StoredQuantizedGather":
-        return cls(config.weight_bits, frozen_block_size(config, layout),
-                   config.compute_jnp_dtype, config.quantization_impl,
-                   config.all_gather == "hierarchical")
+        # Non-blocked (``blockwise=False``): one scale per device's shard.
+        block = config.block_size if config.blockwise else layout.shard_len
+        return cls(config.weight_bits, block, config.compute_jnp_dtype,
+                   config.quantization_impl, config.all_gather == "hierarchical")
+
+    @staticmethod
+    def alignment(config: Any) -> int:
+        """Each frozen primary shard's length is a multiple of this: whole blocks
+        (non-blocked: 2, INT4 still packs pairs)."""
+        return config.block_size if config.blockwise else 2
+
+    def store(self, flat: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Host fp32 ``[n_pad]`` -> ``(values, scales)`` of the whole buffer, quantized in
+        blocks. Shards are whole blocks, so device ``d``'s slice is its own shard quantized
+        on its own. The jnp reference, bit-identical to the Pallas kernels."""
+        from pallas_kernels.quantize import quantize_reference
+
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            v, s = quantize_reference(jnp.asarray(flat, jnp.float32), bits=self.bits,
+                                      block_size=self.block_size)
+        return np.asarray(v), np.asarray(s)
+
+    def unstore(self, stored: tuple[np.ndarray, ...]) -> np.ndarray:
+        """``store``'s buffers (host, global) -> the fp32 ``[n_pad]`` values a forward
+        computes with, before the compute-dtype cast."""
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            out = dequantize_flat(jnp.asarray(stored[0]), jnp.asarray(stored[1]),
+                                  bits=self.bits, block_size=self.block_size,
+                                  dtype=jnp.float32, implementation=self.implementation)
+        return np.asarray(out, np.float32)
 
     def gather(self, stored: Buffers, *, backward: bool = False) -> tuple[jax.Array, Buffers]:
         moved = all_gather_quantized(*stored, AXES, distinct=backward,

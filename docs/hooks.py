@@ -756,6 +756,26 @@ def feedback_cost(data: dict, view: str | None) -> str:
               "the spread of the rounds.")
 
 
+def offload(data: dict, view: str | None) -> str:
+    """``benchmarks/offload.py``: the compiled step's argument bytes per memory space and
+    the step time, with and without the optimizer state offloaded."""
+    _no_view(view, "offload")
+    rows = []
+    for name, v in data["variants"].items():
+        args = v["arguments"]
+        rows.append([name, f"{args['device'] / 1e6:.2f}", f"{args['host'] / 1e6:.2f}",
+                     f"{v['temp_bytes'] / 1e6:.1f}",
+                     f"{v['median_s'] * 1e3:.0f} ± {v['half_spread_s'] * 1e3:.0f}",
+                     _x(v["ratio"])])
+    st = data["settings"]
+    return (_table(["AdamW", "device arguments (MB / device)", "host arguments (MB / device)",
+                    "temporaries (MB / device)", "step (ms)", "vs without offload"], rows)
+            + f"\n\n{data['params'] / 1e6:.2f}M-parameter GPT, {st['nodes']} x {st['local']} "
+              f"simulated CPU devices on a {data['cpu']}, jax {data['jax']}: median of "
+              f"{st['rounds']} interleaved rounds of {st['steps_per_round']} steps, ± half "
+              "the spread of the rounds.")
+
+
 def int4_weights(data: dict, view: str | None) -> str:
     """``benchmarks/int4_weights.py``: final loss of each config against zero3 per model
     (no view), and the INT4 round trip of each model's weights (``round_trip``)."""
@@ -985,6 +1005,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("overhead", {"variants", "targets", "model", "rounds"}, overhead),
     ("qgz_accuracy", {"errors", "block_size"}, qgz_accuracy),
     ("feedback_cost", {"settings", "variants", "params", "cpu"}, feedback_cost),
+    ("offload", {"settings", "variants", "params", "cpu", "memory_spaces"}, offload),
     ("quantization", {"block_vs_tensor", "sweep", "default_block_size"}, quantization),
     ("int4_weights", {"settings", "summary", "models", "configs", "cpu"}, int4_weights),
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),

@@ -34,6 +34,7 @@ from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import make_mesh, simulate_cpu_devices
 from zeropp_jax.core.settings import (
     Gradients,
+    Offload,
     Precision,
     Quantization,
     Schedule,
@@ -56,6 +57,7 @@ __all__ = [
     "Engine",
     "FrozenShards",
     "Gradients",
+    "Offload",
     "Precision",
     "Quantization",
     "Schedule",

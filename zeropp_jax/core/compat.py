@@ -88,6 +88,22 @@ def all_gather_invariant(x: Any, axis_name: str | tuple[str, ...], *, axis: int 
 # -- 2. backends_are_initialized ----------------------------------------------------------------
 
 
+# Memory kinds: where an array lives. ``jax.memory.Space`` moves an array between a device's
+# own memory and its host memory inside jit and shard_map (jax >= 0.6; same in 0.11).
+HOST_MEMORY = "pinned_host"
+
+
+def in_device_memory(tree: Any) -> Any:
+    """Every array of ``tree`` moved to its device's own memory (inside jit/shard_map)."""
+    return jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+def in_host_memory(tree: Any) -> Any:
+    """Every array of ``tree`` moved to its device's pinned host memory (inside
+    jit/shard_map)."""
+    return jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+
+
 def backends_are_initialized() -> bool:
     """True once JAX has created its backends (device count settings come too late then)."""
     try:

@@ -19,6 +19,7 @@ from zeropp_jax.core.deepspeed import VALID_STAGES as _VALID_STAGES
 from zeropp_jax.core.deepspeed import deepspeed_settings
 from zeropp_jax.core.settings import (
     Gradients,
+    Offload,
     Precision,
     Quantization,
     Schedule,
@@ -227,6 +228,13 @@ class ZeroPPConfig:
         the input), instead of to nearest. Each device draws its own bits, seeded from its
         gradient (``quant/rotation.py``). Off by default: it doubles the variance of the
         rounding error for an unbiased mean.
+      offload_optimizer: keep the optimizer state (Adam's moments: 8 bytes per parameter,
+        split over all devices) in each device's pinned host memory between steps
+        (DeepSpeed's ``offload_optimizer``, FSDP2's ``CPUOffloadPolicy`` for the state).
+        The update brings it to the device and sends the new state back, leaf by leaf, so
+        XLA can overlap the transfers with the update; the arithmetic is the same, so
+        training is bit for bit the same as without. The primary (master) shards stay on
+        the device.
     """
 
     stage: int = 3
@@ -260,6 +268,7 @@ class ZeroPPConfig:
     stochastic_rounding: bool = False
     qgz_error_feedback: bool = False
     qgz_signs: str = "fixed"
+    offload_optimizer: bool = False
 
     def __init__(self, stage: int = 3, **settings: Any) -> None:
         """Settings by their flat keywords (``qwz=True``, ``weight_format="int4"``), or
@@ -300,7 +309,7 @@ class ZeroPPConfig:
             raise ValueError(f"stage={self.stage!r} is invalid; valid stages are {_VALID_STAGES}")
         for name in ("qwz", "hpz", "qgz", "blockwise", "skip_nonfinite", "quantize_frozen",
                      "qgz_hadamard", "qwz_hadamard", "stochastic_rounding",
-                     "qgz_error_feedback"):
+                     "qgz_error_feedback", "offload_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("weight_bits", "grad_bits"):
@@ -472,6 +481,11 @@ class ZeroPPConfig:
         """Gradient clipping and skipping non-finite steps."""
         return group_of(self, Update)
 
+    @property
+    def offload(self) -> Offload:
+        """What lives in host memory."""
+        return group_of(self, Offload)
+
     # -- presets -------------------------------------------------------------------------------
 
     @classmethod
@@ -558,4 +572,4 @@ class ZeroPPConfig:
 
 
 _GROUP_KEYWORDS = ("weights", "secondary", "gradients", "quantization", "precision",
-                   "schedule", "update")
+                   "schedule", "update", "offload")

@@ -19,7 +19,8 @@ def deepspeed_settings(ds_config: Mapping[str, Any], overrides: Mapping[str, Any
     if not isinstance(zo, Mapping):
         raise TypeError("ds_config['zero_optimization'] must be a dict")
     understood = ("stage", "zero_quantized_weights", "zero_quantized_gradients",
-                  "zero_hpz_partition_size", "stage3_max_reuse_distance")
+                  "zero_hpz_partition_size", "stage3_max_reuse_distance",
+                  "offload_optimizer", "cpu_offload", "cpu_offload_use_pin_memory")
     for key, value in zo.items():
         if key in understood or key in _DS_TUNING:
             continue
@@ -53,6 +54,8 @@ def deepspeed_settings(ds_config: Mapping[str, Any], overrides: Mapping[str, Any
     kwargs["hpz_group_size"] = hpz if hpz > 1 else None
     if hpz > 1:
         source["hpz"] = f"zero_optimization.zero_hpz_partition_size={hpz}"
+    if _ds_offload_optimizer(zo):
+        kwargs["offload_optimizer"] = True
     if "stage3_max_reuse_distance" in zo:
         # DeepSpeed keeps a parameter gathered when it is used again within this many
         # parameters (default 1e9); the last unit is used again next, so only 0 (release
@@ -197,17 +200,67 @@ def _check_top_level(ds_config: Mapping[str, Any]) -> None:
 
 
 _DS_UNIMPLEMENTED = {
-    "offload_optimizer": "optimizer offload to CPU/NVMe",
-    "offload_param": "parameter offload to CPU/NVMe",
-    "cpu_offload": "optimizer offload to CPU",
-    "cpu_offload_params": "parameter offload to CPU",
-    "cpu_offload_use_pin_memory": "pinned-memory offload",
+    "offload_param": "parameter offload to CPU/NVMe (the optimizer state can be offloaded: "
+                     "offload_optimizer with device 'cpu')",
+    "cpu_offload_params": "parameter offload to CPU (the optimizer state can be offloaded: "
+                          "cpu_offload)",
     "zero_quantized_nontrainable_weights": "quantized frozen weights from a DeepSpeed "
                                            "config (use TrainState.create(frozen=...) with "
                                            "ZeroPPConfig(quantize_frozen=True))",
     "mics_shard_size": "MiCS sharding",
     "zeropp_loco_param": "LoCo error-feedback gradient quantization",
 }
+
+
+# offload_optimizer keys: read (device, pin_memory, ratio), or tuning DeepSpeed's own
+# CPU/NVMe pipelines, which have nothing to set here.
+_DS_OFFLOAD_KEYS = ("device", "pin_memory", "ratio")
+_DS_OFFLOAD_TUNING = ("buffer_count", "fast_init", "pipeline", "pipeline_read",
+                      "pipeline_write", "nvme_path", "super_offload", "cpuadam_cores_perc")
+
+
+def _ds_offload_optimizer(zo: Mapping[str, Any]) -> bool:
+    """Whether ``zero_optimization`` offloads the optimizer state: ``offload_optimizer``
+    with ``device: "cpu"`` (whole: ``ratio`` 1, DeepSpeed's default), or the older
+    ``cpu_offload: true``. NVMe, a partial ratio and unknown keys raise naming the fix.
+    ``pin_memory`` is accepted either way (the state is always kept in pinned memory)."""
+    if "cpu_offload_use_pin_memory" in zo:
+        _ds_flag(zo["cpu_offload_use_pin_memory"], "zero_optimization.cpu_offload_use_pin_memory")
+    legacy = _ds_flag(zo.get("cpu_offload", False), "zero_optimization.cpu_offload")
+    section = zo.get("offload_optimizer")
+    if section is None:
+        return legacy
+    key = "zero_optimization.offload_optimizer"
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{key} must be a dict such as {{\"device\": \"cpu\"}}, got "
+                         f"{section!r}")
+    for k in section:
+        if k not in _DS_OFFLOAD_KEYS and k not in _DS_OFFLOAD_TUNING:
+            close = difflib.get_close_matches(k, [*_DS_OFFLOAD_KEYS, *_DS_OFFLOAD_TUNING],
+                                              n=1, cutoff=0.6)
+            raise ValueError(f"{key}.{k} is not a DeepSpeed offload key"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
+    device = section.get("device", "none")
+    if device in (None, "none"):
+        return legacy
+    if device == "nvme":
+        raise NotImplementedError(
+            f"{key}.device='nvme': NVMe offload is not implemented by zeropp_jax; use "
+            "device 'cpu' (the optimizer state in pinned host memory)")
+    if device != "cpu":
+        raise ValueError(f"{key}.device={device!r} is invalid; DeepSpeed's devices are "
+                         "'cpu', 'nvme' and 'none'")
+    if "pin_memory" in section:
+        _ds_flag(section["pin_memory"], f"{key}.pin_memory")
+    ratio = section.get("ratio", 1.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"{key}.ratio={ratio!r} must be a number in (0, 1]")
+    if ratio < 1:
+        raise NotImplementedError(
+            f"{key}.ratio={ratio}: partial offload (a fraction of the state updated on the "
+            "GPU, ZeRO-Offload++) is not implemented by zeropp_jax; use ratio 1.0 (all of "
+            "the state on the host) or no offload")
+    return True
 
 
 def _ds_active(value: Any) -> bool:

@@ -165,11 +165,25 @@ class Update:
         "clip_norm": "gradient_clipping", "skip_nonfinite": "skip_nonfinite"}
 
 
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """What lives in host memory instead of the device's.
+
+    Attributes:
+      optimizer: the optimizer state, brought to the device for the update
+        (``offload_optimizer``).
+    """
+
+    optimizer: bool | None = None
+
+    FLAT: ClassVar[Mapping[str, str]] = {"optimizer": "offload_optimizer"}
+
+
 # The config's keyword for each group.
 GROUPS: Mapping[str, type] = {
     "weights": Weights, "secondary": Secondary, "gradients": Gradients,
     "quantization": Quantization, "precision": Precision, "schedule": Schedule,
-    "update": Update}
+    "update": Update, "offload": Offload}
 
 
 def flatten_groups(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -202,5 +216,5 @@ def group_of(config: Any, cls: type) -> Any:
     return cls(**{field: getattr(config, name) for field, name in cls.FLAT.items()})
 
 
-__all__ = ["GROUPS", "Gradients", "Precision", "Quantization", "Schedule", "Secondary",
+__all__ = ["GROUPS", "Gradients", "Offload", "Precision", "Quantization", "Schedule", "Secondary",
            "Update", "Weights", "flatten_groups", "group_of"]

@@ -389,9 +389,10 @@ class MemoryBreakdown:
     """Bytes per device at the peak of one step, by what holds them (``memory_breakdown``).
 
     Attributes:
-      states: the step's arguments but the kept errors: every unit's primary shard (param
-        dtype, padded as the engine pads it) and Adam's two moments, frozen storage, the
-        state's scalars, the batch.
+      states: the step's arguments in device memory but the kept errors: every unit's
+        primary shard (param dtype, padded as the engine pads it) and Adam's two moments
+        (not with ``config.offload_optimizer``: see ``host``), frozen storage, the state's
+        scalars, the batch.
       gathered: full weights live at the peak: the rest unit's and the resident units'
         (all step), the units at work then (with those prefetched, or held from forward),
         each in the compute dtype plus the copies the layers cast them to, and qwZ's
@@ -417,6 +418,10 @@ class MemoryBreakdown:
         ``feedback_sizes`` bytes, about ``n_pad (1 + 1 / local)`` bytes per device for a
         unit of ``n_pad`` padded parameters on two nodes or more, whatever the device
         count; 0 without.
+      host: with ``config.offload_optimizer``, Adam's two moments in the device's host
+        memory between steps (not in ``total``); at the update (moment ``"end"``) they
+        are counted on the device as well, whole: XLA may bring them in leaf by leaf and
+        hold less, which has not been measured on a GPU.
     """
 
     states: float
@@ -428,6 +433,7 @@ class MemoryBreakdown:
     backend: float
     moment: str
     feedback: float = 0.0
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -523,7 +529,9 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         specs = transport.stored_specs(n_pad, config.param_jnp_dtype)
         return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in specs))
 
-    states = ((trainable * (p + ADAM_BYTES_PER_PARAM)
+    moments_bytes = trainable * ADAM_BYTES_PER_PARAM / devices
+    host = moments_bytes if config.offload_optimizer else 0.0
+    states = ((trainable * (p + (0 if config.offload_optimizer else ADAM_BYTES_PER_PARAM))
                + sum(map(frozen_storage, frozen_sizes.values()))) / devices
               + STATE_SCALAR_BYTES + batch_bytes_per_device)
     shards = trainable * p / devices
@@ -701,7 +709,8 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # Every unit's new errors, one of those reduced at the end in fp32 in their place.
     end_grad += sum(new_errors(u) for u in sizes) + max(
         [0.0, *(error_work(u) - new_errors(u) for u in sizes if u not in reduced_here)])
-    moments.append(("end", 0.0, 0.0, 0.0, 0.0, shards + end_grad))
+    # The update: offloaded moments come to the device (counted whole, see ``host``).
+    moments.append(("end", 0.0, 0.0, 0.0, 0.0, shards + end_grad + host))
     extra = {what: 0.0 for what, *_ in moments}
     if backend == "cpu":
         # XLA CPU makes the zero-filled gradient of each unit whose backward needs no
@@ -713,7 +722,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     moment, gathered, secs, acts, lo, grads = max(
         moments, key=lambda x: sum(x[1:]) + extra[x[0]])
     return MemoryBreakdown(states, persistent + gathered, secs, acts, lo, grads,
-                           extra[moment], moment, feedback)
+                           extra[moment], moment, feedback, host)
 
 
 def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,

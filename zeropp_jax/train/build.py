@@ -32,6 +32,7 @@ from zeropp_jax.comm.partition import (
     unit_name,
 )
 from zeropp_jax.comm.placement import REPLICATED, SHARDED, place, place_replicated
+from zeropp_jax.core import compat
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.train.optim import check_elementwise
 from zeropp_jax.units.adapters import ModelAdapter
@@ -213,11 +214,13 @@ def opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, Unit
 
 
 def init_opt_state(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree,
-                   master: Mapping[str, jax.Array]) -> PyTree:
+                   master: Mapping[str, jax.Array], offload: bool = False) -> PyTree:
     """``tx.init`` on each device's primary shards of ``master``; leaves placed per
-    ``specs`` over ``("node", "local")``."""
+    ``specs`` over ``("node", "local")``, in each device's pinned host memory with
+    ``offload`` (``config.offload_optimizer``)."""
+    init = (lambda m: compat.in_host_memory(tx.init(m))) if offload else tx.init
     return jax.jit(
-        jax.shard_map(tx.init, mesh=mesh, in_specs=(SHARDED,), out_specs=specs)
+        jax.shard_map(init, mesh=mesh, in_specs=(SHARDED,), out_specs=specs)
     )(master)
 
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.comm import collectives
-from zeropp_jax.core import processes
+from zeropp_jax.core import compat, processes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.units.adapters import ModelAdapter
 from zeropp_jax.units.apply import apply_units
@@ -418,6 +418,8 @@ class Engine:
                     summed = jax.lax.psum(full, AXES).astype(jnp.float32) / self.num_devices
                     g[name] = collectives.own_slice(summed, AXES).astype(cfg.param_jnp_dtype)
         g, finite = self._clip_and_check(g)
+        if cfg.offload_optimizer:  # kept in host memory: the update runs on the device
+            opt_state = compat.in_device_memory(opt_state)
         old_opt_state = opt_state
         updates, opt_state = self.tx.update(g, opt_state, master.units)
         new_master = optax.apply_updates(master.units, updates)
@@ -429,6 +431,8 @@ class Engine:
             new_master = jax.tree_util.tree_map(keep, new_master, master.units)
             opt_state = jax.tree_util.tree_map(keep, opt_state, old_opt_state)
             skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
+        if cfg.offload_optimizer:
+            opt_state = compat.in_host_memory(opt_state)
         if cfg.stage == 3:
             feedback = self._next_feedback(grads.feedback, params.feedback, finite)
             return dict(params=ShardedParams(new_master, True, feedback), master=None,

@@ -210,7 +210,7 @@ class TrainState:
         sharded = NamedSharding(mesh, SHARDED)
         master = build.place_units(layouts, trees, pdt, sharded)
         opt_specs = build.opt_state_specs(tx, layouts, pdt)
-        opt_state = build.init_opt_state(tx, mesh, opt_specs, master)
+        opt_state = build.init_opt_state(tx, mesh, opt_specs, master, config.offload_optimizer)
         engine = Engine(adapter, tx, mesh, config, layouts, opt_specs, frozen_layouts,
                         explicit_units=units is not None and units != "auto")
         warn_if_unbalanced(*engine.unit_table(), params)

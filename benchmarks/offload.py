@@ -1,0 +1,147 @@
+"""What offloading the optimizer state costs and saves: step time and bytes per memory space.
+
+    python benchmarks/offload.py --out benchmarks/results     # about 2 minutes on 2 cores
+
+The example GPT (4 layers, d_model 256, bf16 compute) with AdamW on the simulated
+``--nodes x --local`` CPU mesh, under ZeRO-3 and ZeRO++, each with and without
+``offload_optimizer``. Per variant: the compiled step's arguments per device split by
+memory space (read from the entry layout of the compiled program: ``S(5)`` is host
+memory), XLA's temporary bytes, and the step time. Each step is compiled and warmed up
+first; then ``--rounds`` interleaved rounds run ``--steps-per-round`` steps of each
+variant in turn; the table gives the median step time, half the spread of the round
+times and the ratio to the same config without offload.
+
+On XLA's CPU backend host and device memory are the same RAM and a "transfer" is a copy,
+so the step-time ratio here says what the copies cost, not what PCIe costs a GPU. Run it
+on a quiet machine. Writes ``--out/offload.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.cli import add_out_argument, write_json  # noqa: E402
+
+VARIANTS = {
+    "zero3": ("zero3", False),
+    "zero3 + offload": ("zero3", True),
+    "zeropp": ("zeropp", False),
+    "zeropp + offload": ("zeropp", True),
+}
+_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1,
+             "f64": 8, "s64": 8, "u64": 8}
+
+
+def argument_bytes(compiled_text: str) -> dict[str, int]:
+    """Per-device bytes of a compiled program's arguments by memory space
+    (``{"device": ..., "host": ...}``), from its entry computation layout."""
+    layout = compiled_text.splitlines()[0].split("entry_computation_layout={(", 1)[1]
+    args = layout.split(")->", 1)[0]
+    out = {"device": 0, "host": 0}
+    for dtype, dims, lay in re.findall(r"(\w+)\[([\d,]*)\](\{[^}]*\})?", args):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out["host" if "S(5)" in (lay or "") else "device"] += n * _ITEMSIZE[dtype]
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--local", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps-per-round", type=int, default=3)
+    add_out_argument(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import zeropp_jax as zpp
+
+    zpp.simulate_cpu_devices(args.nodes * args.local)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from benchmarks.common import lm_train_step
+    from zeropp_demo.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
+    from zeropp_demo.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, layers=args.layers,
+                    d_model=args.d_model, heads=args.heads, dtype=jnp.bfloat16)
+    model = GPT(cfg)
+    data, _ = train_val_split(stdlib_corpus())
+    batches = [sample_batch(data, args.batch, args.seq_len, seed=0, step=i) for i in range(4)]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), batches[0][:, :-1])["params"]
+    mesh = zpp.make_mesh(args.nodes, args.local)
+    step = lm_train_step()
+    states, rows = {}, {}
+    for name, (preset, offload) in VARIANTS.items():
+        config = getattr(zpp.ZeroPPConfig, preset)(offload_optimizer=offload)
+        state = zpp.TrainState.create(model=model, params=params, tx=optax.adamw(1e-3),
+                                      mesh=mesh, config=config)
+        compiled = step.lower(state, batches[0]).compile()
+        kinds = sorted({leaf.sharding.memory_kind
+                        for leaf in jax.tree_util.tree_leaves(state.opt_state)})
+        for i in range(2):  # compile, warm up
+            state, m = step(state, batches[i])
+        jax.block_until_ready(state)
+        states[name] = state
+        rows[name] = {"times": [], "arguments": argument_bytes(compiled.as_text()),
+                      "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                      "opt_state_memory_kinds": kinds}
+    for _ in range(args.rounds):
+        for name in VARIANTS:
+            state = states[name]
+            t0 = time.perf_counter()
+            for i in range(args.steps_per_round):
+                state, m = step(state, batches[2 + i % 2])
+            jax.block_until_ready(state)
+            rows[name]["times"].append((time.perf_counter() - t0) / args.steps_per_round)
+            states[name] = state
+    n_params = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(params))
+    print(f"{n_params / 1e6:.2f}M-parameter GPT, {args.nodes}x{args.local} CPU devices, "
+          f"AdamW, {args.rounds} rounds of {args.steps_per_round} steps")
+    print(f"{'variant':<18} {'device args KB':>14} {'host args KB':>12} {'temp KB':>8} "
+          f"{'median ms':>10} {'+-':>5} {'ratio':>6}")
+    for name, r in rows.items():
+        med = statistics.median(r["times"])
+        base = statistics.median(rows[name.replace(" + offload", "")]["times"])
+        r.update(median_s=med, half_spread_s=(max(r["times"]) - min(r["times"])) / 2,
+                 ratio=med / base)
+        print(f"{name:<18} {r['arguments']['device'] / 1e3:>14.0f} "
+              f"{r['arguments']['host'] / 1e3:>12.0f} {r['temp_bytes'] / 1e3:>8.0f} "
+              f"{med * 1e3:>10.0f} {r['half_spread_s'] * 1e3:>5.0f} {r['ratio']:>5.2f}x")
+    write_json(args.out, "offload.json", {
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "params": n_params, "cpu": _cpu(), "jax": jax.__version__, "variants": rows,
+        "memory_spaces": {"S(5)": "host", "default": "device"}})
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()

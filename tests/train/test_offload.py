@@ -173,3 +173,29 @@ def test_the_memory_model_moves_the_moments_to_the_host():
         assert on.total <= off.total * (1 + 1e-12)
         if on.moment != "end":
             assert on.total < off.total - 0.5 * moments
+
+
+def test_the_planner_offloads_only_when_nothing_fits():
+    from zeropp_jax.plan import presets
+    from zeropp_jax.plan.auto import plan
+    from zeropp_jax.plan.workload import ADAM_BYTES_PER_PARAM, transformer_shape
+
+    shape = transformer_shape(layers=32, d_model=4096, vocab=32000, seq_len=4096,
+                              gated=True, name="7B")
+    hw = presets.h100(1, local=8)
+    params = sum(n for _, n in shape.units)
+    roomy = plan(shape, hardware=hw, tokens_per_device=4096)
+    assert not roomy.chosen.config.offload_optimizer
+    assert not any(c.config.offload_optimizer for c in roomy.candidates)
+    # A budget half a share of the moments under the on-device peak: offload is chosen.
+    on = roomy.chosen.prediction.memory_bytes
+    budget = on - 0.5 * ADAM_BYTES_PER_PARAM * params / 8
+    tight = plan(shape, hardware=hw, tokens_per_device=4096, memory_budget_bytes=budget)
+    assert tight.chosen.config.offload_optimizer
+    assert tight.chosen.prediction.memory_bytes <= budget
+    # Priced: the moments cross the host link, half the bytes each way, in full.
+    p = tight.chosen.prediction
+    assert p.host_s == pytest.approx(
+        2 * ADAM_BYTES_PER_PARAM * params / 8 / 2 / presets.H100_PCIE_BYTES, rel=0.01)
+    assert p.step_s > roomy.chosen.prediction.step_s
+    assert "host" in tight.table() and "offload" in tight.chosen.label

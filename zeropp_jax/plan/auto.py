@@ -71,7 +71,8 @@ class Candidate:
     @property
     def techniques(self) -> int:
         c = self.config
-        return int(c.qwz) + int(c.hpz) + int(c.qgz) + int(c.qwz and c.weight_format == "int4")
+        return (int(c.qwz) + int(c.hpz) + int(c.qgz) + int(c.qwz and c.weight_format == "int4")
+                + int(c.offload_optimizer))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +98,15 @@ class Plan:
                  f"{hw.flops_per_s / 1e12:,.1f} TFLOP/s per device, overlap {hw.overlap:.2f}",
                  f"{'config':<28} {'step ms':>9} {'compute':>8} {'wire':>8} {'fixed':>8} "
                  f"{'xnode MB':>9} {'mem GiB':>8}  "]
+        if any(c.prediction.host_s for c in self.candidates):
+            lines[-1] = lines[-1].replace(f"{'fixed':>8} ", f"{'fixed':>8} {'host':>8} ")
         for c in self.candidates:
             p = c.prediction
             mark = "<- chosen" if c is self.chosen else ("" if c.fits else "over budget")
+            host = (f"{p.host_s * 1e3:>8.2f} "
+                    if any(c.prediction.host_s for c in self.candidates) else "")
             lines.append(f"{c.label:<28} {p.step_s * 1e3:>9.2f} {p.compute_s * 1e3:>8.2f} "
-                         f"{p.exposed_s * 1e3:>8.2f} {p.fixed_s * 1e3:>8.2f} "
+                         f"{p.exposed_s * 1e3:>8.2f} {p.fixed_s * 1e3:>8.2f} {host}"
                          f"{c.wire_mb:>9.2f} {p.memory_bytes / 2**30:>8.3f}  {mark}")
         lines.append(self.why)
         return "\n".join(lines)
@@ -209,16 +214,24 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
                 raise TypeError(f"configs holds a {type(c).__name__}: give ZeroPPConfigs")
     shape = _shape_of(state_or_model)
     hw = _hardware(hardware, nodes, local, intra_gbps, inter_gbps)
-    candidates = []
     given = configs is not None
     if not given:
         configs = candidate_configs(hw.nodes, hw.local, base,
                                     allow_int4_weights=bool(allow_int4_weights))
-    for config in configs:
+
+    def costed(config: ZeroPPConfig) -> Candidate:
         w = config_workload(config, shape, hw.nodes, hw.local, tokens_per_device)
         p = predict_step(w, hw)
         fits = memory_budget_bytes is None or p.memory_bytes <= memory_budget_bytes
-        candidates.append(Candidate(config, p, fits, w.cross_bytes_per_node / 1e6))
+        return Candidate(config, p, fits, w.cross_bytes_per_node / 1e6)
+
+    candidates = [costed(c) for c in configs]
+    if (not given and not any(c.fits for c in candidates) and hw.host is not None
+            and not any(c.offload_optimizer for c in configs)):
+        # Nothing fits on the device: the same candidates with the optimizer state in
+        # host memory, priced with the transfers over the host link.
+        candidates += [costed(dataclasses.replace(c, offload_optimizer=True))
+                       for c in configs]
     candidates.sort(key=lambda c: c.prediction.step_s)
     fitting = [c for c in candidates if c.fits]
     if not fitting:

@@ -79,6 +79,9 @@ class Hardware:
       overlap: fraction in [0, 1] of the wire time the backend hides behind compute
         (0: collectives and compute run one after the other, as on XLA's CPU backend).
       name: what these constants describe, and where they came from.
+      host: the link between a device and its host memory (PCIe), bandwidth per device
+        each way; None: offloading is not priced (a candidate that offloads is not
+        costed on such hardware).
     """
 
     nodes: int
@@ -90,6 +93,7 @@ class Hardware:
     overlap: float = 0.0
     name: str = ""
     grad_quant_elems_per_s: float | None = None
+    host: Link | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.local < 1:
@@ -154,6 +158,8 @@ class Workload:
         donated (``workload.memory_breakdown``: the state, gathered weights, hpZ's
         secondaries, activations, the loss's logits, gradients).
       label: the configuration it belongs to.
+      host_bytes_per_device: bytes one device moves between its memory and its host's per
+        step, both directions (offloaded optimizer state in and out).
     """
 
     collectives: tuple[CollectiveCost, ...]
@@ -162,6 +168,7 @@ class Workload:
     memory_bytes_per_device: float = 0.0
     label: str = ""
     grad_quant_elems_per_device: float = 0.0
+    host_bytes_per_device: float = 0.0
 
     @property
     def cross_bytes_per_node(self) -> float:
@@ -191,10 +198,11 @@ class StepPrediction:
     exposed_s: float
     memory_bytes: float
     label: str = ""
+    host_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_s + self.fixed_s
+        return self.compute_s + self.exposed_s + self.fixed_s + self.host_s
 
     def as_dict(self) -> dict[str, float | str]:
         out = dataclasses.asdict(self)
@@ -216,8 +224,19 @@ def predict_step(workload: Workload, hardware: Hardware) -> StepPrediction:
              + workload.intra_node_collectives * hardware.intra.latency_s)
     wire = intra + cross
     exposed = wire - hardware.overlap * min(wire, compute)
+    # Offloaded state crosses the device's host link at the update, at the step's end,
+    # after the compute it could hide behind: counted in full (not measured on a GPU).
+    # In and out use the link's two directions, leaf by leaf: half the bytes each way.
+    host = 0.0
+    if workload.host_bytes_per_device:
+        if hardware.host is None:
+            raise ValueError(
+                f"{workload.label or 'the workload'} moves state to and from host memory, "
+                "but the hardware has no host link: give Hardware(host=Link(...)) (PCIe "
+                "bandwidth per device)")
+        host = workload.host_bytes_per_device / (2 * hardware.host.bytes_per_s)
     return StepPrediction(compute, intra, cross, fixed, exposed,
-                          workload.memory_bytes_per_device, workload.label)
+                          workload.memory_bytes_per_device, workload.label, host)
 
 
 def predict_all(workloads: Iterable[Workload], hardware: Hardware) -> list[StepPrediction]:

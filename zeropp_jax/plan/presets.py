@@ -30,6 +30,13 @@ NCCL_INTER_LATENCY = 30e-6
 # when units are prefetched (the backend runs collectives on their own streams).
 GPU_OVERLAP = 0.8
 
+# Assumed, not measured here: a GPU's link to its host memory. PCIe Gen5 x16 (H100 SXM):
+# 64 GB/s each way on paper, about 50 effective; Gen3 x16 (V100): 16 on paper, 12
+# effective. The emulated cluster's "host" is the same RAM: a memory copy.
+H100_PCIE_BYTES = 50e9
+V100_PCIE_BYTES = 12e9
+CPU_COPY_BYTES = 5e9
+
 # The ZeRO++ paper's cluster: DGX-2 nodes of 16 V100 32GB (NVSwitch: NVLink 2, 6 links of
 # 25 GB/s each way per GPU), 125 TFLOP/s fp16 tensor peak per GPU.
 V100_NVLINK_BYTES = 150e9
@@ -44,7 +51,7 @@ def h100(nodes: int, *, inter_gbps_per_gpu: float = 400.0, local: int = 8) -> Ha
                     H100_FLOPS, H100_QUANT_ELEMS, GPU_OVERLAP,
                     f"H100 x{local} per node, {inter_gbps_per_gpu:g} Gbit/s per GPU between "
                     "nodes (compute and kernel throughput measured on one H100; NCCL "
-                    "latencies and overlap assumed)")
+                    "latencies, overlap and PCIe assumed)", host=Link(H100_PCIE_BYTES))
 
 
 def v100_dgx2(nodes: int, *, inter_gbps_per_node: float, mfu: float = 0.45,
@@ -58,7 +65,7 @@ def v100_dgx2(nodes: int, *, inter_gbps_per_node: float, mfu: float = 0.45,
                     Link.gbps(inter_gbps_per_node, NCCL_INTER_LATENCY), mfu * V100_PEAK,
                     H100_QUANT_ELEMS * 0.9 / 3.35, overlap,
                     f"DGX-2 (16 V100) nodes, {inter_gbps_per_node:g} Gbit/s per node, "
-                    f"compute {mfu:.2f} of peak (assumed)")
+                    f"compute {mfu:.2f} of peak (assumed)", host=Link(V100_PCIE_BYTES))
 
 
 def emulated_cpu(nodes: int, local: int, *, inter_gbps: float = 1.0,
@@ -77,7 +84,7 @@ def emulated_cpu(nodes: int, local: int, *, inter_gbps: float = 1.0,
                     c["quant_elems_per_s"], 0.0,
                     "emulated cluster on CPU " + ("(calibrated)" if constants else
                                                   "(uncalibrated defaults)"),
-                    c["grad_quant_elems_per_s"])
+                    c["grad_quant_elems_per_s"], host=Link(CPU_COPY_BYTES))
 
 
 def check_count(name: str, value: Any) -> int | None:

@@ -419,9 +419,10 @@ class MemoryBreakdown:
         unit of ``n_pad`` padded parameters on two nodes or more, whatever the device
         count; 0 without.
       host: with ``config.offload_optimizer``, Adam's two moments in the device's host
-        memory between steps (not in ``total``); at the update (moment ``"end"``) they
-        are counted on the device as well, whole: XLA may bring them in leaf by leaf and
-        hold less, which has not been measured on a GPU.
+        memory between steps (not in ``total``). At the update (moment ``"end"``) they
+        come to the device unit by unit: two units' moments are counted there (one
+        arriving while the one before is updated). An assumption about XLA's schedule,
+        not yet measured on a GPU (XLA's CPU backend keeps host and device in one RAM).
     """
 
     states: float
@@ -531,6 +532,10 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
 
     moments_bytes = trainable * ADAM_BYTES_PER_PARAM / devices
     host = moments_bytes if config.offload_optimizer else 0.0
+    # Two units' moments on the device at once during a streamed update.
+    streamed = (ADAM_BYTES_PER_PARAM / devices
+                * sum(sorted((pad(n) for _, n in shape.units), reverse=True)[:2])
+                if config.offload_optimizer else 0.0)
     states = ((trainable * (p + (0 if config.offload_optimizer else ADAM_BYTES_PER_PARAM))
                + sum(map(frozen_storage, frozen_sizes.values()))) / devices
               + STATE_SCALAR_BYTES + batch_bytes_per_device)
@@ -709,8 +714,8 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # Every unit's new errors, one of those reduced at the end in fp32 in their place.
     end_grad += sum(new_errors(u) for u in sizes) + max(
         [0.0, *(error_work(u) - new_errors(u) for u in sizes if u not in reduced_here)])
-    # The update: offloaded moments come to the device (counted whole, see ``host``).
-    moments.append(("end", 0.0, 0.0, 0.0, 0.0, shards + end_grad + host))
+    # The update: offloaded moments come to the device unit by unit (see ``host``).
+    moments.append(("end", 0.0, 0.0, 0.0, 0.0, shards + end_grad + streamed))
     extra = {what: 0.0 for what, *_ in moments}
     if backend == "cpu":
         # XLA CPU makes the zero-filled gradient of each unit whose backward needs no
@@ -781,8 +786,12 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
                                 intra / devices, nodes > 1))
     memory = memory_breakdown(config, shape, nodes, local, tokens_per_device,
                               backend=backend).total
+    # Offloaded optimizer state: to the device and back once per step (Adam's moments).
+    host = (2 * ADAM_BYTES_PER_PARAM / devices
+            * sum(padded_length(n, devices, config.flat_alignment) for _, n in shape.units)
+            if config.offload_optimizer else 0.0)
     return Workload(tuple(costs), tokens_per_device * shape.flops_per_token, quant, memory,
-                    label or config_label(config), grad_quant)
+                    label or config_label(config), grad_quant, host)
 
 
 def report_workload(report: CommReport, flops_per_device: float = 0.0,

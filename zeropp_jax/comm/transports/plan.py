@@ -83,9 +83,12 @@ class TransportPlan:
 
     def label(self) -> str:
         """A short name: ``zero3``, or the techniques on (``qwz-int4+hpz[16]+qgz-int4-had``,
-        ``+EF`` for kept errors), `` unbucketed`` with buckets turned off."""
+        ``+EF`` for kept errors), ``+offload`` with the optimizer state in host memory,
+        `` unbucketed`` with buckets turned off."""
+        offload = "offload" if self.config.offload_optimizer else ""
         name = "+".join(p for p in (self.weights.label(), self.gradients.label()) if p)
-        return (name or "zero3") + ("" if self.config.bucket else " unbucketed")
+        name = "+".join(p for p in (name or "zero3", offload) if p)
+        return name + ("" if self.config.bucket else " unbucketed")
 
     def buckets(self) -> bool:
         """True if units may share collectives (``units.bucket``): buckets on

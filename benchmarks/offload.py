@@ -3,8 +3,8 @@
     python benchmarks/offload.py --out benchmarks/results     # about 2 minutes on 2 cores
 
 The example GPT (4 layers, d_model 256, bf16 compute) with AdamW on the simulated
-``--nodes x --local`` CPU mesh, under ZeRO-3 and ZeRO++, each with and without
-``offload_optimizer``. Per variant: the compiled step's arguments per device split by
+``--nodes x --local`` CPU mesh, under ZeRO-3 and ZeRO++, each without offload, with
+``offload_optimizer`` and with ``offload_params`` too. Per variant: the compiled step's arguments per device split by
 memory space (read from the entry layout of the compiled program: ``S(5)`` is host
 memory), XLA's temporary bytes, and the step time. Each step is compiled and warmed up
 first; then ``--rounds`` interleaved rounds run ``--steps-per-round`` steps of each
@@ -28,11 +28,14 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.cli import add_out_argument, write_json  # noqa: E402
 
+# name -> (preset, offload_optimizer, offload_params)
 VARIANTS = {
-    "zero3": ("zero3", False),
-    "zero3 + offload": ("zero3", True),
-    "zeropp": ("zeropp", False),
-    "zeropp + offload": ("zeropp", True),
+    "zero3": ("zero3", False, False),
+    "zero3 + optimizer offload": ("zero3", True, False),
+    "zero3 + optimizer and params offload": ("zero3", True, True),
+    "zeropp": ("zeropp", False, False),
+    "zeropp + optimizer offload": ("zeropp", True, False),
+    "zeropp + optimizer and params offload": ("zeropp", True, True),
 }
 _ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1,
              "f64": 8, "s64": 8, "u64": 8}
@@ -91,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     mesh = zpp.make_mesh(args.nodes, args.local)
     step = lm_train_step()
     states, rows = {}, {}
-    for name, (preset, offload) in VARIANTS.items():
-        config = getattr(zpp.ZeroPPConfig, preset)(offload_optimizer=offload)
+    for name, (preset, optimizer, params_off) in VARIANTS.items():
+        config = getattr(zpp.ZeroPPConfig, preset)(offload_optimizer=optimizer,
+                                                   offload_params=params_off)
         state = zpp.TrainState.create(model=model, params=params, tx=optax.adamw(1e-3),
                                       mesh=mesh, config=config)
         compiled = step.lower(state, batches[0]).compile()
@@ -117,14 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(params))
     print(f"{n_params / 1e6:.2f}M-parameter GPT, {args.nodes}x{args.local} CPU devices, "
           f"AdamW, {args.rounds} rounds of {args.steps_per_round} steps")
-    print(f"{'variant':<18} {'device args KB':>14} {'host args KB':>12} {'temp KB':>8} "
+    print(f"{'variant':<38} {'device args KB':>14} {'host args KB':>12} {'temp KB':>8} "
           f"{'median ms':>10} {'+-':>5} {'ratio':>6}")
     for name, r in rows.items():
         med = statistics.median(r["times"])
-        base = statistics.median(rows[name.replace(" + offload", "")]["times"])
+        base = statistics.median(rows[VARIANTS[name][0]]["times"])
         r.update(median_s=med, half_spread_s=(max(r["times"]) - min(r["times"])) / 2,
                  ratio=med / base)
-        print(f"{name:<18} {r['arguments']['device'] / 1e3:>14.0f} "
+        print(f"{name:<38} {r['arguments']['device'] / 1e3:>14.0f} "
               f"{r['arguments']['host'] / 1e3:>12.0f} {r['temp_bytes'] / 1e3:>8.0f} "
               f"{med * 1e3:>10.0f} {r['half_spread_s'] * 1e3:>5.0f} {r['ratio']:>5.2f}x")
     write_json(args.out, "offload.json", {

@@ -98,6 +98,19 @@ def in_device_memory(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
 
 
+def on_device(tree: Any) -> Any:
+    """The arrays of ``tree`` that live in host memory moved to device memory, the rest as
+    they are (inside jit/shard_map; by each array's type, so it costs nothing where
+    nothing is offloaded)."""
+    def move(x: Any) -> Any:
+        space = getattr(jax.typeof(x), "memory_space", None)
+        if space == jax.memory.Space.Host:
+            return jax.device_put(x, jax.memory.Space.Device)
+        return x
+
+    return jax.tree_util.tree_map(move, tree)
+
+
 def in_host_memory(tree: Any) -> Any:
     """Every array of ``tree`` moved to its device's pinned host memory (inside
     jit/shard_map)."""

@@ -234,7 +234,13 @@ class ZeroPPConfig:
         The update brings it to the device and sends the new state back, leaf by leaf, so
         XLA can overlap the transfers with the update; the arithmetic is the same, so
         training is bit for bit the same as without. The primary (master) shards stay on
-        the device.
+        the device unless ``offload_params``.
+      offload_params: keep the fp32 primary shards in pinned host memory too (stage 3):
+        each unit's shard comes to the device just before its gather (forward, and
+        backward's regather unless hpZ's secondary, which stays on the device, rebuilds
+        it), its gradient shard goes back to the host, and the update brings both to the
+        device (DeepSpeed's ``offload_param`` with ``device: "cpu"``). Bit for bit the
+        same training.
     """
 
     stage: int = 3
@@ -269,6 +275,7 @@ class ZeroPPConfig:
     qgz_error_feedback: bool = False
     qgz_signs: str = "fixed"
     offload_optimizer: bool = False
+    offload_params: bool = False
 
     def __init__(self, stage: int = 3, **settings: Any) -> None:
         """Settings by their flat keywords (``qwz=True``, ``weight_format="int4"``), or
@@ -309,7 +316,7 @@ class ZeroPPConfig:
             raise ValueError(f"stage={self.stage!r} is invalid; valid stages are {_VALID_STAGES}")
         for name in ("qwz", "hpz", "qgz", "blockwise", "skip_nonfinite", "quantize_frozen",
                      "qgz_hadamard", "qwz_hadamard", "stochastic_rounding",
-                     "qgz_error_feedback", "offload_optimizer"):
+                     "qgz_error_feedback", "offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("weight_bits", "grad_bits"):
@@ -438,6 +445,11 @@ class ZeroPPConfig:
             raise ValueError(
                 "qwz, hpz and qgz are ZeRO-3 techniques; set stage=3 or turn them off"
             )
+        if self.offload_params and self.stage != 3:
+            raise ValueError(
+                "offload_params keeps the primary shards in host memory and gathers them per "
+                "unit, a ZeRO-3 layout; set stage=3 (or offload only the optimizer state: "
+                "offload_optimizer=True)")
         if self.quantize_frozen and self.stage != 3:
             raise ValueError(
                 "quantize_frozen stores frozen weights as quantized primary shards, a ZeRO-3 "

@@ -20,7 +20,8 @@ def deepspeed_settings(ds_config: Mapping[str, Any], overrides: Mapping[str, Any
         raise TypeError("ds_config['zero_optimization'] must be a dict")
     understood = ("stage", "zero_quantized_weights", "zero_quantized_gradients",
                   "zero_hpz_partition_size", "stage3_max_reuse_distance",
-                  "offload_optimizer", "cpu_offload", "cpu_offload_use_pin_memory")
+                  "offload_optimizer", "cpu_offload", "cpu_offload_use_pin_memory",
+                  "offload_param", "cpu_offload_params")
     for key, value in zo.items():
         if key in understood or key in _DS_TUNING:
             continue
@@ -56,6 +57,9 @@ def deepspeed_settings(ds_config: Mapping[str, Any], overrides: Mapping[str, Any
         source["hpz"] = f"zero_optimization.zero_hpz_partition_size={hpz}"
     if _ds_offload_optimizer(zo):
         kwargs["offload_optimizer"] = True
+    if _ds_offload(zo, "offload_param", "cpu_offload_params", "parameter"):
+        kwargs["offload_params"] = True
+        source["offload_params"] = "zero_optimization.offload_param"
     if "stage3_max_reuse_distance" in zo:
         # DeepSpeed keeps a parameter gathered when it is used again within this many
         # parameters (default 1e9); the last unit is used again next, so only 0 (release
@@ -114,6 +118,12 @@ def deepspeed_settings(ds_config: Mapping[str, Any], overrides: Mapping[str, Any
                 f"ZeRO++ (qwZ, hpZ, qgZ) works on ZeRO-3 only: {' and '.join(asked)} "
                 f"with {where}; {fix}, or remove {'it' if len(asked) == 1 else 'them'}"
             )
+        if kwargs.get("offload_params") and "offload_params" not in overrides:
+            raise ValueError(
+                f"zero_optimization.offload_param offloads parameters, which needs ZeRO-3 "
+                f"(in DeepSpeed too), and the config has stage {stage}: set "
+                "zero_optimization.stage to 3, or offload only the optimizer state "
+                "(offload_optimizer)")
     return kwargs
 
 
@@ -200,10 +210,6 @@ def _check_top_level(ds_config: Mapping[str, Any]) -> None:
 
 
 _DS_UNIMPLEMENTED = {
-    "offload_param": "parameter offload to CPU/NVMe (the optimizer state can be offloaded: "
-                     "offload_optimizer with device 'cpu')",
-    "cpu_offload_params": "parameter offload to CPU (the optimizer state can be offloaded: "
-                          "cpu_offload)",
     "zero_quantized_nontrainable_weights": "quantized frozen weights from a DeepSpeed "
                                            "config (use TrainState.create(frozen=...) with "
                                            "ZeroPPConfig(quantize_frozen=True))",
@@ -215,8 +221,9 @@ _DS_UNIMPLEMENTED = {
 # offload_optimizer keys: read (device, pin_memory, ratio), or tuning DeepSpeed's own
 # CPU/NVMe pipelines, which have nothing to set here.
 _DS_OFFLOAD_KEYS = ("device", "pin_memory", "ratio")
-_DS_OFFLOAD_TUNING = ("buffer_count", "fast_init", "pipeline", "pipeline_read",
-                      "pipeline_write", "nvme_path", "super_offload", "cpuadam_cores_perc")
+_DS_OFFLOAD_TUNING = ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline",
+                      "pipeline_read", "pipeline_write", "nvme_path", "super_offload",
+                      "cpuadam_cores_perc")
 
 
 def _ds_offload_optimizer(zo: Mapping[str, Any]) -> bool:
@@ -226,11 +233,17 @@ def _ds_offload_optimizer(zo: Mapping[str, Any]) -> bool:
     ``pin_memory`` is accepted either way (the state is always kept in pinned memory)."""
     if "cpu_offload_use_pin_memory" in zo:
         _ds_flag(zo["cpu_offload_use_pin_memory"], "zero_optimization.cpu_offload_use_pin_memory")
-    legacy = _ds_flag(zo.get("cpu_offload", False), "zero_optimization.cpu_offload")
-    section = zo.get("offload_optimizer")
+    return _ds_offload(zo, "offload_optimizer", "cpu_offload", "optimizer-state")
+
+
+def _ds_offload(zo: Mapping[str, Any], name: str, legacy_name: str, what: str) -> bool:
+    """Whether the ``zero_optimization.<name>`` section (or the older ``<legacy_name>:
+    true``) offloads to the CPU; NVMe, a partial ``ratio`` and unknown keys raise."""
+    legacy = _ds_flag(zo.get(legacy_name, False), f"zero_optimization.{legacy_name}")
+    section = zo.get(name)
     if section is None:
         return legacy
-    key = "zero_optimization.offload_optimizer"
+    key = f"zero_optimization.{name}"
     if not isinstance(section, Mapping):
         raise ValueError(f"{key} must be a dict such as {{\"device\": \"cpu\"}}, got "
                          f"{section!r}")
@@ -246,7 +259,7 @@ def _ds_offload_optimizer(zo: Mapping[str, Any]) -> bool:
     if device == "nvme":
         raise NotImplementedError(
             f"{key}.device='nvme': NVMe offload is not implemented by zeropp_jax; use "
-            "device 'cpu' (the optimizer state in pinned host memory)")
+            f"device 'cpu' (the {what} in pinned host memory)")
     if device != "cpu":
         raise ValueError(f"{key}.device={device!r} is invalid; DeepSpeed's devices are "
                          "'cpu', 'nvme' and 'none'")

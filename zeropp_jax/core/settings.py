@@ -172,11 +172,14 @@ class Offload:
     Attributes:
       optimizer: the optimizer state, brought to the device for the update
         (``offload_optimizer``).
+      params: the primary shards, brought to the device per unit (``offload_params``).
     """
 
     optimizer: bool | None = None
+    params: bool | None = None
 
-    FLAT: ClassVar[Mapping[str, str]] = {"optimizer": "offload_optimizer"}
+    FLAT: ClassVar[Mapping[str, str]] = {"optimizer": "offload_optimizer",
+                                         "params": "offload_params"}
 
 
 # The config's keyword for each group.

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST
 from zeropp_jax.comm.transports.hpz import SecondaryRegather, secondary_of
+from zeropp_jax.core import compat
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.inference.conventions import (
     Convention,
@@ -104,7 +105,8 @@ def _build_gather_program(engine: Engine) -> Any:
         out = {}
         for key, t in transports.items():
             kind, name = key.split("/", 1)
-            stored = (units[name],) if kind == "params" else frozen_local_shards(frozen, name)
+            stored = ((compat.on_device(units[name]),) if kind == "params"
+                      else frozen_local_shards(frozen, name))
             out[key] = t.keep(stored, t.gather(stored)[1])
         return out
 
@@ -333,7 +335,7 @@ def _unit_weights(engine: Engine, name: str, source: Any, frozen: Any, hpz: bool
             kept = tuple(tie(x) for x in source[kind + name])
             full = secondary_of(transport).regather(kept)
         else:
-            full = transport.gather(tuple(tie(x) for x in stored))[0]
+            full = transport.gather(tuple(compat.on_device(tie(x)) for x in stored))[0]
         tree = merge_trees(tree, layout.unflatten(full.astype(cdt)))
     return tree
 

@@ -419,9 +419,11 @@ class MemoryBreakdown:
         unit of ``n_pad`` padded parameters on two nodes or more, whatever the device
         count; 0 without.
       host: with ``config.offload_optimizer``, Adam's two moments in the device's host
-        memory between steps (not in ``total``). At the update (moment ``"end"``) they
-        come to the device unit by unit: two units' moments are counted there (one
-        arriving while the one before is updated). An assumption about XLA's schedule,
+        memory between steps (not in ``total``), with ``config.offload_params`` the
+        primary shards too (each unit's shard comes to the device for its gathers: a
+        ``1 / P`` slice of the weights gathered then, not counted apart). At the update
+        (moment ``"end"``) they come to the device unit by unit: two units' worth is
+        counted there (one arriving while the one before is updated). An assumption about XLA's schedule,
         not yet measured on a GPU (XLA's CPU backend keeps host and device in one RAM).
     """
 
@@ -530,13 +532,14 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         specs = transport.stored_specs(n_pad, config.param_jnp_dtype)
         return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in specs))
 
-    moments_bytes = trainable * ADAM_BYTES_PER_PARAM / devices
-    host = moments_bytes if config.offload_optimizer else 0.0
-    # Two units' moments on the device at once during a streamed update.
-    streamed = (ADAM_BYTES_PER_PARAM / devices
-                * sum(sorted((pad(n) for _, n in shape.units), reverse=True)[:2])
-                if config.offload_optimizer else 0.0)
-    states = ((trainable * (p + (0 if config.offload_optimizer else ADAM_BYTES_PER_PARAM))
+    # Offloaded: Adam's moments and/or the primary shards, in host memory between steps;
+    # at the update two units' worth on the device at once (streamed, ``host``).
+    per_param = (ADAM_BYTES_PER_PARAM * config.offload_optimizer
+                 + p * config.offload_params)
+    host = trainable * per_param / devices
+    streamed = (per_param / devices
+                * sum(sorted((pad(n) for _, n in shape.units), reverse=True)[:2]))
+    states = ((trainable * (p + ADAM_BYTES_PER_PARAM - per_param)
                + sum(map(frozen_storage, frozen_sizes.values()))) / devices
               + STATE_SCALAR_BYTES + batch_bytes_per_device)
     shards = trainable * p / devices
@@ -786,10 +789,13 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
                                 intra / devices, nodes > 1))
     memory = memory_breakdown(config, shape, nodes, local, tokens_per_device,
                               backend=backend).total
-    # Offloaded optimizer state: to the device and back once per step (Adam's moments).
-    host = (2 * ADAM_BYTES_PER_PARAM / devices
-            * sum(padded_length(n, devices, config.flat_alignment) for _, n in shape.units)
-            if config.offload_optimizer else 0.0)
+    # Offloaded state over the host link per step: Adam's moments in and out at the
+    # update; primary shards to the device for each gather (forward, backward's regather:
+    # 2) and for the update, the new ones back, their gradient out and in again (6 in all).
+    per_param = (2 * ADAM_BYTES_PER_PARAM * config.offload_optimizer
+                 + 6 * config.param_jnp_dtype.itemsize * config.offload_params)
+    host = per_param / devices * sum(padded_length(n, devices, config.flat_alignment)
+                                     for _, n in shape.units)
     return Workload(tuple(costs), tokens_per_device * shape.flops_per_token, quant, memory,
                     label or config_label(config), grad_quant, host)
 

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from zeropp_jax.core import compat
+
 PyTree = Any
 
 
@@ -103,7 +105,8 @@ def _tree_add(acc: PyTree, x: PyTree) -> PyTree:
     def add(a: jax.Array, b: jax.Array) -> jax.Array:
         return a + b.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else b
 
-    return jax.tree_util.tree_map(add, acc, x)
+    # Gradients of parameters kept in host memory arrive there: summed on the device.
+    return jax.tree_util.tree_map(add, acc, compat.on_device(x))
 
 
 def _mean(acc: PyTree, shapes: PyTree, micro_batches: int) -> PyTree:

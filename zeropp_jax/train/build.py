@@ -184,6 +184,13 @@ def flat_numpy(layout: UnitLayout, tree: PyTree, dtype: Any) -> np.ndarray:
     return np.asarray(layout.flatten(jax.tree_util.tree_map(np.asarray, tree), dtype))
 
 
+def master_sharding(mesh: Mesh, config: ZeroPPConfig) -> NamedSharding:
+    """Where the primary shards live: split over ``("node", "local")``, in each device's
+    pinned host memory with ``config.offload_params``."""
+    return NamedSharding(mesh, SHARDED,
+                         memory_kind=compat.HOST_MEMORY if config.offload_params else None)
+
+
 def place_units(layouts: Mapping[str, UnitLayout], trees: Mapping[str, PyTree], dtype: Any,
                 sharding: NamedSharding, cast: Any = None) -> dict[str, jax.Array]:
     """Each unit flattened in ``dtype`` (then cast to ``cast`` if given) and placed on
@@ -218,7 +225,10 @@ def init_opt_state(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree,
     """``tx.init`` on each device's primary shards of ``master``; leaves placed per
     ``specs`` over ``("node", "local")``, in each device's pinned host memory with
     ``offload`` (``config.offload_optimizer``)."""
-    init = (lambda m: compat.in_host_memory(tx.init(m))) if offload else tx.init
+    def init(m: Mapping[str, jax.Array]) -> PyTree:
+        state = tx.init(compat.on_device(m))  # offloaded shards: the state is the device's
+        return compat.in_host_memory(state) if offload else state
+
     return jax.jit(
         jax.shard_map(init, mesh=mesh, in_specs=(SHARDED,), out_specs=specs)
     )(master)

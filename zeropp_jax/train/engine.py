@@ -407,8 +407,9 @@ class Engine:
             )
         cfg = self.config
         if cfg.stage == 3:
-            master = params
-            g = grads.units
+            # Offloaded primary shards (and their gradients) come to the device.
+            master = params.replace(units=compat.on_device(params.units))
+            g = compat.on_device(grads.units)
         else:
             g = {}
             for name, full in grads.units.items():
@@ -433,6 +434,8 @@ class Engine:
             skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
         if cfg.offload_optimizer:
             opt_state = compat.in_host_memory(opt_state)
+        if cfg.offload_params:
+            new_master = compat.in_host_memory(new_master)
         if cfg.stage == 3:
             feedback = self._next_feedback(grads.feedback, params.feedback, finite)
             return dict(params=ShardedParams(new_master, True, feedback), master=None,

@@ -208,7 +208,7 @@ class TrainState:
 
         pdt = config.param_jnp_dtype
         sharded = NamedSharding(mesh, SHARDED)
-        master = build.place_units(layouts, trees, pdt, sharded)
+        master = build.place_units(layouts, trees, pdt, build.master_sharding(mesh, config))
         opt_specs = build.opt_state_specs(tx, layouts, pdt)
         opt_state = build.init_opt_state(tx, mesh, opt_specs, master, config.offload_optimizer)
         engine = Engine(adapter, tx, mesh, config, layouts, opt_specs, frozen_layouts,

@@ -100,7 +100,10 @@ def apply_units(
 
             def call(*arrays: Any) -> Any:
                 kept = tokens.get(name, ())
-                out = unit(order.tie(shard) if shard is not None else None, stored, *arrays,
+                # Offloaded primary shards come to the device after the tie: no earlier
+                # than the gather they feed.
+                out = unit(compat.on_device(order.tie(shard)) if shard is not None else None,
+                           stored, *arrays,
                            qgz_on=qgz_on, step=step, arrived=arrived, feedback=kept)
                 if not kept:
                     return out
@@ -142,7 +145,8 @@ def apply_units(
     for path, lays in stacks.items():
         lays.sort(key=lambda lay: lay.layer)
         # Every layer has the same layout; nn.scan hands each iteration its row of this.
-        stacked = jnp.stack([shards[lay.name] for lay in lays])  # [layers, shard_len]
+        stacked = jnp.stack([compat.on_device(shards[lay.name])
+                             for lay in lays])  # [layers, shard_len]
         stacked_shards[path] = {STACKED_SHARD: stacked}
         rest = merge_units(rest, {path: stacked_shards[path]})
 
@@ -184,7 +188,7 @@ def apply_units(
         else:
             (rest_full, _), (full, moved) = bucket_gather(
                 transports[REST],
-                (shards[REST], shards[partner]), config, qgz_on)
+                compat.on_device((shards[REST], shards[partner])), config, qgz_on)
             gathered_rest, arrived = layouts[REST].unflatten(rest_full), (full, *moved)
         rest = merge_units(gathered_rest, stacked_shards)
     units: dict[tuple[str, ...], Any] = dict(stacked_units)

@@ -85,7 +85,9 @@ class TransportPlan:
         """A short name: ``zero3``, or the techniques on (``qwz-int4+hpz[16]+qgz-int4-had``,
         ``+EF`` for kept errors), ``+offload`` with the optimizer state in host memory,
         `` unbucketed`` with buckets turned off."""
-        offload = "offload" if self.config.offload_optimizer else ""
+        offload = "+".join(w for w, on in (("offload", self.config.offload_optimizer),
+                                            ("offload-params", self.config.offload_params))
+                           if on)
         name = "+".join(p for p in (self.weights.label(), self.gradients.label()) if p)
         name = "+".join(p for p in (name or "zero3", offload) if p)
         return name + ("" if self.config.bucket else " unbucketed")

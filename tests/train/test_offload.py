@@ -253,3 +253,50 @@ def test_the_memory_model_moves_offloaded_shards_to_the_host():
     assert none.states - both.states == pytest.approx(both.host, rel=1e-12)
     assert both.host == pytest.approx(12 * params / devices, rel=1e-3)
     assert both.total < none.total
+
+
+@pytest.mark.parametrize("name", ["nnx_tied", "hf_llama"])
+def test_models_we_did_not_write_train_the_same_offloaded(name):
+    """Both offloads on an NNX model with a tied head and transformers' Flax Llama: two
+    steps bit for bit the same as without offload."""
+    import contextlib
+
+    import zoo
+
+    if name.startswith("hf_"):
+        transformers = pytest.importorskip("transformers")
+        if not hasattr(transformers, "FlaxPreTrainedModel"):
+            pytest.skip("this transformers has no Flax models")
+
+    def compat():
+        return zoo.hf_compat() if name.startswith("hf_") else contextlib.nullcontext()
+
+    with compat():
+        entry = zoo.get(name)
+
+    @zpp.train_step
+    def step(state, batch, rng):
+        loss, g = jax.value_and_grad(
+            lambda p: entry.loss(state.apply_fn, p, batch, True, rng=rng))(state.params)
+        return state.apply_gradients(grads=g), {"loss": loss}
+
+    seed = int(np.random.default_rng().integers(1 << 16))
+    runs = []
+    for offload in ({}, {"offload_optimizer": True, "offload_params": True}):
+        rng = np.random.default_rng(seed)
+        with compat():
+            state = zpp.TrainState.create(
+                model=entry.model, params=entry.params, tx=optax.adamw(1e-2),
+                mesh=zpp.make_mesh(2, 4),
+                config=zpp.ZeroPPConfig.zeropp(compute_dtype="float32", block_size=32,
+                                               **offload))
+            losses = []
+            for i in range(2):
+                state, out = step(state, entry.make_batch(rng, 16), jax.random.PRNGKey(i))
+                losses.append(np.asarray(out["loss"]))
+        if offload:
+            assert _memory_kinds(state.params.units) == {HOST}
+            assert _memory_kinds(state.opt_state) == {HOST}
+        runs.append((state, losses))
+    np.testing.assert_array_equal(runs[1][1], runs[0][1])
+    _assert_states_equal(runs[1][0], runs[0][0])

@@ -93,11 +93,6 @@ def all_gather_invariant(x: Any, axis_name: str | tuple[str, ...], *, axis: int 
 HOST_MEMORY = "pinned_host"
 
 
-def in_device_memory(tree: Any) -> Any:
-    """Every array of ``tree`` moved to its device's own memory (inside jit/shard_map)."""
-    return jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
-
-
 def on_device(tree: Any) -> Any:
     """The arrays of ``tree`` that live in host memory moved to device memory, the rest as
     they are (inside jit/shard_map; by each array's type, so it costs nothing where

@@ -420,7 +420,7 @@ class Engine:
                     g[name] = collectives.own_slice(summed, AXES).astype(cfg.param_jnp_dtype)
         g, finite = self._clip_and_check(g)
         if cfg.offload_optimizer:  # kept in host memory: the update runs on the device
-            opt_state = compat.in_device_memory(opt_state)
+            opt_state = compat.on_device(opt_state)
         old_opt_state = opt_state
         updates, opt_state = self.tx.update(g, opt_state, master.units)
         new_master = optax.apply_updates(master.units, updates)

@@ -39,6 +39,33 @@ class GPTConfig:
     # far live in the "cache" collection, created by ``init`` on a ``[batch, max_len]``
     # input; each call then takes the next ``[batch, t]`` tokens (t >= 1) and appends them.
     decode: bool = False
+    # Annotate the weights with Flax logical axis names (``nn.with_logical_partitioning``:
+    # "embed", "qkv", "heads", "mlp", "vocab", "length"), for tensor parallelism with rules
+    # such as ``MEGATRON_RULES``. The values ``init`` draws are the same either way.
+    logical_axes: bool = False
+
+
+# Megatron-LM's split: attention's qkv and the MLP's first layer by output (column
+# parallel), their second layers by input (row parallel), the vocabulary of the embedding
+# and the head; everything else whole.
+MEGATRON_RULES = (("qkv", "model"), ("heads", "model"), ("mlp", "model"), ("vocab", "model"),
+                  ("embed", None), ("length", None))
+
+
+def _named(cfg: GPTConfig, init, names: tuple[str, ...]):
+    """``init`` with logical axis ``names`` when ``cfg.logical_axes``, else as it is."""
+    return nn.with_logical_partitioning(init, names) if cfg.logical_axes else init
+
+
+def _dense(cfg: GPTConfig, features: int, names: tuple[str, str], name: str) -> nn.Dense:
+    return nn.Dense(features, dtype=cfg.dtype, name=name,
+                    kernel_init=_named(cfg, nn.linear.default_kernel_init, names),
+                    bias_init=_named(cfg, nn.initializers.zeros_init(), names[1:]))
+
+
+def _embed(cfg: GPTConfig, num: int, names: tuple[str, str], name: str) -> nn.Embed:
+    return nn.Embed(num, cfg.d_model, dtype=cfg.dtype, name=name,
+                    embedding_init=_named(cfg, nn.linear.default_embed_init, names))
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -109,7 +136,7 @@ class CausalSelfAttention(nn.Module):
         if d % cfg.heads:
             raise ValueError(f"d_model={d} must be a multiple of heads={cfg.heads}")
         hd = d // cfg.heads
-        qkv = nn.Dense(3 * d, dtype=cfg.dtype, name="qkv")(x)
+        qkv = _dense(cfg, 3 * d, ("embed", "qkv"), "qkv")(x)
         q, k, v = jnp.split(qkv.reshape(b, t, 3, cfg.heads, hd), 3, axis=2)
         q, k, v = (a[:, :, 0] for a in (q, k, v))  # [b, t, heads, hd]
         if cfg.decode:
@@ -122,7 +149,7 @@ class CausalSelfAttention(nn.Module):
         else:
             out = causal_attention(q, k, v)
         out = out.reshape(b, t, d)
-        return nn.Dense(d, dtype=cfg.dtype, name="proj")(out)
+        return _dense(cfg, d, ("heads", "embed"), "proj")(out)
 
 
 class Block(nn.Module):
@@ -133,8 +160,8 @@ class Block(nn.Module):
         cfg = self.config
         x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(dtype=cfg.dtype, name="ln1")(x))
         h = nn.LayerNorm(dtype=cfg.dtype, name="ln2")(x)
-        h = nn.Dense(cfg.mlp_ratio * cfg.d_model, dtype=cfg.dtype, name="fc")(h)
-        h = nn.Dense(cfg.d_model, dtype=cfg.dtype, name="out")(jax.nn.gelu(h))
+        h = _dense(cfg, cfg.mlp_ratio * cfg.d_model, ("embed", "mlp"), "fc")(h)
+        h = _dense(cfg, cfg.d_model, ("mlp", "embed"), "out")(jax.nn.gelu(h))
         return x + h
 
 
@@ -155,7 +182,7 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
         t = tokens.shape[1]
-        x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="wte")(tokens)
+        x = _embed(cfg, cfg.vocab_size, ("vocab", "embed"), "wte")(tokens)
         positions = jnp.arange(t)
         if cfg.decode:
             positions = cached_positions(self, t)
@@ -169,12 +196,12 @@ class GPT(nn.Module):
                 )
             # Device r holds tokens [r t, (r+1) t) of each sequence: global positions.
             positions = positions + jax.lax.axis_index(cfg.sequence_axis) * t
-        pos = nn.Embed(cfg.seq_len, cfg.d_model, dtype=cfg.dtype, name="wpe")(positions)
+        pos = _embed(cfg, cfg.seq_len, ("length", "embed"), "wpe")(positions)
         x = x + pos[None]
         for i in range(cfg.layers):
             x = Block(cfg, name=f"block_{i}")(x)
         x = nn.LayerNorm(dtype=cfg.dtype, name="ln_f")(x)
-        logits = nn.Dense(cfg.vocab_size, dtype=cfg.dtype, name="head")(x)
+        logits = _dense(cfg, cfg.vocab_size, ("embed", "vocab"), "head")(x)
         if cfg.logit_scale:
             logits = logits * self.param("logit_scale", nn.initializers.ones, ())
         return logits.astype(jnp.float32)

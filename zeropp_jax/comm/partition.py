@@ -7,6 +7,12 @@ buffer has shape ``[n_pad]`` and sharding ``PartitionSpec(("node", "local"))``.
 
 Parameters that belong to no unit (for example a scalar declared directly on the root module)
 form the *rest* unit, named ``REST``.
+
+With tensor parallelism (a ``"model"`` mesh axis of size ``T``) a unit is stored as ``T`` such
+buffers, one per tensor-parallel slice: ``[T, n_pad]``, sharded ``P("model", ("node",
+"local"))``. Slice ``t`` of a parameter split on dimension ``k`` is its ``t``-th block along
+``k``; a parameter the model keeps whole is cut into ``T`` equal pieces of its flattened
+values (storage only: the step rebuilds it whole). ``n`` and ``n_pad`` then count one slice.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ class UnitLayout:
       layer: for one layer of an ``nn.scan`` stack (params with a leading layer axis at
         ``path``), its index along that axis; the layout then describes one layer's slice
         of the stacked subtree. None for an ordinary unit.
+      tp: tensor-parallel slices (the ``"model"`` axis size); 1: none, the buffer is 1-D.
+      tp_dims: with ``tp > 1``, per leaf the dimension split over ``"model"``, or -1 for a
+        leaf the model uses whole (stored as ``tp`` pieces of its flattened values).
     """
 
     name: str
@@ -76,6 +85,8 @@ class UnitLayout:
     n_pad: int
     num_shards: int
     layer: int | None = None
+    tp: int = 1
+    tp_dims: tuple[int, ...] = ()
 
     @property
     def shard_len(self) -> int:
@@ -83,31 +94,99 @@ class UnitLayout:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) for s in self.shapes)
+        """Elements of each leaf in the flat buffer (in one tensor-parallel slice)."""
+        if self.tp == 1:
+            return tuple(math.prod(s) for s in self.shapes)
+        return tuple(-(-math.prod(s) // self.tp) for s in self.shapes)
+
+    @property
+    def params(self) -> int:
+        """The unit's parameters (all tensor-parallel slices together)."""
+        return sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """Shape of the unit's global flat buffer: ``(n_pad,)``, or ``(tp, n_pad)``."""
+        return (self.n_pad,) if self.tp == 1 else (self.tp, self.n_pad)
 
     def flatten(self, tree: PyTree, dtype: Any) -> jax.Array:
-        """Unit subtree -> flat ``[n_pad]`` buffer of ``dtype``, zero padded."""
+        """Unit subtree -> flat ``[n_pad]`` buffer of ``dtype``, zero padded (``[tp,
+        n_pad]`` with tensor parallelism: row ``t`` holds slice ``t`` of every leaf)."""
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != self.treedef:
             raise ValueError(
                 f"unit {self.name!r}: parameter tree structure {treedef} does not match the "
                 f"layout's {self.treedef}"
             )
+        if self.tp > 1:
+            parts = [self._slices(x, dim, size).astype(dtype)
+                     for x, dim, size in zip(leaves, self.tp_dims, self.sizes)]
+            pad = self.n_pad - self.n
+            if pad:
+                parts.append(jnp.zeros((self.tp, pad), dtype))
+            return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         parts = [jnp.ravel(x).astype(dtype) for x in leaves]
         pad = self.n_pad - self.n
         if pad:
             parts.append(jnp.zeros((pad,), dtype))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
+    def _slices(self, x: Any, dim: int, size: int) -> jax.Array:
+        """A full leaf -> its ``[tp, size]`` tensor-parallel slices, flattened."""
+        x = jnp.asarray(x)
+        if dim < 0:  # used whole: equal pieces of the flattened values
+            flat = jnp.ravel(x)
+            return jnp.pad(flat, (0, self.tp * size - flat.size)).reshape(self.tp, size)
+        shape = x.shape
+        split = shape[:dim] + (self.tp, shape[dim] // self.tp) + shape[dim + 1:]
+        return jnp.moveaxis(x.reshape(split), dim, 0).reshape(self.tp, size)
+
     def unflatten(self, flat: jax.Array) -> PyTree:
-        """Flat ``[n_pad]`` (or ``[n]``) buffer -> unit subtree, in ``flat``'s dtype."""
-        if flat.shape[0] < self.n:
+        """Flat ``[n_pad]`` (or ``[n]``) buffer -> unit subtree, in ``flat``'s dtype.
+
+        With tensor parallelism ``flat`` is ``[tp, n_pad]``; inside a step (a mesh whose
+        ``"model"`` axis XLA partitions) each rebuilt leaf is constrained to its
+        tensor-parallel sharding, so every device computes with its slice only."""
+        if flat.shape[-1] < self.n:
             raise ValueError(f"unit {self.name!r}: flat buffer {flat.shape} shorter than {self.n}")
         leaves, offset = [], 0
+        if self.tp > 1:
+            if flat.ndim != 2 or flat.shape[0] != self.tp:
+                raise ValueError(f"unit {self.name!r}: tensor-parallel flat buffer must be "
+                                 f"[{self.tp}, n], got {flat.shape}")
+            for shape, dim, size in zip(self.shapes, self.tp_dims, self.sizes):
+                piece = jax.lax.slice_in_dim(flat, offset, offset + size, axis=1)
+                leaves.append(_tp_constrained(self._whole(piece, shape, dim), dim))
+                offset += size
+            return jax.tree_util.tree_unflatten(self.treedef, leaves)
         for shape, size in zip(self.shapes, self.sizes):
             leaves.append(jax.lax.slice_in_dim(flat, offset, offset + size).reshape(shape))
             offset += size
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _whole(self, piece: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
+        """``[tp, size]`` slices of one leaf -> the leaf (inverse of ``_slices``)."""
+        if dim < 0:
+            return piece.reshape(-1)[: math.prod(shape)].reshape(shape)
+        block = shape[:dim] + (shape[dim] // self.tp,) + shape[dim + 1:]
+        return jnp.moveaxis(piece.reshape((self.tp,) + block), 0, dim).reshape(shape)
+
+
+def _tp_constrained(x: jax.Array, dim: int) -> jax.Array:
+    """``x`` constrained to be split on ``dim`` over ``"model"`` (replicated for -1) when
+    traced under a mesh whose ``"model"`` axis XLA partitions; as it is elsewhere (host
+    values, a mesh without that axis)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if "model" not in (mesh.axis_names or ()):
+        return x
+    if mesh.axis_types[mesh.axis_names.index("model")] == jax.sharding.AxisType.Manual:
+        return x
+    spec = [None] * x.ndim
+    if dim >= 0:
+        spec[dim] = "model"
+    return jax.lax.with_sharding_constraint(x, P(*spec))
 
 
 def _is_float(x: Any) -> bool:
@@ -116,10 +195,12 @@ def _is_float(x: Any) -> bool:
 
 def make_unit_layout(
     path: tuple[str, ...], subtree: PyTree, num_shards: int, align: int = 1,
-    layer: int | None = None,
+    layer: int | None = None, tp: int = 1, tp_dims: PyTree = None,
 ) -> UnitLayout:
     """The layout of one unit, its flat length padded to a multiple of ``num_shards*align``.
-    ``layer``: the subtree is layer ``layer`` of a scanned stack at ``path``."""
+    ``layer``: the subtree is layer ``layer`` of a scanned stack at ``path``. ``tp``: the
+    tensor-parallel degree, with ``tp_dims`` a tree like ``subtree`` of each leaf's
+    dimension split over ``"model"`` (-1: used whole)."""
     leaves, treedef = jax.tree_util.tree_flatten(subtree)
     name = unit_name(path, layer)
     for leaf_path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
@@ -130,6 +211,14 @@ def make_unit_layout(
                 "integer state in another Flax collection (not 'params')."
             )
     shapes = tuple(tuple(int(d) for d in jnp.shape(x)) for x in leaves)
+    if tp > 1:
+        dims = tuple(int(d) for d in jax.tree_util.tree_leaves(tp_dims))
+        if len(dims) != len(shapes):
+            raise ValueError(f"unit {name!r}: {len(dims)} tensor-parallel dims for "
+                             f"{len(shapes)} parameters")
+        lay = UnitLayout(name, path, treedef, shapes, 0, 0, num_shards, layer, tp, dims)
+        n = sum(lay.sizes)
+        return dataclasses.replace(lay, n=n, n_pad=padded_length(n, num_shards, align))
     n = sum(math.prod(s) for s in shapes)
     return UnitLayout(name, path, treedef, shapes, n, padded_length(n, num_shards, align),
                       num_shards, layer)

@@ -17,13 +17,32 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.core import scopes
-from zeropp_jax.core.mesh import AXES
+from zeropp_jax.core.mesh import AXES, MODEL
 
 PyTree = Any
 
 
 SHARDED = P(AXES)
 REPLICATED = P()
+# A tensor-parallel unit's global ``[T, n_pad]`` buffer: slices over "model", each slice's
+# primary shards over the data axes.
+SLICED_SHARDED = P(MODEL, AXES)
+
+
+def sharded_spec(ndim: int) -> P:
+    """How a step (manual over the data axes) takes a primary-shard buffer of ``ndim``
+    dimensions: the last split over ``("node", "local")``, a leading tensor-parallel
+    axis left to XLA."""
+    return SHARDED if ndim <= 1 else P(*([None] * (ndim - 1)), AXES)
+
+
+def global_spec(spec: P, mesh: Any) -> P:
+    """The global ``PartitionSpec`` of a buffer a step takes with ``spec`` (its in/out
+    spec, manual over the data axes): a leading tensor-parallel axis (``sharded_spec`` of a
+    2-D buffer) is split over ``"model"`` on a mesh that has one."""
+    if MODEL in mesh.axis_names and len(spec) == 2 and spec[0] is None and spec[1] == AXES:
+        return SLICED_SHARDED
+    return spec
 
 
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
@@ -117,5 +136,9 @@ class ShardedParams:
         return SHARDED if self.sharded else REPLICATED
 
     def specs(self) -> "ShardedParams":
+        if self.sharded:
+            return ShardedParams({k: sharded_spec(len(np.shape(v))) for k, v in self.units.items()},
+                                 True, {k: tuple(SHARDED for _ in v)
+                                        for k, v in self.feedback.items()})
         return ShardedParams({k: self.spec for k in self.units}, self.sharded,
                              {k: tuple(SHARDED for _ in v) for k, v in self.feedback.items()})

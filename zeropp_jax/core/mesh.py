@@ -1,14 +1,17 @@
-"""The ("node", "local") device mesh, and simulating CPU devices for it.
+"""The device mesh, and simulating CPU devices for it.
 
-Device ``d = node * L + local`` sits at ``mesh.devices[node, local]`` (node-major), so the
-flattened mesh axes ``("node", "local")`` enumerate devices in the order that owns flat
-parameter slices: device ``d`` owns slice ``d`` of every unit.
+ZeRO shards over the data-parallel axes ``("node", "local")``. Device ``d = node * L +
+local`` sits at ``mesh.devices[node, local]`` (node-major), so the flattened data axes
+enumerate devices in the order that owns flat parameter slices: device ``d`` owns slice
+``d`` of every unit. A mesh may have a third axis, ``"model"`` (tensor parallelism,
+innermost: a tensor-parallel group is ``model`` consecutive devices of one node), which
+ZeRO leaves to XLA's partitioner: the step is manual over the data axes only.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -18,7 +21,8 @@ from zeropp_jax.core.compat import backends_are_initialized
 
 NODE = "node"
 LOCAL = "local"
-AXES = (NODE, LOCAL)
+MODEL = "model"
+AXES = (NODE, LOCAL)  # the data-parallel axes ZeRO shards over
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -111,22 +115,35 @@ def make_mesh(
     nodes: int | None = None,
     local: int | None = None,
     devices: Sequence[jax.Device] | None = None,
+    *,
+    model: int = 1,
 ) -> Mesh:
-    """Builds the ``("node", "local")`` mesh, node-major.
+    """Builds the ``("node", "local")`` mesh, node-major, or with ``model > 1`` the
+    ``("node", "local", "model")`` mesh for tensor parallelism beside ZeRO.
 
     Args:
       nodes: number of nodes. Default: ``jax.process_count()`` (one process per node).
-      local: devices per node. Default: ``jax.local_device_count()``.
+      local: data-parallel devices per node. Default: the node's devices divided by
+        ``model``.
       devices: the devices to use; default ``jax.devices()``. Their count must be
-        ``nodes * local``.
+        ``nodes * local * model``.
+      model: tensor-parallel degree: the size of the innermost ``"model"`` axis, whose
+        devices (consecutive devices of one node) split each tensor-parallel layer. 1: no
+        such axis.
 
     Returns:
-      A ``Mesh`` of shape ``(nodes, local)`` with axis names ``("node", "local")``.
+      A ``Mesh`` of shape ``(nodes, local)`` with axis names ``("node", "local")``, or of
+      shape ``(nodes, local, model)`` with axis names ``("node", "local", "model")``.
     """
+    if not isinstance(model, int) or isinstance(model, bool) or model < 1:
+        raise ValueError(f"model must be a positive int (the tensor-parallel degree), "
+                         f"got {model!r}")
     given = devices is not None
     if devices is None:
         devices = jax.devices()
     devices = list(devices)
+    if model > 1:
+        return _with_model_axis(nodes, local, devices, model, given)
     if nodes is None and local is None:
         nodes, local = jax.process_count(), jax.local_device_count()
         if nodes * local != len(devices):
@@ -149,14 +166,51 @@ def make_mesh(
     return Mesh(grid, AXES)
 
 
-def mesh_shape(mesh: Mesh) -> tuple[int, int]:
-    """``(nodes, local)`` of a ``("node", "local")`` mesh."""
-    if tuple(mesh.axis_names) != AXES:
+def _with_model_axis(nodes: int | None, local: int | None, devices: list, model: int,
+                     given: bool) -> Mesh:
+    """The ``(nodes, local, model)`` mesh: the ``(nodes, local * model)`` grid of
+    ``make_mesh``, each node's devices split into ``local`` groups of ``model``."""
+    if len(devices) % model:
+        raise ValueError(f"model={model} does not divide the {len(devices)} devices")
+    if local is not None and (not isinstance(local, int) or local < 1):
+        raise ValueError(f"local must be a positive int, got {local!r}")
+    per_node = None if local is None else local * model
+    try:
+        grid = make_mesh(nodes, per_node, devices).devices
+    except ValueError as e:
+        raise ValueError(f"{e} (with model={model}: local counts data-parallel devices, "
+                         f"so a node holds local * model devices)") from None
+    n, per = grid.shape
+    if per % model:
         raise ValueError(
-            f"zeropp_jax needs a mesh with axes {AXES}, got {tuple(mesh.axis_names)}; "
-            "build it with zeropp_jax.make_mesh(nodes, local)"
+            f"model={model} does not divide the {per} devices of a node; the "
+            "tensor-parallel group must sit inside one node")
+    return Mesh(grid.reshape(n, per // model, model), AXES + (MODEL,))
+
+
+def mesh_shape(mesh: Mesh) -> tuple[int, int]:
+    """``(nodes, local)`` of a ``("node", "local")`` or ``("node", "local", "model")``
+    mesh: the data-parallel axes ZeRO shards over."""
+    if tuple(mesh.axis_names) not in (AXES, AXES + (MODEL,)):
+        raise ValueError(
+            f"zeropp_jax needs a mesh with axes {AXES} or {AXES + (MODEL,)}, got "
+            f"{tuple(mesh.axis_names)}; build it with zeropp_jax.make_mesh(nodes, local) "
+            "or make_mesh(nodes, local, model=...)"
         )
     return mesh.shape[NODE], mesh.shape[LOCAL]
+
+
+def model_size(mesh: Any) -> int:
+    """The tensor-parallel degree of ``mesh`` (its ``"model"`` axis size; 1 without one).
+    Takes a ``Mesh`` or an abstract mesh."""
+    return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(MODEL, 1) if mesh.axis_names else 1
+
+
+def manual_axes(mesh: Mesh) -> dict[str, Any]:
+    """``jax.shard_map`` keyword arguments for a step over ``mesh``: manual over the data
+    axes only when the mesh has a ``"model"`` axis (left to XLA's partitioner, so a
+    tensor-parallel model's own collectives are XLA's), otherwise nothing (all manual)."""
+    return {"axis_names": frozenset(AXES)} if MODEL in mesh.axis_names else {}
 
 
 def _count_mismatch(nodes: int, local: int, devices: Sequence[jax.Device], given: bool) -> str:

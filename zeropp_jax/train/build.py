@@ -9,12 +9,15 @@ fixed order.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.comm.frozen import (
     FrozenFilter,
@@ -31,8 +34,17 @@ from zeropp_jax.comm.partition import (
     stack_layers,
     unit_name,
 )
-from zeropp_jax.comm.placement import REPLICATED, SHARDED, place, place_replicated
+from zeropp_jax.comm.placement import (
+    REPLICATED,
+    SHARDED,
+    SLICED_SHARDED,
+    global_spec,
+    place,
+    place_replicated,
+    sharded_spec,
+)
 from zeropp_jax.core import compat
+from zeropp_jax.core.mesh import MODEL, manual_axes, mesh_shape, model_size
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.train.optim import check_elementwise
 from zeropp_jax.units.adapters import ModelAdapter
@@ -152,21 +164,113 @@ def split_frozen_units(
 
 def unit_layouts(
     unit_trees: Mapping[Path, PyTree], rest: PyTree, stacked: tuple[Path, ...],
-    num_devices: int, align: int,
+    num_devices: int, align: int, tp: "TensorParallel | None" = None,
 ) -> tuple[dict[str, UnitLayout], dict[str, PyTree]]:
     """``(layouts, trees)`` by unit name: each unit's flat layout over ``num_devices``
-    shards, one per layer of a stack, then the rest unit (``REST``) if it holds any leaf."""
+    shards, one per layer of a stack, then the rest unit (``REST``) if it holds any leaf.
+    With ``tp``, each layout holds ``tp.size`` tensor-parallel slices."""
     layouts: dict[str, UnitLayout] = {}
     trees: dict[str, PyTree] = {}
+    dims, rest_dims = (split_units(tp.dims, tuple(unit_trees)) if tp is not None
+                       else ({}, None))
+    size = 1 if tp is None else tp.size
     for path, sub in unit_trees.items():
         subs = stack_layers(sub, path) if path in stacked else [sub]
         for i, layer_tree in enumerate(subs):
             lay = make_unit_layout(path, layer_tree, num_devices, align,
-                                   layer=i if path in stacked else None)
+                                   layer=i if path in stacked else None, tp=size,
+                                   tp_dims=dims.get(path))
             layouts[lay.name], trees[lay.name] = lay, layer_tree
     if jax.tree_util.tree_leaves(rest):
-        layouts[REST], trees[REST] = make_unit_layout((), rest, num_devices, align), rest
+        layouts[REST] = make_unit_layout((), rest, num_devices, align, tp=size,
+                                         tp_dims=rest_dims)
+        trees[REST] = rest
     return layouts, trees
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """How a run splits its parameters over the mesh's ``"model"`` axis.
+
+    Attributes:
+      size: the ``"model"`` axis size (the tensor-parallel degree).
+      dims: a tree like the params tree: each leaf's dimension split over ``"model"``, or
+        -1 for a leaf the model uses whole.
+      rules: the logical-axis rules the model's constraints are read with inside the step
+        (those naming ``"model"``; every other logical name unconstrained: the data axes
+        are the step's own).
+    """
+
+    size: int
+    dims: PyTree
+    rules: tuple[tuple[str, Any], ...]
+
+
+def _model_dim(names: Any, mesh_axes: Any, where: str) -> int:
+    """The dimension of a parameter whose sharding names ``mesh_axes`` (one entry per
+    dimension) that is split over ``"model"``; -1 if none."""
+    found = [i for i, a in enumerate(mesh_axes or ())
+             if a == MODEL or (isinstance(a, tuple) and MODEL in a)]
+    if len(found) > 1:
+        raise ValueError(f"parameter {where} is split over {MODEL!r} on dimensions {found} "
+                         f"({names}); at most one dimension can be")
+    for i, a in enumerate(mesh_axes or ()):
+        if isinstance(a, tuple) and set(a) - {MODEL} and MODEL in a:
+            raise ValueError(f"parameter {where}: dimension {i} maps to {a}; ZeRO shards over "
+                             f"the data axes itself, so map it to {MODEL!r} alone")
+    return found[0] if found else -1
+
+
+def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None, mesh: Mesh,
+                    config: ZeroPPConfig, frozen: Any, stacked: Sequence[Any]
+                    ) -> TensorParallel | None:
+    """The run's tensor parallelism: None on a mesh without a ``"model"`` axis. Each
+    parameter's split dimension comes from its Flax partitioning metadata
+    (``nn.with_logical_partitioning`` names through ``rules``, or ``nn.with_partitioning``
+    mesh axes). Raises for what tensor parallelism does not support yet, naming it."""
+    size = model_size(mesh)
+    if size == 1:
+        return None
+    unsupported = [
+        ("stage=3", config.stage != 3), ("no frozen=", frozen is not None),
+        ("no stacked= layers (nn.scan)", bool(stacked)),
+        ("offload_optimizer=False and offload_params=False",
+         config.offload_optimizer or config.offload_params),
+        ("qgz_error_feedback=False",
+         plan_of(config).feedback(1 << 20, *mesh_shape(mesh))[0] > 0)]
+    missing = [need for need, bad in unsupported if bad]
+    if missing:
+        raise NotImplementedError(
+            f"tensor parallelism (a {MODEL!r} mesh axis of size {size}) needs "
+            f"{', '.join(missing)} for now")
+    if isinstance(raw_params, Mapping) and "params" in raw_params and all(
+            isinstance(v, Mapping) for v in raw_params.values()):
+        raw_params = raw_params["params"]
+    rules = tuple((str(name), axis) for name, axis in (rules or ()))
+
+    def dim(path: Any, leaf: Any) -> int:
+        where = jax.tree_util.keystr(path)
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            axes = nn.logical_to_mesh_axes(leaf.names, rules)
+            d = _model_dim(leaf.names, axes, where)
+        elif isinstance(leaf, nn.Partitioned):
+            d = _model_dim(leaf.names, leaf.names, where)
+        else:
+            return -1
+        shape = np.shape(nn.meta.unbox(leaf))
+        if d >= 0 and shape[d] % size:
+            raise ValueError(
+                f"parameter {where} of shape {shape} is split over {MODEL!r} on dimension {d}, "
+                f"which {size} devices do not divide; pick a {MODEL!r} axis size dividing "
+                f"{shape[d]}, or map that dimension's logical name to None")
+        return d
+
+    dims = jax.tree_util.tree_map_with_path(
+        dim, raw_params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+    model_rules = tuple((name, MODEL if axis == MODEL or (isinstance(axis, tuple) and
+                                                           MODEL in axis) else None)
+                        for name, axis in rules)
+    return TensorParallel(size, dims, model_rules)
 
 
 def frozen_layouts(frozen_trees: Mapping[Path, PyTree], num_devices: int,
@@ -198,7 +302,11 @@ def place_units(layouts: Mapping[str, UnitLayout], trees: Mapping[str, PyTree], 
     out = {}
     for name, lay in layouts.items():
         flat = flat_numpy(lay, trees[name], dtype)
-        out[name] = place(flat if cast is None else flat.astype(cast), sharding)
+        where = sharding
+        if lay.tp > 1:  # tensor-parallel slices: over "model", each one's shards as usual
+            spec = SLICED_SHARDED if sharding.spec == SHARDED else P(None, *sharding.spec)
+            where = NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+        out[name] = place(flat if cast is None else flat.astype(cast), where)
     return out
 
 
@@ -211,13 +319,14 @@ def opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, Unit
     shard lengths, so it holds on a one-device mesh too, where local and global shapes agree.
     """
     def state_at(scale: int) -> PyTree:
-        shapes = {k: jax.ShapeDtypeStruct((scale * lay.shard_len,), dtype)
+        shapes = {k: jax.ShapeDtypeStruct(lay.global_shape[:-1] + (scale * lay.shard_len,),
+                                          dtype)
                   for k, lay in layouts.items()}
         return jax.eval_shape(tx.init, shapes)
 
     return jax.tree_util.tree_map(
-        lambda a, b: REPLICATED if a.shape == b.shape else SHARDED, state_at(1), state_at(2)
-    )
+        lambda a, b: REPLICATED if a.shape == b.shape else sharded_spec(len(a.shape)),
+        state_at(1), state_at(2))
 
 
 def init_opt_state(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree,
@@ -229,9 +338,14 @@ def init_opt_state(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree,
         state = tx.init(compat.on_device(m))  # offloaded shards: the state is the device's
         return compat.in_host_memory(state) if offload else state
 
+    in_specs = ({k: sharded_spec(np.ndim(v)) for k, v in master.items()},)
+    # Tensor-parallel slices stay split over "model" (XLA would be free to replicate them).
+    kind = compat.HOST_MEMORY if offload else None
+    out = jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, global_spec(s, mesh), memory_kind=kind), specs)
     return jax.jit(
-        jax.shard_map(init, mesh=mesh, in_specs=(SHARDED,), out_specs=specs)
-    )(master)
+        jax.shard_map(init, mesh=mesh, in_specs=in_specs, out_specs=specs, **manual_axes(mesh)),
+        out_shardings=out)(master)
 
 
 def replicated_zero(mesh: Mesh) -> jax.Array:

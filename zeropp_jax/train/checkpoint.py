@@ -93,6 +93,7 @@ from zeropp_jax.comm.transports.qgz import (
     decode_error,
     encode_error,
 )
+from zeropp_jax.train import canonical
 from zeropp_jax.train.state import TrainState
 
 PyTree = Any
@@ -700,6 +701,8 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
         raise TypeError(f"save expects a zeropp_jax.TrainState, got {type(state).__name__}")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+    if canonical.is_sliced(state.engine):  # stored as a run without tensor parallelism
+        state = canonical.to_canonical(state)
     directory = pathlib.Path(directory).absolute()  # orbax wants absolute paths
     engine = state.engine
     step = _local_int(state.step)
@@ -1024,6 +1027,9 @@ def restore(
     if not isinstance(state, TrainState):
         raise TypeError(f"restore expects a zeropp_jax.TrainState template, got "
                         f"{type(state).__name__}")
+    if canonical.is_sliced(state.engine):  # read as stored, then into tensor slices
+        restored = restore(directory, canonical.to_canonical(state), step=step)
+        return canonical.from_canonical(restored, state)
     _same_arguments("checkpoint.restore", {
         "directory": str(pathlib.Path(directory).absolute()), "step": step})
     meta, path = _locate(directory, step, "checkpoint.restore")

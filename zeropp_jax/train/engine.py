@@ -12,8 +12,11 @@ engine as static data and updates itself (``TrainState.apply_gradients`` returns
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Mapping
+
+import flax.linen as nn
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +151,9 @@ class Engine:
     # True when the user chose the units (units=...): then units the call reads outside
     # their own calls are reported (the default policy's leftovers are silently resident).
     explicit_units: bool = False
+    # With a "model" mesh axis: the logical-axis rules the model's sharding constraints are
+    # read with inside the step (``build.TensorParallel.rules``).
+    tensor_rules: tuple = ()
     # What this engine works out once and reuses, for as long as it lives (as long as a
     # train state built on it): the units each call structure keeps gathered
     # (``"resident"``, asked again by train_step's second trace), generation's compiled
@@ -294,18 +300,11 @@ class Engine:
             )
         if kwargs.get("rngs") is not None:
             kwargs["rngs"] = _per_device_rngs(kwargs["rngs"])
-        if self.config.stage == 3:
+        with nn.logical_axis_rules(self.tensor_rules) if self.tensor_rules else \
+                contextlib.nullcontext():
             frozen = variables.get("frozen", step.frozen) if self.has_frozen else None
-            out = apply_units(
-                self.adapter, self.layouts, params.units, self.config, *args, method=method,
-                frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
-                collections=collections, warn_resident=self.explicit_units,
-                memo=self.memo.setdefault("resident", {}), transports=self.transports,
-                step=step.step, feedback=params.feedback, **kwargs,
-            )
-        else:
-            tree = {"params": self.unflatten_full(params.units), **collections}
-            out = self.adapter.apply(tree, *args, method=method, **kwargs)
+            out = self._apply_units(step, params, frozen, collections, *args, method=method,
+                                    **kwargs)
         if kwargs.get("mutable") not in (None, False):
             # Each device updated the collections from its own batch shard (BatchNorm's
             # running averages): the replicated state keeps their mean over all devices.
@@ -313,6 +312,21 @@ class Engine:
             return self._cast_output(result), jax.tree_util.tree_map(_mean_over_devices,
                                                                      updates)
         return self._cast_output(out)
+
+    def _apply_units(self, step: "StepState", params: ShardedParams, frozen: Any,
+                     collections: dict, *args: Any, method: Any, **kwargs: Any) -> Any:
+        """The model's call on this device's shards: unit by unit (stage 3) or on the
+        replicated weights (stages 1 and 2)."""
+        if self.config.stage == 3:
+            return apply_units(
+                self.adapter, self.layouts, params.units, self.config, *args, method=method,
+                frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
+                collections=collections, warn_resident=self.explicit_units,
+                memo=self.memo.setdefault("resident", {}), transports=self.transports,
+                step=step.step, feedback=params.feedback, **kwargs,
+            )
+        tree = {"params": self.unflatten_full(params.units), **collections}
+        return self.adapter.apply(tree, *args, method=method, **kwargs)
 
     def _cast_output(self, out: Any) -> Any:
         """Floating outputs narrower than ``config.output_dtype`` -> that dtype (fp32), so
@@ -366,7 +380,7 @@ class Engine:
         it, and every process receives the full parameters."""
         flats = {}
         for name, lay in self.layouts.items():
-            flats[name] = to_host(params.units[name])[: lay.n]
+            flats[name] = to_host(params.units[name])[..., : lay.n]
         frozen_flats = None if frozen is None else self.frozen_full(frozen)
         return jax.tree_util.tree_map(np.asarray, self.unflatten_full(flats, frozen_flats))
 

@@ -151,6 +151,7 @@ class TrainState:
         stacked: Sequence[str | Sequence[str]] = (),
         batch_stats: PyTree = None,
         collections: Mapping[str, PyTree] | None = None,
+        logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
     ) -> "TrainState":
         """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
 
@@ -188,22 +189,30 @@ class TrainState:
             weights (one compiled body; live weights bounded by construction).
           batch_stats, collections: other variable collections (``batch_stats=`` or
             ``collections={"batch_stats": ...}``), kept full and replicated.
+          logical_axis_rules: on a mesh with a ``"model"`` axis (``make_mesh(...,
+            model=T)``), the list you would pass to ``nn.logical_axis_rules``: parameters
+            annotated with ``nn.with_logical_partitioning`` split over ``"model"`` where their
+            logical names map to it (``nn.with_partitioning``'s mesh axes need no rules), and
+            the model's ``nn.with_logical_constraint`` calls read them inside the step. Names
+            mapped to the data axes are ignored: ZeRO shards over those itself.
         """
         config = ZeroPPConfig.zero3() if config is None else config
         # The model's kind is decided here, once: everything after asks the adapter.
-        adapter, params, collections = adapt(model, params, collections)
+        raw, (adapter, params, collections) = params, adapt(model, params, collections)
         build.check_arguments(params, config)
         nodes, local = mesh_shape(mesh)
         params, collections = build.split_variables(params, collections, batch_stats)
         build.check_setup(params, tx, config, nodes, local)
 
         stacked = build.stack_paths(stacked, units, params)
+        tp = build.tensor_parallel(params if raw is None else raw, logical_axis_rules, mesh,
+                                   config, frozen, stacked)
         unit_trees, rest = build.split_into_units(params, units, adapter, stacked)
         build.check_frozen(frozen, stacked, config)
         unit_trees, rest, frozen_trees = build.split_frozen_units(unit_trees, rest, frozen)
         num_devices = nodes * local
         layouts, trees = build.unit_layouts(unit_trees, rest, stacked, num_devices,
-                                            config.flat_alignment)
+                                            config.flat_alignment, tp)
         frozen_layouts = build.frozen_layouts(frozen_trees, num_devices, config)
 
         pdt = config.param_jnp_dtype
@@ -212,7 +221,8 @@ class TrainState:
         opt_specs = build.opt_state_specs(tx, layouts, pdt)
         opt_state = build.init_opt_state(tx, mesh, opt_specs, master, config.offload_optimizer)
         engine = Engine(adapter, tx, mesh, config, layouts, opt_specs, frozen_layouts,
-                        explicit_units=units is not None and units != "auto")
+                        explicit_units=units is not None and units != "auto",
+                        tensor_rules=() if tp is None else tp.rules)
         warn_if_unbalanced(*engine.unit_table(), params)
         step = build.replicated_zero(mesh)
         placed_collections = build.place_collections(collections, mesh)

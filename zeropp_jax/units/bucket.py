@@ -39,7 +39,7 @@ def bucketable(plan: TransportPlan, transports: Sequence[UnitTransports]) -> boo
     first = transports[0]
     if any(t != first or t.frozen is not None or t.weights is None for t in transports):
         return False
-    return plan.buckets()
+    return plan.buckets() and first.weights.bucketable() and first.gradients.bucketable()
 
 
 def _join(members: Sequence[jax.Array], devices: int) -> jax.Array:

@@ -286,10 +286,11 @@ def zero_unit(
     def call(shard: jax.Array | None, frozen: tuple, *arrays: Any,
              qgz_on: jax.Array | None = None, step: jax.Array | None = None,
              arrived: tuple = (), feedback: tuple = ()) -> Any:
-        if layout is not None and shard.shape != (layout.shard_len,):
+        expected = None if layout is None else layout.global_shape[:-1] + (layout.shard_len,)
+        if layout is not None and shard.shape != expected:
             raise ValueError(
                 f"unit {layout.name!r} expects its local primary shard of shape "
-                f"({layout.shard_len},) inside shard_map, got {shard.shape}"
+                f"{expected} inside shard_map, got {shard.shape}"
             )
         if feedback and (shard is None or arrived):
             raise ValueError(f"unit {layout.name if layout else '?'!r}: error feedback needs "

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from zeropp_jax.comm.transports.sliced import SlicedGradients, SlicedWeights
 from zeropp_jax.comm.transports.base import GradientTransport, WeightTransport
 from zeropp_jax.comm.transports.registry import (
     frozen_alignment,
@@ -64,9 +65,16 @@ class TransportPlan:
     def units(self, layouts: Mapping[str, Any], frozen_layouts: Mapping[str, Any]
               ) -> dict[str, UnitTransports]:
         """Unit name -> its transports, for every unit of a run (trainable, frozen or
-        both)."""
-        return {name: self.unit(layouts.get(name), frozen_layouts.get(name))
-                for name in (*layouts, *(n for n in frozen_layouts if n not in layouts))}
+        both). A unit laid out in tensor-parallel slices (``layout.tp > 1``) gets them
+        once per slice (``sliced.SlicedWeights`` / ``SlicedGradients``)."""
+        out = {}
+        for name in (*layouts, *(n for n in frozen_layouts if n not in layouts)):
+            t = self.unit(layouts.get(name), frozen_layouts.get(name))
+            if getattr(layouts.get(name), "tp", 1) > 1:
+                t = UnitTransports(SlicedWeights(t.weights), t.frozen,
+                                   SlicedGradients(t.gradients))
+            out[name] = t
+        return out
 
     def frozen_alignment(self) -> int:
         """Each frozen primary shard's length is a multiple of this."""

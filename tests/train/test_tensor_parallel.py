@@ -7,9 +7,11 @@ partial products in another order, which stays inside that rounding, while a sli
 the wrong place or a gradient summed over the wrong devices is off by the gradient itself.
 """
 
+import contextlib
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -189,3 +191,145 @@ def test_what_tensor_parallelism_refuses():
     with pytest.raises(ValueError, match="alone"):
         _state((2, 2, 2), zpp.ZeroPPConfig.zero3(**FP32),
                rules=(("mlp", ("local", "model")),))
+
+
+LLAMA_AXES = (  # MaxText's logical names for transformers' Llama parameters
+    (r"(q|k|v)_proj/kernel", ("embed", "heads")),
+    (r"o_proj/kernel", ("heads", "embed")),
+    (r"(gate|up)_proj/kernel", ("embed", "mlp")),
+    (r"down_proj/kernel", ("mlp", "embed")),
+    (r"embed_tokens/embedding", ("vocab", "embed")),
+    (r"lm_head/kernel", ("embed", "vocab")),
+)
+MAXTEXT_RULES = (("batch", ("node", "local")), ("heads", "model"), ("mlp", "model"),
+                 ("vocab", "model"), ("embed", None))
+
+
+def _nnx_model(seed, dtype=jnp.float32):
+    from flax import nnx
+
+    from zoo import D, VOCAB
+
+    named = lambda init, names: nnx.with_partitioning(init, names)  # noqa: E731
+    kernel = nnx.initializers.lecun_normal()
+
+    class Mlp(nnx.Module):
+        def __init__(self, *, rngs):
+            self.norm = nnx.LayerNorm(D, param_dtype=dtype, rngs=rngs)
+            self.fc1 = nnx.Linear(D, 4 * D, kernel_init=named(kernel, ("embed", "mlp")),
+                                  bias_init=named(nnx.initializers.zeros, ("mlp",)),
+                                  param_dtype=dtype, rngs=rngs)
+            self.fc2 = nnx.Linear(4 * D, D, kernel_init=named(kernel, ("mlp", "embed")),
+                                  param_dtype=dtype, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.fc2(nnx.gelu(self.fc1(self.norm(x))))
+
+    class Lm(nnx.Module):
+        def __init__(self, *, rngs):
+            self.embed = nnx.Embed(VOCAB, D, rngs=rngs, param_dtype=dtype, embedding_init=named(
+                nnx.initializers.normal(1.0), ("vocab", "embed")))
+            self.blocks = nnx.List([Mlp(rngs=rngs) for _ in range(2)])
+            self.head = nnx.Linear(D, VOCAB, kernel_init=named(kernel, ("embed", "vocab")),
+                                   param_dtype=dtype, rngs=rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    with nnx.use_eager_sharding(False):
+        return Lm(rngs=nnx.Rngs(seed))
+
+
+def _rope64(num_pos, dim):
+    """transformers' Llama RoPE table (``create_sinusoidal_positions``: float32 numpy), its
+    same values in float64."""
+    inv_freq = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
+    freqs = np.einsum("i , j -> i j", np.arange(num_pos), inv_freq).astype("float32")
+    emb = np.concatenate((freqs, freqs), axis=-1)
+    out = np.concatenate((np.sin(emb)[:, None, :], np.cos(emb)[:, None, :]), axis=-1)
+    return jnp.asarray(out[:, :, :num_pos].astype(np.float64))
+
+
+def _patched(module, attr, value, fn):
+    """``fn`` run with ``module.attr`` set to ``value``."""
+    def run(*args, **kwargs):
+        saved = getattr(module, attr)
+        setattr(module, attr, value)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            setattr(module, attr, saved)
+    return run
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize("name", ["nnx", "hf_llama"])
+def test_models_we_did_not_write(name, shape):
+    """An NNX model annotated with ``nnx.with_partitioning`` and transformers' Flax Llama
+    named through ``param_axes`` with MaxText's rules: one step on ``shape`` gives the
+    one-device loss and gradients within their measured fp32 rounding."""
+    import zoo
+    from helpers import assert_rounding_close, loss_and_grads_rounding
+
+    seed = int(np.random.default_rng().integers(1 << 16))
+    rng = np.random.default_rng(seed)
+    if name == "nnx":
+        model = _nnx_model(seed)
+        apply, kwargs = zoo.nnx_apply(model), {}
+        with jax.enable_x64(True):  # the float64 twin computes the exact reference
+            apply64 = zoo.nnx_apply(_nnx_model(seed, jnp.float64))
+        make_batch, loss = zoo._lm_batch, zoo._lm_loss
+        from flax import nnx
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        widen, exact = (), ()
+    else:
+        transformers = pytest.importorskip("transformers")
+        if not hasattr(transformers, "FlaxPreTrainedModel"):
+            pytest.skip("this transformers has no Flax models")
+        with zoo.hf_compat():
+            entry = zoo.get(name)
+        model, params, apply = entry.model, entry.params, entry.apply
+        make_batch, loss = entry.make_batch, entry.loss
+        kwargs = {"param_axes": LLAMA_AXES}
+        with jax.enable_x64(True), zoo.hf_compat():
+            apply64 = type(model)(model.config, input_shape=(1, zoo.SEQ), dtype=jnp.float64,
+                                  _do_init=False).__call__
+        import transformers.models.llama.modeling_flax_llama as llama
+        widen = (llama,)
+        # Its attention mask: booleans made 0/1 fp32 and compared with 0 (exact values).
+        exact = ("xi1>) -> tensor<", "dense<0.000000e+00> : tensor<f32>",
+                 "(tensor<f32>) -> tensor<", "compare GT")
+        # Its RoPE table is built in numpy float32: the float64 twin takes the same values.
+        apply64 = _patched(llama, "create_sinusoidal_positions", _rope64, apply64)
+    batch = make_batch(rng, 16)
+
+    @zpp.train_step
+    def step(state, batch):
+        value, g = jax.value_and_grad(
+            lambda p: loss(state.apply_fn, p, batch, False))(state.params)
+        return state.apply_gradients(grads=g), {"loss": value, "grads": g}
+
+    compat = zoo.hf_compat() if name.startswith("hf_") else contextlib.nullcontext()
+    with compat:
+        state = zpp.TrainState.create(
+            model=model, params=None if name == "nnx" else params, tx=optax.sgd(0.1),
+            mesh=zpp.make_mesh(*shape[:2], model=shape[2]),
+            config=zpp.ZeroPPConfig.zero3(**FP32),
+            logical_axis_rules=MAXTEXT_RULES, **kwargs)
+        split = [lay for lay in state.engine.layouts.values() if max(lay.tp_dims) >= 0]
+        assert split, "no parameter was split over 'model'"
+        _, out = step(state, batch)
+        grads = zoo.flat(state.engine.adapter.to_pure_dict(
+            state.engine.consolidate(out["grads"])))
+        rounding = loss_and_grads_rounding(
+            lambda p, b: loss(apply, p, b, False), params, batch,
+            shards=(shape[0] * shape[1],),
+            loss_of64=lambda p, b: loss(apply64, p, b, False), widen=widen, exact_f32=exact)
+    ref_loss, ref_grads = rounding.exact
+    ref_grads = zoo.flat(ref_grads)
+    assert_rounding_close((out["loss"], [grads[k] for k in sorted(grads)]),
+                          (ref_loss, [ref_grads[k] for k in sorted(ref_grads)]),
+                          rounding.rho)

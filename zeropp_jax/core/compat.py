@@ -357,3 +357,21 @@ def xla_options(options: dict[str, Any]) -> Iterator[list[int]]:
         yield built
     finally:
         compiler.get_compile_options = original
+
+
+# -- 12. an NNX variable's sharding names ------------------------------------------------------
+
+# ``nnx.with_partitioning(init, names)`` records the names in the variable's metadata: as
+# "out_sharding" from flax 0.12 (eager sharding), "sharding_names" in 0.11, "sharding" before.
+_NNX_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def nnx_sharding_names(var: Any) -> tuple | None:
+    """The logical (or mesh) axis names an NNX variable was annotated with, one per
+    dimension; None if it has none."""
+    meta = var.get_metadata() if hasattr(var, "get_metadata") else vars(var)
+    for key in _NNX_SHARDING_KEYS:
+        names = meta.get(key)
+        if names is not None and not hasattr(names, "mesh"):  # names, not a NamedSharding
+            return tuple(names)
+    return None

@@ -10,6 +10,7 @@ fixed order.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
@@ -221,13 +222,26 @@ def _model_dim(names: Any, mesh_axes: Any, where: str) -> int:
     return found[0] if found else -1
 
 
-def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None, mesh: Mesh,
+def annotated(raw: PyTree, params: PyTree, adapter: ModelAdapter) -> PyTree:
+    """The params tree with its partitioning metadata: ``params`` as the user passed them
+    (linen's boxes), else the adapter's (an NNX model's sharding metadata), else the
+    plain tree."""
+    if raw is not None:
+        return raw
+    return adapter.partitioning() if hasattr(adapter, "partitioning") else params
+
+
+def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
+                    param_axes: Sequence[tuple[str, Sequence[Any]]] | None, mesh: Mesh,
                     config: ZeroPPConfig, frozen: Any, stacked: Sequence[Any]
                     ) -> TensorParallel | None:
     """The run's tensor parallelism: None on a mesh without a ``"model"`` axis. Each
     parameter's split dimension comes from its Flax partitioning metadata
-    (``nn.with_logical_partitioning`` names through ``rules``, or ``nn.with_partitioning``
-    mesh axes). Raises for what tensor parallelism does not support yet, naming it."""
+    (``nn.with_logical_partitioning`` or ``nnx.with_partitioning`` names through ``rules``,
+    or ``nn.with_partitioning`` mesh axes), or for a parameter without any from the first
+    ``param_axes`` entry ``(regex, names)`` whose regex ``re.search``-matches its
+    ``"/"``-joined path. Raises for what tensor parallelism does not support yet, naming
+    it."""
     size = model_size(mesh)
     if size == 1:
         return None
@@ -248,15 +262,24 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
         raw_params = raw_params["params"]
     rules = tuple((str(name), axis) for name, axis in (rules or ()))
 
+    patterns = [(re.compile(rx), tuple(names)) for rx, names in (param_axes or ())]
+
     def dim(path: Any, leaf: Any) -> int:
         where = jax.tree_util.keystr(path)
+        if not isinstance(leaf, (nn.LogicallyPartitioned, nn.Partitioned)):
+            joined = "/".join(str(getattr(k, "key", k)) for k in path)
+            names = next((n for rx, n in patterns if rx.search(joined)), None)
+            if names is None:
+                return -1
+            if len(names) != np.ndim(leaf):
+                raise ValueError(f"param_axes gives {joined} the names {names}, one per "
+                                 f"dimension, but its shape is {np.shape(leaf)}")
+            leaf = nn.LogicallyPartitioned(leaf, names)
         if isinstance(leaf, nn.LogicallyPartitioned):
             axes = nn.logical_to_mesh_axes(leaf.names, rules)
             d = _model_dim(leaf.names, axes, where)
-        elif isinstance(leaf, nn.Partitioned):
-            d = _model_dim(leaf.names, leaf.names, where)
         else:
-            return -1
+            d = _model_dim(leaf.names, leaf.names, where)
         shape = np.shape(nn.meta.unbox(leaf))
         if d >= 0 and shape[d] % size:
             raise ValueError(

@@ -152,6 +152,7 @@ class TrainState:
         batch_stats: PyTree = None,
         collections: Mapping[str, PyTree] | None = None,
         logical_axis_rules: Sequence[tuple[str, Any]] | None = None,
+        param_axes: Sequence[tuple[str, Sequence[Any]]] | None = None,
     ) -> "TrainState":
         """Shards ``params`` over ``mesh`` and initializes the optimizer on the shards.
 
@@ -194,7 +195,12 @@ class TrainState:
             annotated with ``nn.with_logical_partitioning`` split over ``"model"`` where their
             logical names map to it (``nn.with_partitioning``'s mesh axes need no rules), and
             the model's ``nn.with_logical_constraint`` calls read them inside the step. Names
-            mapped to the data axes are ignored: ZeRO shards over those itself.
+            mapped to the data axes are ignored: ZeRO shards over those itself. NNX
+            parameters annotated with ``nnx.with_partitioning`` are read the same way.
+          param_axes: logical names for parameters the model does not annotate (a
+            transformers Flax model): ``(regex, names)`` pairs, the first whose regex
+            matches a parameter's ``"/"``-joined path (``re.search``) giving one name per
+            dimension, e.g. ``[("mlp/(gate|up)_proj/kernel", ("embed", "mlp"))]``.
         """
         config = ZeroPPConfig.zero3() if config is None else config
         # The model's kind is decided here, once: everything after asks the adapter.
@@ -205,8 +211,8 @@ class TrainState:
         build.check_setup(params, tx, config, nodes, local)
 
         stacked = build.stack_paths(stacked, units, params)
-        tp = build.tensor_parallel(params if raw is None else raw, logical_axis_rules, mesh,
-                                   config, frozen, stacked)
+        tp = build.tensor_parallel(build.annotated(raw, params, adapter), logical_axis_rules,
+                                   param_axes, mesh, config, frozen, stacked)
         unit_trees, rest = build.split_into_units(params, units, adapter, stacked)
         build.check_frozen(frozen, stacked, config)
         unit_trees, rest, frozen_trees = build.split_frozen_units(unit_trees, rest, frozen)

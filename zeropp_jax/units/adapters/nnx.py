@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zeropp_jax.comm import collectives
+from zeropp_jax.core import compat
 from zeropp_jax.comm.partition import STACKED_SHARD
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.comm.placement import is_prng_key
@@ -132,6 +133,22 @@ class NNXModel:
         abstract = lambda s: jax.tree_util.tree_map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), s)
         return cls(graphdef, abstract(params), abstract(others), keys, modules), tree, collections
+
+    def partitioning(self) -> dict:
+        """A string-keyed tree like the params tree: each parameter's shape and dtype,
+        boxed in ``nn.LogicallyPartitioned`` with the names of its NNX sharding metadata
+        (``nnx.with_partitioning``) where it has them (tensor parallelism reads them)."""
+        import flax.linen as nn
+        import numpy as np
+
+        tree: dict = {}
+        for path, var in _to_flat(self.params):
+            value = _value(var)
+            shape = jax.ShapeDtypeStruct(np.shape(value), value.dtype)
+            names = compat.nnx_sharding_names(var)
+            _put(tree, tuple(str(k) for k in path),
+                 shape if names is None else nn.LogicallyPartitioned(shape, names))
+        return tree
 
     def to_pure_dict(self, tree: Mapping[str, Any]) -> dict:
         """A string-keyed tree -> the same with NNX's own keys (list indices as ints), as

@@ -776,6 +776,25 @@ def offload(data: dict, view: str | None) -> str:
               "the spread of the rounds.")
 
 
+def tensor_parallel(data: dict, view: str | None) -> str:
+    """``benchmarks/tensor_parallel.py``: predicted memory per GPU and step time of a
+    70B-class model on 16 x 8 H100s at tensor-parallel degrees 1 to 8."""
+    _no_view(view, "tensor_parallel_70b")
+    rows = []
+    for r in data["tp_rows"]:
+        rows.append([f"{r['config']}, remat {r['remat']}", str(r["tensor_parallel"]),
+                     str(r["data_parallel"]), f"{r['memory_gib']:.1f}",
+                     f"{r['gathered_gib']:.1f}", f"{r['activations_gib']:.1f}",
+                     f"{r['step_s']:.2f}", f"{r['tokens_per_s_per_gpu']:.0f}"])
+    m, c = data["model"], data["cluster"]
+    return (_table(["config", "tensor parallel", "data-parallel ranks", "peak GiB / GPU",
+                    "of it: gathered weights", "of it: activations and logits",
+                    "step (s)", "tokens / s / GPU"], rows)
+            + f"\n\nPredicted, not measured: {m['name']} ({m['layers']} layers, d_model "
+              f"{m['d_model']}), {data['tokens_per_rank']} tokens per data-parallel rank, "
+              f"{c['nodes']} nodes x {c['gpus_per_node']} GPUs (`{c['preset']}`).")
+
+
 def int4_weights(data: dict, view: str | None) -> str:
     """``benchmarks/int4_weights.py``: final loss of each config against zero3 per model
     (no view), and the INT4 round trip of each model's weights (``round_trip``)."""
@@ -1006,6 +1025,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("qgz_accuracy", {"errors", "block_size"}, qgz_accuracy),
     ("feedback_cost", {"settings", "variants", "params", "cpu"}, feedback_cost),
     ("offload", {"settings", "variants", "params", "cpu", "memory_spaces"}, offload),
+    ("tensor_parallel_70b", {"tp_rows", "model", "cluster", "predicted"}, tensor_parallel),
     ("quantization", {"block_vs_tensor", "sweep", "default_block_size"}, quantization),
     ("int4_weights", {"settings", "summary", "models", "configs", "cpu"}, int4_weights),
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),

@@ -114,6 +114,42 @@ plt.show()
 # is a single device, so hpZ's secondary is the full model and qgZ's inner hop is empty.
 
 # %% [markdown]
+# ## Three axes: tensor parallelism beside ZeRO
+#
+# `make_mesh(nodes, local, model=T)` adds a `"model"` axis, innermost: a tensor-parallel
+# group is `T` consecutive devices of one node. The same GPT, its weights annotated with
+# logical names (`GPTConfig(logical_axes=True)`), is split by Megatron's rules: each device
+# stores its share of one tensor-parallel slice, ZeRO gathers and reduce-scatters each slice
+# over the devices that hold it (the data axes), and XLA adds tensor parallelism's own
+# collectives over `"model"`. Per layout, from the compiled ZeRO++ step: the groups, and the
+# collectives by the axes they span.
+
+# %%
+import dataclasses
+
+from zeropp_demo.gpt import MEGATRON_RULES
+
+tp_model = GPT(dataclasses.replace(cfg, logical_axes=True))
+tp_variables = tp_model.init(jax.random.PRNGKey(0), batch[:, :-1])
+for shape in [(2, 4, 1), (2, 2, 2), (1, 2, 4)]:
+    mesh = zpp.make_mesh(*shape[:2], model=shape[2])
+    ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(-1, shape[2])
+    state = zpp.TrainState.create(model=tp_model, params=tp_variables, tx=optax.adam(1e-3),
+                                  mesh=mesh, config=zpp.ZeroPPConfig.zeropp(block_size=64),
+                                  logical_axis_rules=MEGATRON_RULES)
+    report = comm_report(step.lower(state, batch).compile(), mesh)
+    print(f"{shape[0]} node(s) x {shape[1]} x {shape[2]} (model): tensor-parallel groups "
+          f"{ids.tolist()}, data groups {ids.T.tolist()}")
+    for axis, d in sorted(report.by_axis().items()):
+        print(f"   over {axis:5} axes: {d['count']:3.0f} collectives, cross-node "
+              f"{d['cross_node_bytes']:>9,.0f} B, inside nodes {d['intra_node_bytes']:>11,.0f} B")
+
+# %% [markdown]
+# Reading it: ZeRO's collectives (data) are the only ones crossing nodes, and with `T`
+# slices each moves a `1/T` slice over `nodes * local` devices; tensor parallelism's
+# (model) never leave the node. On one node (1x2x4) nothing crosses nodes at all.
+
+# %% [markdown]
 # ## Generation: one cross-node gather, then decode steps inside the node
 
 # %%

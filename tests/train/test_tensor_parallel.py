@@ -188,6 +188,9 @@ def test_what_tensor_parallelism_refuses():
     # heads=4 and d_model=20: a model axis of 8 does not divide the attention output.
     with pytest.raises(ValueError, match="do not divide"):
         _state((1, 1, 8), zpp.ZeroPPConfig.zero3(**FP32))
+    state = _state((2, 2, 2), zpp.ZeroPPConfig.zero3(**FP32))
+    with pytest.raises(NotImplementedError, match="'model' axis"):
+        zpp.generate(state, tokens(8, seed=0)[:, :4], 2)
     with pytest.raises(ValueError, match="alone"):
         _state((2, 2, 2), zpp.ZeroPPConfig.zero3(**FP32),
                rules=(("mlp", ("local", "model")),))
@@ -333,3 +336,57 @@ def test_models_we_did_not_write(name, shape):
     assert_rounding_close((out["loss"], [grads[k] for k in sorted(grads)]),
                           (ref_loss, [ref_grads[k] for k in sorted(ref_grads)]),
                           rounding.rho)
+
+
+def test_comm_report_separates_tensor_parallel_collectives():
+    """On (2, 2, 2) the report splits the step's collectives by the axes they span: ZeRO's
+    (over the data axes) move across nodes exactly the bytes the plan's transports count
+    for every slice (``Engine.wire_bytes``); tensor parallelism's (XLA's, over "model")
+    stay inside the node."""
+    from zeropp_jax.measure.comm_report import CommReport, comm_report
+
+    state = _state((2, 2, 2), zpp.ZeroPPConfig.zeropp(hpz_group_size=2))
+    program = make_step().lower(state, tokens(16, seed=0)).compile()
+    report = comm_report(program, state.engine.mesh)
+    assert report.model == 2 and report.per_node == 4
+    axes = report.by_axis()
+    assert axes["model"]["count"] > 0 and axes["model"]["cross_node_bytes"] == 0
+    zero = sum(r.cross_node_bytes * r.count for r in report.rows
+               if r.axis == "data" and r.kind != "all-reduce")  # all-reduce: the metrics
+    planned = sum(b.cross for row in state.engine.wire_bytes().values() for b in row.values())
+    assert zero == planned > 0
+    assert "over model axes" in report.table()
+    assert CommReport.from_json(report.to_json()).by_axis() == axes
+
+
+def test_eval_step_and_accumulation_under_tensor_parallelism():
+    """``eval_step`` and ``accumulate_gradients`` take a tensor-parallel state as they
+    take any: the evaluated loss is the train step's, and two accumulated half batches
+    give the whole batch's step (the same sums, in another order: fp32 rounding)."""
+    state = _state((2, 2, 2), zpp.ZeroPPConfig.zero3(**FP32))
+    batch = tokens(16, seed=5)
+
+    @zpp.eval_step
+    def evaluate(state, batch):
+        from zeropp_demo.gpt import loss_fn
+        return {"loss": loss_fn(state.apply_fn({"params": state.params}, batch[:, :-1]),
+                                batch[:, 1:])}
+
+    @zpp.train_step
+    def accumulated(state, batch):
+        from zeropp_demo.gpt import loss_fn
+
+        def loss_of(p, b):
+            return loss_fn(state.apply_fn({"params": p}, b[:, :-1]), b[:, 1:])
+
+        loss, grads = zpp.accumulate_gradients(loss_of, state.params, batch, micro_batches=2)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    want_state, want = make_step()(state, batch)
+    np.testing.assert_allclose(float(evaluate(state, batch)["loss"]), float(want["loss"]),
+                               rtol=1e-6)
+    got_state, got = accumulated(state, batch)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(got_state.consolidate()),
+                    jax.tree_util.tree_leaves(want_state.consolidate())):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -33,7 +33,7 @@ from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST
 from zeropp_jax.comm.transports.hpz import SecondaryRegather, secondary_of
 from zeropp_jax.core import compat
-from zeropp_jax.core.mesh import AXES
+from zeropp_jax.core.mesh import AXES, MODEL
 from zeropp_jax.inference.conventions import (
     Convention,
     TransformersCache,
@@ -87,6 +87,12 @@ def _check(state: Any) -> Engine:
             "every device already holds the full weights: call model.apply on "
             "state.consolidate()"
         )
+    if MODEL in state.engine.mesh.axis_names:
+        raise NotImplementedError(
+            "generation runs on meshes without a 'model' axis for now: restore the state "
+            "onto one (zpp.checkpoint.save, then zpp.checkpoint.restore into a state "
+            "created on zpp.make_mesh(nodes, local)), or call model.apply on "
+            "state.consolidate()")
     return state.engine
 
 

@@ -52,6 +52,10 @@ class CollectiveRow:
       widened: True if XLA promoted the reduction to a wider type than the program asked
         for (compiled programs only).
       count: how many times the program runs it (function calls).
+      axis: which mesh axes its groups span on a mesh with a ``"model"`` axis: ``"data"``
+        (ZeRO's: devices holding the same tensor-parallel slice), ``"model"`` (tensor
+        parallelism's own, XLA's: devices of one tensor-parallel group) or ``"mixed"``;
+        always ``"data"`` on a ``("node", "local")`` mesh.
     """
 
     kind: str
@@ -63,6 +67,7 @@ class CollectiveRow:
     cross_node_bytes: float
     widened: bool = False
     count: int = 1
+    axis: str = "data"
 
     def spans_nodes(self, local: int) -> bool:
         """True if a group (or permute pair) holds devices of more than one node: on a
@@ -72,11 +77,19 @@ class CollectiveRow:
 
 @dataclasses.dataclass(frozen=True)
 class CommReport:
-    """Rows plus totals; ``nodes`` and ``local`` describe the mesh the ids map onto."""
+    """Rows plus totals; ``nodes``, ``local`` and ``model`` describe the mesh the ids map
+    onto (``model``: the tensor-parallel degree, 1 without a ``"model"`` axis; a node holds
+    ``local * model`` devices)."""
 
     rows: tuple[CollectiveRow, ...]
     nodes: int
     local: int
+    model: int = 1
+
+    @property
+    def per_node(self) -> int:
+        """Devices per node."""
+        return self.local * self.model
 
     @property
     def cross_node_bytes(self) -> float:
@@ -96,7 +109,7 @@ class CommReport:
         """Collectives run per execution whose groups span nodes (between processes on a
         cluster): each pays a fixed cost whatever its size, so their count is a lever of
         its own on fast links."""
-        return sum(r.count for r in self.rows if r.spans_nodes(self.local))
+        return sum(r.count for r in self.rows if r.spans_nodes(self.per_node))
 
     @property
     def collectives_run(self) -> int:
@@ -114,6 +127,18 @@ class CommReport:
             d["intra_node_bytes"] += r.intra_node_bytes * r.count
         return out
 
+    def by_axis(self) -> dict[str, dict[str, float]]:
+        """Per ``CollectiveRow.axis`` (``"data"``: ZeRO's collectives; ``"model"``: tensor
+        parallelism's; ``"mixed"``): count and bytes inside and across nodes."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.rows:
+            d = out.setdefault(r.axis, {"count": 0, "cross_node_bytes": 0.0,
+                                        "intra_node_bytes": 0.0})
+            d["count"] += r.count
+            d["cross_node_bytes"] += r.cross_node_bytes * r.count
+            d["intra_node_bytes"] += r.intra_node_bytes * r.count
+        return out
+
     def table(self) -> str:
         lines = [f"{'collective':<28} {'count':>5} {'cross-node B':>14} {'intra-node B':>14}"]
         for key, d in sorted(self.by_kind().items()):
@@ -122,8 +147,14 @@ class CommReport:
         widened = sum(r.count for r in self.rows if r.widened)
         lines.append(f"{'total':<28} {sum(r.count for r in self.rows):>5} "
                      f"{self.cross_node_bytes:>14,.0f} {self.intra_node_bytes:>14,.0f}")
+        if self.model > 1:
+            for axis, d in sorted(self.by_axis().items()):
+                lines.append(f"{'  over ' + axis + ' axes':<28} {d['count']:>5} "
+                             f"{d['cross_node_bytes']:>14,.0f} {d['intra_node_bytes']:>14,.0f}")
+        shape = (f"{self.nodes} nodes x {self.local} devices" if self.model == 1 else
+                 f"{self.nodes} nodes x {self.local} x {self.model} (model) devices")
         lines.append(f"cross-node bytes per node: {self.cross_node_bytes_per_node:,.0f} "
-                     f"({self.nodes} nodes x {self.local} devices)")
+                     f"({shape})")
         lines.append(f"collectives between nodes: {self.cross_node_collectives} of "
                      f"{self.collectives_run}")
         if widened:
@@ -134,6 +165,8 @@ class CommReport:
         return {
             "nodes": self.nodes,
             "local": self.local,
+            "model": self.model,
+            "by_axis": self.by_axis(),
             "cross_node_bytes": self.cross_node_bytes,
             "cross_node_bytes_per_node": self.cross_node_bytes_per_node,
             "intra_node_bytes": self.intra_node_bytes,
@@ -149,9 +182,9 @@ class CommReport:
         rows = tuple(CollectiveRow(r["kind"], r["dtype"], tuple(r["shape"]), r["bytes"],
                                    tuple(tuple(g) for g in r["groups"]),
                                    r["intra_node_bytes"], r["cross_node_bytes"], r["widened"],
-                                   r["count"])
+                                   r["count"], r.get("axis", "data"))
                      for r in data["rows"])
-        return cls(rows, data["nodes"], data["local"])
+        return cls(rows, data["nodes"], data["local"], data.get("model", 1))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
@@ -580,15 +613,33 @@ def comm_report(program: Any, mesh: Any) -> CommReport:
       program: a ``jax.stages.Lowered`` (what the program asks for), a
         ``jax.stages.Compiled`` (what XLA actually moves), or the text of either
         (StableHLO MLIR or HLO).
-      mesh: the ``("node", "local")`` mesh the program runs on (or a ``(nodes, local)``
-        tuple).
+      mesh: the mesh the program runs on (``("node", "local")`` or ``("node", "local",
+        "model")``), or a ``(nodes, local)`` / ``(nodes, local, model)`` tuple.
     """
-    from zeropp_jax.core.mesh import mesh_shape
+    from zeropp_jax.core.mesh import mesh_shape, model_size
 
-    nodes, local = tuple(mesh) if isinstance(mesh, tuple) else mesh_shape(mesh)
+    if isinstance(mesh, tuple):
+        nodes, local, model = (tuple(mesh) + (1,))[:3]
+    else:
+        (nodes, local), model = mesh_shape(mesh), model_size(mesh)
     rows = []
-    for c in collectives(program, nodes * local):
-        intra, cross = count_bytes(c.kind, c.bytes, c.groups, local)
+    for c in collectives(program, nodes * local * model):
+        intra, cross = count_bytes(c.kind, c.bytes, c.groups, local * model)
         rows.append(CollectiveRow(c.kind, c.dtype, c.shape, c.bytes, c.groups, intra, cross,
-                                  c.widened, c.count))
-    return CommReport(tuple(rows), nodes, local)
+                                  c.widened, c.count, _axis_of(c.groups, model)))
+    return CommReport(tuple(rows), nodes, local, model)
+
+
+def _axis_of(groups: Sequence[Sequence[int]], model: int) -> str:
+    """``"data"``, ``"model"`` or ``"mixed"``: whether every group (or permute pair) holds
+    devices of one tensor-parallel slice (same index ``d % model``), of one tensor-parallel
+    group (same ``d // model``), or neither. Device ``d`` sits at ``(node, local, model)``
+    row-major, ``"model"`` innermost."""
+    if model == 1:
+        return "data"
+    real = [g for g in groups if len(set(g)) > 1]
+    if all(len({d % model for d in g}) == 1 for g in real):
+        return "data"
+    if all(len({d // model for d in g}) == 1 for g in real):
+        return "model"
+    return "mixed"

@@ -102,6 +102,12 @@ class ModelShape:
         backward and regathers nothing.
       single_weight: units of one weight array (a head, an embedding), whose flat
         gradient is that weight's gradient reshaped, not a concatenated copy.
+      tensor_parallel: the tensor-parallel degree ``T`` the shape describes one rank of
+        (``transformer_shape(tensor_parallel=T)``): unit sizes are one rank's slices, flops
+        and activations one rank's share; 1: no tensor parallelism.
+      tp_allreduces: all-reduces over the tensor-parallel group per step (Megatron's: two
+        per block in forward, two in backward, and the embedding's).
+      tp_elems_per_token: elements per token each of them reduces (``d_model``).
     """
 
     units: tuple[tuple[str, int], ...]
@@ -123,6 +129,9 @@ class ModelShape:
     logits: float = 0.0
     small_weights: frozenset[str] = frozenset()
     single_weight: frozenset[str] = frozenset()
+    tensor_parallel: int = 1
+    tp_allreduces: int = 0
+    tp_elems_per_token: float = 0.0
 
     @property
     def params(self) -> int:
@@ -132,7 +141,8 @@ class ModelShape:
 
 def decoder_activations(d_model: int, seq_len: int, vocab: int, *, heads: int,
                         ffn: int | None = None, gated: bool = False,
-                        fused_attention: bool = False) -> dict[str, float]:
+                        fused_attention: bool = False, tensor_parallel: int = 1
+                        ) -> dict[str, float]:
     """What a pre-norm decoder's step keeps per token, in elements: the ``ModelShape``
     fields ``block_activations``, ``block_recomputed``, ``block_inputs``,
     ``block_gradients``, ``activations`` and ``logits`` (``dataclasses.replace(shape,
@@ -163,22 +173,28 @@ def decoder_activations(d_model: int, seq_len: int, vocab: int, *, heads: int,
     two float32 ``[tokens, vocab]`` arrays at once (the logits and their softmax in
     forward; in backward the logits' gradient and the transposed copy the head's weight
     gradient reads).
+
+    ``tensor_parallel``: one rank's share under Megatron's split (no sequence
+    parallelism): the query, key, value, attention output, the probabilities and the
+    MLP's intermediates split over the ``T`` ranks (heads and ``ffn`` columns), the
+    residual stream and the norms whole on every rank; the logits split by vocabulary.
     """
+    t = tensor_parallel
     ffn = 4 * d_model if ffn is None else ffn
     mlp = 5 * ffn if gated else 3 * ffn
-    recomputed = 2 * d_model + (0 if gated else 2 * ffn)
+    recomputed = 2 * d_model + (0 if gated else 2 * ffn / t)
     attention = heads if fused_attention else 2 * heads * seq_len + 2 * heads
-    block = 8 * d_model + attention + mlp + 4
+    block = 4 * d_model + (4 * d_model + attention + mlp) / t + 4
     return {"block_activations": float(block), "block_recomputed": float(recomputed),
-            "block_inputs": float(d_model), "block_gradients": float(d_model + ffn),
-            "activations": float(2 * d_model + 2), "logits": float(2 * vocab)}
+            "block_inputs": float(d_model), "block_gradients": float(d_model + ffn / t),
+            "activations": float(2 * d_model + 2), "logits": float(2 * vocab / t)}
 
 
 def transformer_shape(layers: int, d_model: int, vocab: int, seq_len: int, *,
                       ffn: int | None = None, tied: bool = False, name: str = "",
                       heads: int | None = None, kv_heads: int | None = None,
                       gated: bool = False, itemsize: int = 0,
-                      fused_attention: bool = False) -> ModelShape:
+                      fused_attention: bool = False, tensor_parallel: int = 1) -> ModelShape:
     """A decoder: token embedding, ``layers`` blocks, a final norm and an output head
     (shared with the embedding when ``tied``).
 
@@ -196,7 +212,17 @@ def transformer_shape(layers: int, d_model: int, vocab: int, seq_len: int, *,
     Activations: with ``heads`` given, what the blocks keep for backward is counted
     (``decoder_activations``, with ``fused_attention``); without, none (declare
     ``activation_bytes_per_token`` instead). ``itemsize``: the bytes per element the
-    model computes in (0: the config's compute dtype)."""
+    model computes in (0: the config's compute dtype).
+
+    ``tensor_parallel``: the shape of one of ``T`` tensor-parallel ranks, as the engine
+    splits a model over a ``"model"`` mesh axis with Megatron's rules: every unit stores
+    ``ceil(n / T)`` parameters (split weights by their slices, whole ones in equal
+    pieces), the flops are a rank's ``1 / T``, the activations ``decoder_activations``'
+    split, and each step all-reduces ``d_model`` elements per token over the group four
+    times per block and once for the embedding."""
+    t = tensor_parallel
+    if not isinstance(t, int) or t < 1:
+        raise ValueError(f"tensor_parallel must be a positive int, got {t!r}")
     ffn = 4 * d_model if ffn is None else ffn
     if gated:
         kv = d_model if kv_heads is None or heads is None else d_model * kv_heads // heads
@@ -217,18 +243,23 @@ def transformer_shape(layers: int, d_model: int, vocab: int, seq_len: int, *,
     if not tied:
         units.append(("head", embed))
     units.append((REST, final_norm))
+    total = sum(n for _, n in units)
+    units = [(u, -(-n // t)) for u, n in units]
     matmul = layers * matmul_block + embed
-    flops = 6.0 * matmul + 12.0 * layers * d_model * seq_len
+    flops = (6.0 * matmul + 12.0 * layers * d_model * seq_len) / t
     return ModelShape(tuple(units), no_regather=frozenset({"wte"} if not tied else ()),
                       kept=_last_called(units), first=None if tied else "wte",
                       flops_per_token=flops,
-                      name=name or f"GPT {layers}L d{d_model} ({sum(n for _, n in units):,})",
+                      name=name or (f"GPT {layers}L d{d_model} ({total:,})"
+                                    + (f", tensor parallel {t}" if t > 1 else "")),
                       resident=frozenset({"wte"} if tied else ()), itemsize=itemsize,
                       blocks=frozenset(blocks), small_weights=frozenset(small),
                       single_weight=frozenset({"wte", "head"}),
+                      tensor_parallel=t, tp_allreduces=(4 * layers + 1) if t > 1 else 0,
+                      tp_elems_per_token=float(d_model) if t > 1 else 0.0,
                       **({} if heads is None else decoder_activations(
                           d_model, seq_len, vocab, heads=heads, ffn=ffn, gated=gated,
-                          fused_attention=fused_attention)))
+                          fused_attention=fused_attention, tensor_parallel=t)))
 
 
 def shape_of_state(state: Any, *, flops_per_token: float | None = None,
@@ -787,6 +818,17 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
                                local)
     costs.append(CollectiveCost("loss and metrics", "all-reduce", cross / nodes,
                                 intra / devices, nodes > 1))
+    t = shape.tensor_parallel
+    if t > 1:
+        # ``local`` counts data-parallel devices: a node holds ``t`` data groups (one per
+        # tensor-parallel slice), whose cross-node bytes share its network link.
+        costs = [dataclasses.replace(c, cross_bytes_per_node=c.cross_bytes_per_node * t)
+                 for c in costs]
+        # Tensor parallelism's own all-reduces, inside the node (a ring: each device
+        # sends and receives 2 (t - 1) / t of the buffer).
+        size = tokens_per_device * shape.tp_elems_per_token * config.compute_jnp_dtype.itemsize
+        costs.append(CollectiveCost("tensor parallel", "all-reduce", 0.0,
+                                    2 * (t - 1) / t * size, False, shape.tp_allreduces))
     memory = memory_breakdown(config, shape, nodes, local, tokens_per_device,
                               backend=backend).total
     # Offloaded state over the host link per step: Adam's moments in and out at the

@@ -44,6 +44,7 @@ from zeropp_jax.comm.transports import TransportPlan, UnitTransports, plan_of, r
 from zeropp_jax.comm.transports.base import gradient_bytes, weight_bytes
 from zeropp_jax.comm.wire import WireBytes
 from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
+from zeropp_jax.comm.transports.sliced import unsliced
 
 PyTree = Any
 
@@ -208,7 +209,8 @@ class Engine:
         primary shard or hpZ's secondary) and ``"gradient"`` (the reduce-scatter; absent
         for a wholly frozen unit); trainable and frozen parts added. Counted from each
         transport's own collectives (``comm.wire``), so it holds at any mesh size: layouts
-        are re-padded for ``nodes * local`` devices."""
+        are re-padded for ``nodes * local`` devices. With tensor parallelism every slice's
+        bytes are counted (each slice moves over the data devices that hold it)."""
         this_nodes, this_local = mesh_shape(self.mesh)
         nodes, local = nodes or this_nodes, local or this_local
         devices = nodes * local
@@ -222,12 +224,14 @@ class Engine:
                 if transport is None:
                     continue
                 n_pad = padded_length(lay.n, devices, align)
-                for k, v in weight_bytes(transport, n_pad, cfg.param_jnp_dtype, nodes,
-                                         local).items():
-                    row[k] = row.get(k, WireBytes()) + v
+                # Tensor-parallel slices: each moves its own buffer over its own data group.
+                times = lambda b, k=lay.tp: WireBytes(b.intra * k, b.cross * k)  # noqa: E731
+                for k, v in weight_bytes(unsliced(transport), n_pad, cfg.param_jnp_dtype,
+                                         nodes, local).items():
+                    row[k] = row.get(k, WireBytes()) + times(v)
                 if transport is t.weights:
-                    row["gradient"] = gradient_bytes(t.gradients, n_pad, cfg.compute_jnp_dtype,
-                                                     nodes, local)
+                    row["gradient"] = times(gradient_bytes(
+                        unsliced(t.gradients), n_pad, cfg.compute_jnp_dtype, nodes, local))
             out[name] = row
         return out
 

@@ -96,3 +96,9 @@ class SlicedGradients:
                                          next(it) if step is not None else None)
 
         return per_slice(one, (g_full,), whole)
+
+
+def unsliced(transport: Any) -> Any:
+    """The transport one tensor-parallel slice runs (``transport`` itself if it is not
+    sliced): what counts one slice's bytes on a ``("node", "local")`` mesh."""
+    return transport.inner if isinstance(transport, (SlicedWeights, SlicedGradients)) else transport

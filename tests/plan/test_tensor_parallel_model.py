@@ -1,6 +1,8 @@
 """The memory and cost models with tensor parallelism: one rank's shape
 (``transformer_shape(tensor_parallel=T)``) and its step on a ``nodes x local/T`` data mesh."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -63,3 +65,30 @@ def test_the_states_stay_a_devices_share_and_the_gathered_weights_shrink():
         assert rank.states == pytest.approx(one.states, rel=1e-3)
         assert rank.gathered < one.gathered / t * 1.05
         assert rank.activations < one.activations
+
+
+def test_the_planner_ranks_tensor_parallel_degrees():
+    """A 70B-class model keeping every activation of a 4096-token sequence does not fit 80
+    GiB per GPU on 16 x 8 H100s without tensor parallelism; given the shapes of degrees 2,
+    4 and 8 (each data-parallel rank one sequence) the planner picks a degree whose
+    predicted peak fits, and says which mesh to build."""
+    from zeropp_jax.plan import auto, presets
+
+    big = dict(layers=80, d_model=8192, vocab=32000, seq_len=4096, ffn=28672, heads=64,
+               kv_heads=8, gated=True)
+    shapes = {t: transformer_shape(**big, tensor_parallel=t) for t in (2, 4, 8)}
+    budget = 80 * 2**30
+    no_host = dataclasses.replace(presets.h100(16), host=None)  # no offload candidates
+    with pytest.raises(ValueError, match="no configuration fits"):
+        auto.plan(transformer_shape(**big), hardware=no_host, memory_budget_bytes=budget,
+                  tokens_per_device=4096)
+    p = auto.plan(transformer_shape(**big), hardware=no_host, memory_budget_bytes=budget,
+                  tokens_per_device=4096, tensor_parallel=shapes)
+    assert p.chosen.fits and p.chosen.tensor_parallel > 1
+    assert {c.tensor_parallel for c in p.candidates} == {1, 2, 4, 8}
+    t = p.chosen.tensor_parallel
+    assert f"make_mesh(16, {8 // t}, model={t})" in p.table()
+    assert all(not c.fits for c in p.candidates if c.tensor_parallel == 1)
+    with pytest.raises(ValueError, match="degree 2"):
+        auto.plan(transformer_shape(**big), hardware=presets.h100(16),
+                  tensor_parallel={2: shapes[4]})

@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 import math
 import numbers
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -63,10 +63,19 @@ class Candidate:
     prediction: StepPrediction
     fits: bool
     wire_mb: float = 0.0  # MB each node sends across nodes per step
+    tensor_parallel: int = 1  # the "model" axis size it is costed for (make_mesh(model=))
 
     @property
     def label(self) -> str:
-        return config_label(self.config)
+        tp = f" tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return config_label(self.config) + tp
+
+    @property
+    def cost(self) -> float:
+        """What the ranking compares: the step time, per device's share of the tokens (a
+        tensor-parallel candidate's ``T`` devices share one rank's tokens, so its step is
+        weighed ``T`` times)."""
+        return self.prediction.step_s * self.tensor_parallel
 
     @property
     def techniques(self) -> int:
@@ -147,7 +156,8 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
          memory_budget_bytes: float | None = None, hardware: Hardware | None = None,
          tokens_per_device: float | None = 0.0, base: ZeroPPConfig | None = None,
          tie: float | None = _TIE, configs: Sequence[ZeroPPConfig] | None = None,
-         allow_int4_weights: bool = False) -> Plan:
+         allow_int4_weights: bool = False,
+         tensor_parallel: Mapping[int, ModelShape] | None = None) -> Plan:
     """Rank the candidate configurations for a model on a cluster (module docstring).
 
     Args:
@@ -160,7 +170,8 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
       hardware: calibrated constants; overrides the preset (links given above still
         replace its bandwidths).
       tokens_per_device: tokens each device trains per step (0 or None: compute is left
-        out, so the ranking is by communication alone, and the table says so).
+        out, so the ranking is by communication alone, and the table says so); with
+        ``tensor_parallel``, each data-parallel rank (its ``T`` devices share them).
       base: other settings every candidate keeps (dtypes, prefetch, block size...);
         qgZ's options (``qgz_error_feedback``, ``qgz_signs``) go to the qgZ candidates
         only, and the plan never turns them on itself (module docstring).
@@ -172,6 +183,14 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
         by default: they halve INT8's weight bytes but cost accuracy on models whose
         weight blocks have no outliers (module docstring); turn it on once a convergence
         run of your model shows they train as well.
+      tensor_parallel: tensor-parallel degrees to rank too, each with the model's shape on
+        one rank (``{2: transformer_shape(..., tensor_parallel=2), ...}``; degree 1 is
+        ``state_or_model``'s): a degree ``T`` dividing ``local`` is costed on a ``nodes x
+        local / T`` data mesh, each data-parallel rank (``T`` devices) training
+        ``tokens_per_device`` tokens, and ranked by step time per device's share of the
+        tokens (``Candidate.cost``: ``T`` x its step). The chosen one is
+        ``Plan.chosen.tensor_parallel``: build the mesh with ``make_mesh(nodes, local // T,
+        model=T)``.
 
     None means not given, for every argument that has a default. Anything else that is
     not what the argument takes (0 nodes, a negative bandwidth, a budget given as the
@@ -214,25 +233,27 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
                 raise TypeError(f"configs holds a {type(c).__name__}: give ZeroPPConfigs")
     shape = _shape_of(state_or_model)
     hw = _hardware(hardware, nodes, local, intra_gbps, inter_gbps)
+    shapes = _tensor_parallel_shapes(shape, tensor_parallel, hw.local)
     given = configs is not None
-    if not given:
-        configs = candidate_configs(hw.nodes, hw.local, base,
-                                    allow_int4_weights=bool(allow_int4_weights))
+    per_degree = {t: list(configs) if given else candidate_configs(
+        hw.nodes, hw.local // t, base, allow_int4_weights=bool(allow_int4_weights))
+        for t in shapes}
 
-    def costed(config: ZeroPPConfig) -> Candidate:
-        w = config_workload(config, shape, hw.nodes, hw.local, tokens_per_device)
+    def costed(config: ZeroPPConfig, t: int = 1) -> Candidate:
+        w = config_workload(config, shapes[t], hw.nodes, hw.local // t, tokens_per_device)
         p = predict_step(w, hw)
         fits = memory_budget_bytes is None or p.memory_bytes <= memory_budget_bytes
-        return Candidate(config, p, fits, w.cross_bytes_per_node / 1e6)
+        return Candidate(config, p, fits, w.cross_bytes_per_node / 1e6, t)
 
-    candidates = [costed(c) for c in configs]
+    candidates = [costed(c, t) for t, cs in per_degree.items() for c in cs]
     if (not given and not any(c.fits for c in candidates) and hw.host is not None
-            and not any(c.offload_optimizer for c in configs)):
+            and not any(c.offload_optimizer for cs in per_degree.values() for c in cs)
+            and len(shapes) == 1):
         # Nothing fits on the device: the same candidates with the optimizer state in
         # host memory, priced with the transfers over the host link.
         candidates += [costed(dataclasses.replace(c, offload_optimizer=True))
-                       for c in configs]
-    candidates.sort(key=lambda c: c.prediction.step_s)
+                       for c in per_degree[1]]
+    candidates.sort(key=lambda c: c.cost)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         least = min(candidates, key=lambda c: c.prediction.memory_bytes)
@@ -241,16 +262,21 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
             f"smallest, {least.label}, needs {least.prediction.memory_bytes:,.0f} bytes per "
             "device. Raise the budget, add devices, or lower the per-device batch "
             "(activations)")
-    best = fitting[0].prediction.step_s
-    tied = [c for c in fitting if c.prediction.step_s <= best * (1 + tie)]
-    chosen = min(tied, key=lambda c: (c.techniques, c.prediction.step_s))
+    best = fitting[0].cost
+    tied = [c for c in fitting if c.cost <= best * (1 + tie)]
+    chosen = min(tied, key=lambda c: (c.techniques, c.tensor_parallel, c.cost))
     why = (f"chose {chosen.label}: {chosen.prediction.step_s * 1e3:.2f} ms predicted"
-           + (f", within {tie:.0%} of the fastest ({fitting[0].label}, {best * 1e3:.2f} ms) "
+           + (f", within {tie:.0%} of the fastest ({fitting[0].label}, "
+              f"{fitting[0].prediction.step_s * 1e3:.2f} ms) "
               "with fewer techniques on" if chosen is not fitting[0] else ", the fastest")
            + ("" if memory_budget_bytes is None else
               f", under the budget of {memory_budget_bytes / 2**30:.2f} GiB per device")
            + ("" if tokens_per_device else
               "; no tokens_per_device given, so compute is not counted"))
+    if chosen.tensor_parallel > 1:
+        t = chosen.tensor_parallel
+        why += (f"\ntensor parallel {t}: build the mesh with zpp.make_mesh({hw.nodes}, "
+                f"{hw.local // t}, model={t}) and pass the model's logical_axis_rules")
     if _int4(chosen.config):
         why += ("\nINT4 weights chosen: they lose accuracy where INT8 weights do not "
                 "(benchmarks/int4_weights.py); check a convergence run of this model against "
@@ -277,7 +303,8 @@ def auto_config(state_or_model: Any, *, nodes: int | None = None, local: int | N
     ``memory_budget_bytes`` per device (a number, e.g. ``70 * 2**30``), prints the table
     (unless ``verbose=False``) and returns the chosen ``ZeroPPConfig``. Other keyword
     arguments go to ``plan`` (``hardware``, ``tokens_per_device``, ``base``, ``tie``,
-    ``configs``, ``allow_int4_weights``). None means not given; 0 nodes, a negative
+    ``configs``, ``allow_int4_weights``, ``tensor_parallel``: degrees to rank too, with the
+    model's shape on one rank at each; the chosen degree is printed with the mesh to build). None means not given; 0 nodes, a negative
     bandwidth or a budget given as a string raise naming the argument. qgZ's error
     feedback and per-step signs are never chosen here: a ``base`` with them on gives them
     to the qgZ candidates, priced with the feedback's memory.
@@ -287,6 +314,27 @@ def auto_config(state_or_model: Any, *, nodes: int | None = None, local: int | N
     if verbose:
         print(p.table())
     return p.chosen.config
+
+
+def _tensor_parallel_shapes(shape: ModelShape, given: Mapping[int, ModelShape] | None,
+                            local: int) -> dict[int, ModelShape]:
+    """Degree -> one rank's shape: ``{1: shape}`` plus the ``given`` degrees that divide
+    ``local`` (checked: positive ints mapped to ``ModelShape``s of that degree)."""
+    out = {1: shape}
+    if given is None:
+        return out
+    if not isinstance(given, Mapping):
+        raise TypeError(f"tensor_parallel={given!r}: give a dict {{degree: ModelShape}} "
+                        "(transformer_shape(..., tensor_parallel=degree)), or None")
+    for t, s in given.items():
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"tensor_parallel degree {t!r} is not a positive int")
+        if not isinstance(s, ModelShape) or s.tensor_parallel != t:
+            raise ValueError(f"tensor_parallel[{t}] must be one rank's ModelShape of degree "
+                             f"{t} (transformer_shape(..., tensor_parallel={t}))")
+        if t > 1 and local % t == 0:
+            out[t] = s
+    return out
 
 
 def _int4(config: ZeroPPConfig) -> bool:

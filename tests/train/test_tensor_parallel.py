@@ -390,3 +390,67 @@ def test_eval_step_and_accumulation_under_tensor_parallelism():
     for a, b in zip(jax.tree_util.tree_leaves(got_state.consolidate()),
                     jax.tree_util.tree_leaves(want_state.consolidate())):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_qwz_and_hpz_under_tensor_parallelism_are_exact_at_dequantized_weights():
+    """fp32 qwZ (INT8 blocks of 64) with hpZ on (2, 2, 2): each slice's shard is quantized
+    block by block as without tensor parallelism, so the step's loss and gradients are the
+    plain model's at every slice's dequantized weights (forward and hpZ's backward see the
+    same weights), within their measured fp32 rounding."""
+    from pallas_kernels.quantize import dequantize_reference, quantize_reference
+
+    from helpers import dequantized_params
+
+    block, seed = 64, int(np.random.default_rng().integers(1 << 16))
+    cfg = zpp.ZeroPPConfig(qwz=True, weight_bits=8, block_size=block, hpz=True,
+                           hpz_group_size=2, **FP32)
+    state = _state((2, 2, 2), cfg, seed=seed)
+    batch = tokens(16, seed=seed + 1)
+    _, out = make_step(with_grads=True)(state, batch)
+
+    def roundtrip(flat):  # [T, n_pad]: a slice's blocks never straddle slices
+        kw = dict(bits=8, block_size=block)
+        deq = dequantize_reference(*quantize_reference(flat.reshape(-1), **kw),
+                                   dtype=jnp.float32, **kw)
+        return deq.reshape(flat.shape)
+
+    deq = dequantized_params(state, block, 8, roundtrip)
+    ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL), deq, batch)
+    rho = fp32_gradient_rounding(GPT(SMALL), deq, batch, shards=(4,)).rho
+    assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
+                                ref_loss, ref_grads, rho)
+    # And the quantization did something: the dequantized weights are not the weights.
+    assert any(np.max(np.abs(a - b)) > 0 for a, b in zip(
+        jax.tree_util.tree_leaves(deq), jax.tree_util.tree_leaves(init_params(seed=seed))))
+
+
+def test_ulysses_stays_on_the_data_axes():
+    """Sequence parallelism (the demo GPT's Ulysses attention over "local", batch over
+    "node") on (2, 2, 2) with the weights split over "model": the one-device loss and
+    gradients, within their measured fp32 rounding."""
+    from jax.sharding import PartitionSpec as P
+
+    from zeropp_demo.gpt import loss_fn
+
+    seed = int(np.random.default_rng().integers(1 << 16))
+    boxed, values = _boxed_params(seed)
+    model = GPT(dataclasses.replace(TP_CFG, sequence_axis="local"))
+    state = zpp.TrainState.create(model=model, params=boxed, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 2, model=2),
+                                  config=zpp.ZeroPPConfig.zero3(**FP32),
+                                  logical_axis_rules=MEGATRON_RULES)
+
+    @zpp.train_step(batch_spec=P("node", "local"))
+    def step(state, batch):
+        def loss_of(p):
+            return loss_fn(state.apply_fn({"params": p}, batch["x"]), batch["y"])
+
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss, "grads": grads}
+
+    batch = tokens(8, seed=seed + 1)
+    _, out = step(state, {"x": batch[:, :-1], "y": batch[:, 1:]})
+    ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL), values, batch)
+    rho = fp32_gradient_rounding(GPT(SMALL), values, batch, shards=(2,)).rho
+    assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
+                                ref_loss, ref_grads, rho)

@@ -42,6 +42,37 @@ def simulate_mesh_devices(args: argparse.Namespace) -> None:
     zpp.simulate_cpu_devices(args.nodes * args.local)
 
 
+def timed_gpt_parser(description: str | None) -> argparse.ArgumentParser:
+    """The parser of a benchmark timing variants of the example GPT in interleaved rounds
+    (``common.timed_rounds``): the mesh (``--nodes``, ``--local``, default 2 x 2), the
+    model (``--layers``, ``--d-model``, ``--heads``, ``--seq-len``, ``--batch``), the rounds
+    (``--rounds``, ``--steps-per-round``) and ``--out``."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--local", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps-per-round", type=int, default=3)
+    add_out_argument(p)
+    return p
+
+
+def cpu_name() -> str:
+    """This machine's CPU model (``/proc/cpuinfo``), for a result's JSON."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def write_json(out: pathlib.Path, name: str, results: Any) -> pathlib.Path:
     """Writes ``results`` to ``out/name`` (creating ``out``), says so, returns the path."""
     out.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,9 @@ import argparse
 import pathlib
 import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.cli import add_out_argument, write_json  # noqa: E402
+from benchmarks.cli import cpu_name, timed_gpt_parser, write_json  # noqa: E402
 
 VARIANTS = {
     "hadamard": {},
@@ -39,19 +38,7 @@ VARIANTS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--steps-per-round", type=int, default=3)
-    add_out_argument(p)
-    return p.parse_args(argv)
+    return timed_gpt_parser(__doc__).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,22 +47,12 @@ def main(argv: list[str] | None = None) -> None:
 
     zpp.simulate_cpu_devices(args.nodes * args.local)
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
-    from benchmarks.common import lm_train_step
-    from zeropp_demo.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
-    from zeropp_demo.gpt import GPT, GPTConfig
+    from benchmarks.common import bf16_gpt_run, timed_rounds
 
-    cfg = GPTConfig(vocab_size=VOCAB_SIZE, seq_len=args.seq_len, layers=args.layers,
-                    d_model=args.d_model, heads=args.heads, dtype=jnp.bfloat16)
-    model = GPT(cfg)
-    data, _ = train_val_split(stdlib_corpus())
-    batches = [sample_batch(data, args.batch, args.seq_len, seed=0, step=i) for i in range(4)]
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), batches[0][:, :-1])["params"]
-    mesh = zpp.make_mesh(args.nodes, args.local)
-    step = lm_train_step()
+    model, params, batches, mesh, step = bf16_gpt_run(args)
     states, rows = {}, {}
     for name, extra in VARIANTS.items():
         config = zpp.ZeroPPConfig.zeropp(qgz_hadamard=True, **extra)
@@ -91,15 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         rows[name] = {"times": [], "kept_bytes_per_device": kept // (args.nodes * args.local),
                       "wire_bytes": {u: {k: [b.intra, b.cross] for k, b in r.items()}
                                      for u, r in wire.items()}}
-    for _ in range(args.rounds):
-        for name in VARIANTS:
-            state = states[name]
-            t0 = time.perf_counter()
-            for i in range(args.steps_per_round):
-                state, m = step(state, batches[2 + i % 2])
-            jax.block_until_ready(state)
-            rows[name]["times"].append((time.perf_counter() - t0) / args.steps_per_round)
-            states[name] = state
+    for name, times in timed_rounds(states, step, batches, args.rounds,
+                                    args.steps_per_round).items():
+        rows[name]["times"] = times
     base = statistics.median(rows["hadamard"]["times"])
     n_params = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(params))
     print(f"{n_params / 1e6:.2f}M-parameter GPT, {args.nodes}x{args.local} CPU devices, "
@@ -118,17 +89,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{str(r['same_wire_bytes']):>10}")
     write_json(args.out, "feedback_cost.json", {
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "params": n_params, "cpu": _cpu(), "jax": jax.__version__, "variants": rows})
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+        "params": n_params, "cpu": cpu_name(), "jax": jax.__version__, "variants": rows})
 
 
 if __name__ == "__main__":

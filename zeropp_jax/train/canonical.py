@@ -65,7 +65,9 @@ def _rewrite(x: jax.Array, source: UnitLayout, target: UnitLayout,
                    out_shardings=sharding)(x)
 
 
-def _unit_of(path: tuple, layouts: dict[str, UnitLayout]) -> str | None:
+def unit_of(path: tuple, layouts: dict[str, UnitLayout]) -> str | None:
+    """The unit an optimizer-state leaf at ``path`` (a key path) belongs to: the last
+    dict key on it that names a unit; None for a leaf of no unit (a step count)."""
     for k in reversed(path):
         key = getattr(k, "key", None)
         if isinstance(key, str) and key in layouts:
@@ -82,7 +84,7 @@ def _move(state: TrainState, engine: Engine, shardings: dict[str, NamedSharding]
         return _rewrite(x, old.layouts[name], engine.layouts[name], shardings[name])
 
     def leaf(path: tuple, x: Any, spec: Any) -> Any:
-        name = _unit_of(path, old.layouts)
+        name = unit_of(path, old.layouts)
         if name is None or spec == jax.sharding.PartitionSpec():
             return x if not isinstance(x, jax.Array) else jax.device_put(
                 x, NamedSharding(engine.mesh, jax.sharding.PartitionSpec()))

@@ -250,14 +250,6 @@ def _checksums(name: str, arrays: dict[str, jax.Array], real: dict[str, int]
 # -- what a state holds, mesh-independently ----------------------------------------------------
 
 
-def _unit_of(path: tuple, layouts: dict[str, UnitLayout]) -> str | None:
-    for k in reversed(path):
-        key = getattr(k, "key", None)
-        if isinstance(key, str) and key in layouts:
-            return key
-    return None
-
-
 def _opt_leaves(state: TrainState) -> list[dict]:
     """One record per optimizer-state leaf: key, whether it is a unit-flat buffer, unit."""
     engine = state.engine
@@ -269,7 +261,7 @@ def _opt_leaves(state: TrainState) -> list[dict]:
     for (path, leaf), spec in zip(leaves, specs):
         rec = {"key": jax.tree_util.keystr(path), "dtype": str(np.dtype(leaf.dtype))}
         if spec == SHARDED:
-            unit = _unit_of(path, engine.layouts)
+            unit = canonical.unit_of(path, engine.layouts)
             if unit is None or leaf.shape != (engine.layouts[unit].n_pad,):
                 raise NotImplementedError(
                     f"optimizer-state leaf {rec['key']} is sharded but not a per-unit flat "

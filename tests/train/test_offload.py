@@ -173,7 +173,8 @@ def test_deepspeed_offload_keys_are_read(section, optimizer, params):
 @pytest.mark.parametrize("section,match", [
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
      "device='nvme'.*'cpu'"),
-    ({"offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "ratio=0.3"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": 1.5}}, "ratio=1.5"),
+    ({"offload_param": {"device": "cpu", "ratio": 0.5}}, "offload_param.ratio=0.5"),
     ({"offload_optimizer": {"device": "gpu"}}, "device='gpu'"),
     ({"offload_param": {"device": "nvme"}}, "offload_param.device='nvme'"),
     ({"offload_param": {"device": "cpu"}, "stage": 2}, "offload_param.*ZeRO-3.*stage 2"),
@@ -300,3 +301,65 @@ def test_models_we_did_not_write_train_the_same_offloaded(name):
         runs.append((state, losses))
     np.testing.assert_array_equal(runs[1][1], runs[0][1])
     _assert_states_equal(runs[1][0], runs[0][0])
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.3])
+def test_a_fraction_of_the_optimizer_state_offloaded_trains_bit_for_bit_the_same(ratio,
+                                                                                   tmp_path):
+    """``offload_ratio`` (DeepSpeed's ``offload_optimizer.ratio``, ZeRO-Offload++): whole
+    units' state in host memory until their parameters reach the fraction, the rest (and
+    the step count) on the device, before and after steps; training is the same bit for
+    bit, and a checkpoint restores into the same split."""
+    seed = int(np.random.default_rng().integers(1 << 16))
+    config = zpp.ZeroPPConfig.zeropp(gradient_clipping=0.05)
+    base, base_losses = _train(_state(config, TXS["adamw"]()), 3, seed)
+    part = _state(dataclasses.replace(config, offload_optimizer=True, offload_ratio=ratio),
+                  TXS["adamw"]())
+    engine = part.engine
+    sizes = {name: lay.n for name, lay in engine.layouts.items()}
+    off = engine.offloaded
+    assert 0 < len(off) < len(sizes)
+    share = sum(sizes[u] for u in off) / sum(sizes.values())
+    # At least the ratio, and less without the last unit taken (name order).
+    assert share >= ratio and share - sizes[max(off)] / sum(sizes.values()) < ratio
+
+    part, losses = _train(part, 3, seed)
+    split = dataclasses.replace(config, offload_optimizer=True, offload_ratio=ratio)
+    zpp.checkpoint.save(tmp_path, part)
+    back = zpp.checkpoint.restore(tmp_path, _state(split, TXS["adamw"](), seed=seed + 1))
+    _assert_states_equal(back, part)
+    for state in (_state(split, TXS["adamw"]()), part, back):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state):
+            unit = next((getattr(k, "key", None) for k in reversed(path)
+                         if getattr(k, "key", None) in sizes), None)
+            want = "device" if unit is None or unit not in off else HOST
+            assert leaf.sharding.memory_kind == want, (jax.tree_util.keystr(path), want)
+    np.testing.assert_array_equal(losses, base_losses)
+    _assert_states_equal(part, base)
+    assert f"offload{ratio:g}" in engine.plan.label()
+
+
+def test_deepspeed_offload_ratio_is_read():
+    config = zpp.ZeroPPConfig.from_deepspeed({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+    assert config.offload_optimizer and config.offload_ratio == 0.3
+    with pytest.raises(ValueError, match="needs offload_optimizer=True"):
+        zpp.ZeroPPConfig(offload_ratio=0.5)
+    with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+        zpp.ZeroPPConfig(offload_optimizer=True, offload_ratio=0.0)
+    assert zpp.ZeroPPConfig(offload=zpp.Offload(optimizer=True, ratio=0.4)).offload_ratio == 0.4
+
+
+def test_the_memory_model_counts_the_offloaded_fraction():
+    from zeropp_jax.plan.workload import ADAM_BYTES_PER_PARAM, memory_breakdown, \
+        transformer_shape
+
+    shape = transformer_shape(layers=8, d_model=1024, vocab=32000, seq_len=2048)
+    full = memory_breakdown(zpp.ZeroPPConfig(offload_optimizer=True), shape, 2, 8, 2048.0)
+    for ratio in (0.25, 0.5, 0.75):
+        part = memory_breakdown(zpp.ZeroPPConfig(offload_optimizer=True, offload_ratio=ratio),
+                                shape, 2, 8, 2048.0)
+        # Whole units: at least the ratio of the moments, at most one unit more.
+        biggest = max(n for _, n in shape.units) * ADAM_BYTES_PER_PARAM / 16
+        assert ratio * full.host <= part.host <= ratio * full.host + biggest * 1.01
+        assert part.states + part.host == pytest.approx(full.states + full.host, rel=1e-12)

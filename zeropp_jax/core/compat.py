@@ -106,10 +106,13 @@ def on_device(tree: Any) -> Any:
     return jax.tree_util.tree_map(move, tree)
 
 
-def in_host_memory(tree: Any) -> Any:
+def in_host_memory(tree: Any, where: Any = None) -> Any:
     """Every array of ``tree`` moved to its device's pinned host memory (inside
-    jit/shard_map)."""
-    return jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+    jit/shard_map); with ``where`` (a tree of bools like ``tree``) only those marked True."""
+    host = lambda x: jax.device_put(x, jax.memory.Space.Host)  # noqa: E731
+    if where is None:
+        return jax.tree_util.tree_map(host, tree)
+    return jax.tree_util.tree_map(lambda x, w: host(x) if w else x, tree, where)
 
 
 def backends_are_initialized() -> bool:

@@ -241,6 +241,12 @@ class ZeroPPConfig:
         it), its gradient shard goes back to the host, and the update brings both to the
         device (DeepSpeed's ``offload_param`` with ``device: "cpu"``). Bit for bit the
         same training.
+      offload_ratio: with ``offload_optimizer``, the fraction of the optimizer state kept
+        in host memory, in (0, 1] (DeepSpeed's ``offload_optimizer.ratio``; ZeRO-Offload++
+        keeps the rest on the GPU): whole units' state, the units taken in order until
+        their parameters reach this fraction of the trainable ones
+        (``placement.offloaded_units``); the others' state stays on the device. 1.0
+        (default): all of it, the step count too.
     """
 
     stage: int = 3
@@ -276,6 +282,7 @@ class ZeroPPConfig:
     qgz_signs: str = "fixed"
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_ratio: float = 1.0
 
     def __init__(self, stage: int = 3, **settings: Any) -> None:
         """Settings by their flat keywords (``qwz=True``, ``weight_format="int4"``), or
@@ -445,6 +452,13 @@ class ZeroPPConfig:
             raise ValueError(
                 "qwz, hpz and qgz are ZeRO-3 techniques; set stage=3 or turn them off"
             )
+        ratio = self.offload_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"offload_ratio={ratio!r} must be a number in (0, 1]: the "
+                             "fraction of the optimizer state kept in host memory")
+        if ratio < 1 and not self.offload_optimizer:
+            raise ValueError(f"offload_ratio={ratio} is the fraction of the optimizer state "
+                             "offloaded: it needs offload_optimizer=True")
         if self.offload_params and self.stage != 3:
             raise ValueError(
                 "offload_params keeps the primary shards in host memory and gathers them per "

@@ -55,9 +55,13 @@ def deepspeed_settings(ds_config: Mapping[str, Any], overrides: Mapping[str, Any
     kwargs["hpz_group_size"] = hpz if hpz > 1 else None
     if hpz > 1:
         source["hpz"] = f"zero_optimization.zero_hpz_partition_size={hpz}"
-    if _ds_offload_optimizer(zo):
+    ratio = _ds_offload_optimizer(zo)
+    if ratio:
         kwargs["offload_optimizer"] = True
-    if _ds_offload(zo, "offload_param", "cpu_offload_params", "parameter"):
+        if ratio < 1:
+            kwargs["offload_ratio"] = float(ratio)
+            source["offload_ratio"] = "zero_optimization.offload_optimizer.ratio"
+    if _ds_offload(zo, "offload_param", "cpu_offload_params", "parameter", partial=False):
         kwargs["offload_params"] = True
         source["offload_params"] = "zero_optimization.offload_param"
     if "stage3_max_reuse_distance" in zo:
@@ -226,20 +230,23 @@ _DS_OFFLOAD_TUNING = ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", 
                       "cpuadam_cores_perc")
 
 
-def _ds_offload_optimizer(zo: Mapping[str, Any]) -> bool:
-    """Whether ``zero_optimization`` offloads the optimizer state: ``offload_optimizer``
-    with ``device: "cpu"`` (whole: ``ratio`` 1, DeepSpeed's default), or the older
-    ``cpu_offload: true``. NVMe, a partial ratio and unknown keys raise naming the fix.
-    ``pin_memory`` is accepted either way (the state is always kept in pinned memory)."""
+def _ds_offload_optimizer(zo: Mapping[str, Any]) -> float:
+    """The fraction of the optimizer state ``zero_optimization`` offloads (0: none):
+    ``offload_optimizer`` with ``device: "cpu"`` and its ``ratio`` (DeepSpeed's default
+    1: all of it), or the older ``cpu_offload: true``. NVMe and unknown keys raise naming
+    the fix. ``pin_memory`` is accepted either way (the state is always kept in pinned
+    memory)."""
     if "cpu_offload_use_pin_memory" in zo:
         _ds_flag(zo["cpu_offload_use_pin_memory"], "zero_optimization.cpu_offload_use_pin_memory")
     return _ds_offload(zo, "offload_optimizer", "cpu_offload", "optimizer-state")
 
 
-def _ds_offload(zo: Mapping[str, Any], name: str, legacy_name: str, what: str) -> bool:
-    """Whether the ``zero_optimization.<name>`` section (or the older ``<legacy_name>:
-    true``) offloads to the CPU; NVMe, a partial ``ratio`` and unknown keys raise."""
-    legacy = _ds_flag(zo.get(legacy_name, False), f"zero_optimization.{legacy_name}")
+def _ds_offload(zo: Mapping[str, Any], name: str, legacy_name: str, what: str,
+                partial: bool = True) -> float:
+    """The fraction the ``zero_optimization.<name>`` section (or the older
+    ``<legacy_name>: true``, all of it) offloads to the CPU, 0 for none; NVMe, unknown keys
+    and (without ``partial``) a ``ratio`` below 1 raise."""
+    legacy = float(_ds_flag(zo.get(legacy_name, False), f"zero_optimization.{legacy_name}"))
     section = zo.get(name)
     if section is None:
         return legacy
@@ -268,12 +275,12 @@ def _ds_offload(zo: Mapping[str, Any], name: str, legacy_name: str, what: str) -
     ratio = section.get("ratio", 1.0)
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"{key}.ratio={ratio!r} must be a number in (0, 1]")
-    if ratio < 1:
+    if ratio < 1 and not partial:
         raise NotImplementedError(
-            f"{key}.ratio={ratio}: partial offload (a fraction of the state updated on the "
-            "GPU, ZeRO-Offload++) is not implemented by zeropp_jax; use ratio 1.0 (all of "
-            "the state on the host) or no offload")
-    return True
+            f"{key}.ratio={ratio}: a partial ratio applies to the optimizer state "
+            "(offload_optimizer.ratio); the parameters are offloaded whole: use ratio 1.0 "
+            "or no parameter offload")
+    return float(ratio)
 
 
 def _ds_active(value: Any) -> bool:

@@ -173,13 +173,16 @@ class Offload:
       optimizer: the optimizer state, brought to the device for the update
         (``offload_optimizer``).
       params: the primary shards, brought to the device per unit (``offload_params``).
+      ratio: the fraction of the optimizer state offloaded, whole units (``offload_ratio``).
     """
 
     optimizer: bool | None = None
     params: bool | None = None
+    ratio: float | None = None
 
     FLAT: ClassVar[Mapping[str, str]] = {"optimizer": "offload_optimizer",
-                                         "params": "offload_params"}
+                                         "params": "offload_params",
+                                         "ratio": "offload_ratio"}
 
 
 # The config's keyword for each group.

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 import jax
 
-from zeropp_jax.comm.partition import REST, UnitLayout, padded_length
+from zeropp_jax.comm.partition import REST, UnitLayout, offloaded_units, padded_length
 from zeropp_jax.comm.transports import plan_of
 from zeropp_jax.comm.transports.base import gradient_collectives, weight_collectives
 from zeropp_jax.comm.wire import TracedCollective, axis_groups, count_bytes
@@ -563,14 +563,15 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         specs = transport.stored_specs(n_pad, config.param_jnp_dtype)
         return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in specs))
 
-    # Offloaded: Adam's moments and/or the primary shards, in host memory between steps;
-    # at the update two units' worth on the device at once (streamed, ``host``).
-    per_param = (ADAM_BYTES_PER_PARAM * config.offload_optimizer
-                 + p * config.offload_params)
-    host = trainable * per_param / devices
-    streamed = (per_param / devices
-                * sum(sorted((pad(n) for _, n in shape.units), reverse=True)[:2]))
-    states = ((trainable * (p + ADAM_BYTES_PER_PARAM - per_param)
+    # Offloaded: Adam's moments (of the units ``offload_ratio`` picks) and/or the primary
+    # shards, in host memory between steps; at the update two units' worth on the device
+    # at once (streamed, ``host``).
+    off = _offloaded(config, shape)
+    hosted = {u: pad(n) * (ADAM_BYTES_PER_PARAM * (u in off) + p * config.offload_params)
+              for u, n in shape.units}
+    host = sum(hosted.values()) / devices
+    streamed = sum(sorted(hosted.values(), reverse=True)[:2]) / devices
+    states = ((trainable * (p + ADAM_BYTES_PER_PARAM) - sum(hosted.values())
                + sum(map(frozen_storage, frozen_sizes.values()))) / devices
               + STATE_SCALAR_BYTES + batch_bytes_per_device)
     shards = trainable * p / devices
@@ -834,10 +835,11 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     # Offloaded state over the host link per step: Adam's moments in and out at the
     # update; primary shards to the device for each gather (forward, backward's regather:
     # 2) and for the update, the new ones back, their gradient out and in again (6 in all).
-    per_param = (2 * ADAM_BYTES_PER_PARAM * config.offload_optimizer
-                 + 6 * config.param_jnp_dtype.itemsize * config.offload_params)
-    host = per_param / devices * sum(padded_length(n, devices, config.flat_alignment)
-                                     for _, n in shape.units)
+    off = _offloaded(config, shape)
+    host = sum(padded_length(n, devices, config.flat_alignment)
+               * (2 * ADAM_BYTES_PER_PARAM * (u in off)
+                  + 6 * config.param_jnp_dtype.itemsize * config.offload_params)
+               for u, n in shape.units) / devices
     return Workload(tuple(costs), tokens_per_device * shape.flops_per_token, quant, memory,
                     label or config_label(config), grad_quant, host)
 
@@ -855,6 +857,14 @@ def report_workload(report: CommReport, flops_per_device: float = 0.0,
                   for r in report.rows)
     return Workload(costs, flops_per_device, quant_elems_per_device, memory_bytes_per_device,
                     label)
+
+
+def _offloaded(config: ZeroPPConfig, shape: ModelShape) -> frozenset[str]:
+    """The units whose optimizer state lives in host memory, as the engine picks them
+    (``partition.offloaded_units``)."""
+    if not config.offload_optimizer:
+        return frozenset()
+    return offloaded_units(shape.units, config.offload_ratio)
 
 
 def config_label(config: ZeroPPConfig) -> str:

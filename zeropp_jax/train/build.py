@@ -31,6 +31,7 @@ from zeropp_jax.comm.partition import (
     REST,
     UnitLayout,
     make_unit_layout,
+    offloaded_units,
     split_units,
     stack_layers,
     unit_name,
@@ -40,6 +41,7 @@ from zeropp_jax.comm.placement import (
     SHARDED,
     SLICED_SHARDED,
     global_spec,
+    offload_mask,
     place,
     place_replicated,
     sharded_spec,
@@ -353,22 +355,35 @@ def opt_state_specs(tx: optax.GradientTransformation, layouts: Mapping[str, Unit
 
 
 def init_opt_state(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree,
-                   master: Mapping[str, jax.Array], offload: bool = False) -> PyTree:
+                   master: Mapping[str, jax.Array],
+                   offloaded: frozenset[str] = frozenset()) -> PyTree:
     """``tx.init`` on each device's primary shards of ``master``; leaves placed per
-    ``specs`` over ``("node", "local")``, in each device's pinned host memory with
-    ``offload`` (``config.offload_optimizer``)."""
+    ``specs`` over ``("node", "local")``, those of the ``offloaded`` units
+    (``placement.offload_mask``: ``config.offload_optimizer`` and ``offload_ratio``) in
+    each device's pinned host memory."""
+    host = offload_mask(specs, master, offloaded)
+
     def init(m: Mapping[str, jax.Array]) -> PyTree:
         state = tx.init(compat.on_device(m))  # offloaded shards: the state is the device's
-        return compat.in_host_memory(state) if offload else state
+        return compat.in_host_memory(state, host) if offloaded else state
 
     in_specs = ({k: sharded_spec(np.ndim(v)) for k, v in master.items()},)
     # Tensor-parallel slices stay split over "model" (XLA would be free to replicate them).
-    kind = compat.HOST_MEMORY if offload else None
     out = jax.tree_util.tree_map(
-        lambda s: NamedSharding(mesh, global_spec(s, mesh), memory_kind=kind), specs)
+        lambda s, h: NamedSharding(mesh, global_spec(s, mesh),
+                                   memory_kind=compat.HOST_MEMORY if h else None),
+        specs, host)
     return jax.jit(
         jax.shard_map(init, mesh=mesh, in_specs=in_specs, out_specs=specs, **manual_axes(mesh)),
         out_shardings=out)(master)
+
+
+def offloaded(config: ZeroPPConfig, layouts: Mapping[str, UnitLayout]) -> frozenset[str]:
+    """The units whose optimizer state lives in host memory (``config.offload_optimizer``,
+    ``config.offload_ratio``: ``partition.offloaded_units``)."""
+    if not config.offload_optimizer:
+        return frozenset()
+    return offloaded_units(((n, lay.n) for n, lay in layouts.items()), config.offload_ratio)
 
 
 def replicated_zero(mesh: Mesh) -> jax.Array:

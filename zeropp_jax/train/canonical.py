@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from zeropp_jax.comm.partition import UnitLayout, padded_length
+from zeropp_jax.comm.partition import UnitLayout, padded_length, unit_of
 from zeropp_jax.comm.placement import SHARDED, SLICED_SHARDED, ShardedParams
 from zeropp_jax.core.mesh import AXES, MODEL
 from zeropp_jax.train import build
@@ -63,16 +63,6 @@ def _rewrite(x: jax.Array, source: UnitLayout, target: UnitLayout,
     """A unit's global buffer in ``source``'s layout -> the same values in ``target``'s."""
     return jax.jit(lambda v: target.flatten(source.unflatten(v), v.dtype),
                    out_shardings=sharding)(x)
-
-
-def unit_of(path: tuple, layouts: dict[str, UnitLayout]) -> str | None:
-    """The unit an optimizer-state leaf at ``path`` (a key path) belongs to: the last
-    dict key on it that names a unit; None for a leaf of no unit (a step count)."""
-    for k in reversed(path):
-        key = getattr(k, "key", None)
-        if isinstance(key, str) and key in layouts:
-            return key
-    return None
 
 
 def _move(state: TrainState, engine: Engine, shardings: dict[str, NamedSharding]

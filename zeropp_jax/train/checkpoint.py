@@ -84,7 +84,7 @@ from zeropp_jax.core import compat
 from zeropp_jax.core import processes
 from zeropp_jax.comm.frozen import merge_trees
 from zeropp_jax.core.mesh import mesh_shape
-from zeropp_jax.comm.partition import REST, UnitLayout, merge_units
+from zeropp_jax.comm.partition import REST, UnitLayout, merge_units, unit_of
 from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams, is_prng_key, place
 from zeropp_jax.comm.qgz import hop2_to_flat
 from zeropp_jax.comm.transports.qgz import (
@@ -261,7 +261,7 @@ def _opt_leaves(state: TrainState) -> list[dict]:
     for (path, leaf), spec in zip(leaves, specs):
         rec = {"key": jax.tree_util.keystr(path), "dtype": str(np.dtype(leaf.dtype))}
         if spec == SHARDED:
-            unit = canonical.unit_of(path, engine.layouts)
+            unit = unit_of(path, engine.layouts)
             if unit is None or leaf.shape != (engine.layouts[unit].n_pad,):
                 raise NotImplementedError(
                     f"optimizer-state leaf {rec['key']} is sharded but not a per-unit flat "

@@ -28,15 +28,22 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.comm import collectives
 from zeropp_jax.core import compat, processes
 from zeropp_jax.core.config import ZeroPPConfig
+from zeropp_jax.train import build
 from zeropp_jax.units.adapters import ModelAdapter
 from zeropp_jax.units.apply import apply_units
 from zeropp_jax.comm.frozen import FrozenShards, frozen_local_shards, merge_trees
 from zeropp_jax.core.mesh import AXES, mesh_shape
-from zeropp_jax.comm.partition import REST, UnitLayout, merge_units, padded_length
+from zeropp_jax.comm.partition import (
+    REST,
+    UnitLayout,
+    merge_units,
+    padded_length,
+)
 from zeropp_jax.comm.placement import (
     SHARDED,
     ShardedParams,
     global_norm,
+    offload_mask,
     place,
     to_host,
 )
@@ -184,6 +191,12 @@ class Engine:
         if key not in self.memo:
             self.memo[key] = build()
         return self.memo[key]
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        """The units whose optimizer state lives in host memory (``offload_optimizer``,
+        ``offload_ratio``)."""
+        return build.offloaded(self.config, self.layouts)
 
     @property
     def has_frozen(self) -> bool:
@@ -450,8 +463,9 @@ class Engine:
             new_master = jax.tree_util.tree_map(keep, new_master, master.units)
             opt_state = jax.tree_util.tree_map(keep, opt_state, old_opt_state)
             skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
-        if cfg.offload_optimizer:
-            opt_state = compat.in_host_memory(opt_state)
+        if cfg.offload_optimizer:  # back to the host: the offloaded units' state
+            opt_state = compat.in_host_memory(
+                opt_state, offload_mask(opt_state, self.layouts, self.offloaded))
         if cfg.offload_params:
             new_master = compat.in_host_memory(new_master)
         if cfg.stage == 3:

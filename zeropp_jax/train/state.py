@@ -225,7 +225,8 @@ class TrainState:
         sharded = NamedSharding(mesh, SHARDED)
         master = build.place_units(layouts, trees, pdt, build.master_sharding(mesh, config))
         opt_specs = build.opt_state_specs(tx, layouts, pdt)
-        opt_state = build.init_opt_state(tx, mesh, opt_specs, master, config.offload_optimizer)
+        opt_state = build.init_opt_state(tx, mesh, opt_specs, master,
+                                         build.offloaded(config, layouts))
         engine = Engine(adapter, tx, mesh, config, layouts, opt_specs, frozen_layouts,
                         explicit_units=units is not None and units != "auto",
                         tensor_rules=() if tp is None else tp.rules)

@@ -91,9 +91,11 @@ class TransportPlan:
 
     def label(self) -> str:
         """A short name: ``zero3``, or the techniques on (``qwz-int4+hpz[16]+qgz-int4-had``,
-        ``+EF`` for kept errors), ``+offload`` with the optimizer state in host memory,
-        `` unbucketed`` with buckets turned off."""
-        offload = "+".join(w for w, on in (("offload", self.config.offload_optimizer),
+        ``+EF`` for kept errors), ``+offload`` with the optimizer state in host memory
+        (``+offload0.5`` for half of it), `` unbucketed`` with buckets turned off."""
+        ratio = self.config.offload_ratio
+        offload = "+".join(w for w, on in ((f"offload{ratio:g}" if ratio < 1 else "offload",
+                                             self.config.offload_optimizer),
                                             ("offload-params", self.config.offload_params))
                            if on)
         name = "+".join(p for p in (self.weights.label(), self.gradients.label()) if p)

@@ -79,11 +79,13 @@ def test_the_planner_ranks_tensor_parallel_degrees():
     shapes = {t: transformer_shape(**big, tensor_parallel=t) for t in (2, 4, 8)}
     budget = 80 * 2**30
     no_host = dataclasses.replace(presets.h100(16), host=None)  # no offload candidates
+    # Two candidates per degree keep it quick (each is traced); every degree gets them.
+    configs = [zpp.ZeroPPConfig.zero3(), zpp.ZeroPPConfig(qwz=True)]
     with pytest.raises(ValueError, match="no configuration fits"):
         auto.plan(transformer_shape(**big), hardware=no_host, memory_budget_bytes=budget,
-                  tokens_per_device=4096)
+                  tokens_per_device=4096, configs=configs)
     p = auto.plan(transformer_shape(**big), hardware=no_host, memory_budget_bytes=budget,
-                  tokens_per_device=4096, tensor_parallel=shapes)
+                  tokens_per_device=4096, tensor_parallel=shapes, configs=configs)
     assert p.chosen.fits and p.chosen.tensor_parallel > 1
     assert {c.tensor_parallel for c in p.candidates} == {1, 2, 4, 8}
     t = p.chosen.tensor_parallel
@@ -91,4 +93,4 @@ def test_the_planner_ranks_tensor_parallel_degrees():
     assert all(not c.fits for c in p.candidates if c.tensor_parallel == 1)
     with pytest.raises(ValueError, match="degree 2"):
         auto.plan(transformer_shape(**big), hardware=presets.h100(16),
-                  tensor_parallel={2: shapes[4]})
+                  tensor_parallel={2: shapes[4]}, configs=configs)

@@ -10,6 +10,7 @@ the wrong place or a gradient summed over the wrong devices is off by the gradie
 import contextlib
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -454,3 +455,71 @@ def test_ulysses_stays_on_the_data_axes():
     rho = fp32_gradient_rounding(GPT(SMALL), values, batch, shards=(2,)).rho
     assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
                                 ref_loss, ref_grads, rho)
+
+
+class _TPLayer(nn.Module):
+    """An MLP block whose weights carry logical names (column then row parallel)."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        named = nn.with_logical_partitioning
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(32, kernel_init=named(nn.linear.default_kernel_init, ("embed", "mlp")),
+                     bias_init=named(nn.initializers.zeros_init(), ("mlp",)))(h)
+        return x + nn.Dense(16, kernel_init=named(nn.linear.default_kernel_init,
+                                                  ("mlp", "embed")))(jax.nn.gelu(h)), None
+
+
+class _TPScanned(nn.Module):
+    """Four such blocks in an ``nn.scan`` stack (MaxText's scan_layers), the layer axis
+    named "layers"."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, name="inp")(x)
+        stack = nn.scan(_TPLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=4, metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = stack(name="layers")(x, None)
+        return nn.Dense(4, name="out")(x)
+
+
+def test_scanned_layer_stacks_split_per_layer():
+    """An ``nn.scan`` stack on (2, 2, 2): each layer is a unit of two tensor-parallel
+    slices (the layer axis is not a split dimension), and the step gives the one-device
+    loss and gradients within their measured fp32 rounding."""
+    from helpers import assert_rounding_close, loss_and_grads_rounding
+
+    seed = int(np.random.default_rng().integers(1 << 16))
+    rng = np.random.default_rng(seed)
+    model = _TPScanned()
+    batch = {"x": rng.normal(size=(16, 8)).astype(np.float32),
+             "y": rng.normal(size=(16, 4)).astype(np.float32)}
+    variables = model.init(jax.random.PRNGKey(seed), batch["x"])
+    rules = [("mlp", "model"), ("embed", None), ("layers", None)]
+    state = zpp.TrainState.create(model=model, params=variables, tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 2, model=2),
+                                  config=zpp.ZeroPPConfig.zero3(**FP32),
+                                  logical_axis_rules=rules)
+    layers = [lay for lay in state.engine.layouts.values() if lay.layer is not None]
+    assert len(layers) == 4 and all(lay.tp == 2 and max(lay.tp_dims) >= 0 for lay in layers)
+
+    def loss_of(apply, p, b):
+        return jnp.mean((apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    @zpp.train_step
+    def step(state, batch):
+        loss, g = jax.value_and_grad(
+            lambda p: loss_of(state.apply_fn, p, batch))(state.params)
+        return state.apply_gradients(grads=g), {"loss": loss, "grads": g}
+
+    _, out = step(state, batch)
+    params = nn.meta.unbox(variables["params"])
+    rounding = loss_and_grads_rounding(lambda p, b: loss_of(model.apply, p, b), params,
+                                       batch, shards=(4,))
+    assert_rounding_close((out["loss"], state.engine.consolidate(out["grads"])),
+                          rounding.exact, rounding.rho)
+    with pytest.raises(ValueError, match="layer axis"):
+        zpp.TrainState.create(model=model, params=variables, tx=optax.sgd(0.1),
+                              mesh=zpp.make_mesh(2, 2, model=2),
+                              config=zpp.ZeroPPConfig.zero3(**FP32),
+                              logical_axis_rules=[("layers", "model")])

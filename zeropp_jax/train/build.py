@@ -179,16 +179,31 @@ def unit_layouts(
     size = 1 if tp is None else tp.size
     for path, sub in unit_trees.items():
         subs = stack_layers(sub, path) if path in stacked else [sub]
+        layer_dims = dims.get(path)
+        if path in stacked and layer_dims is not None:
+            layer_dims = jax.tree_util.tree_map(
+                lambda d, p=path: _layer_dim(d, p), layer_dims)
         for i, layer_tree in enumerate(subs):
             lay = make_unit_layout(path, layer_tree, num_devices, align,
                                    layer=i if path in stacked else None, tp=size,
-                                   tp_dims=dims.get(path))
+                                   tp_dims=layer_dims)
             layouts[lay.name], trees[lay.name] = lay, layer_tree
     if jax.tree_util.tree_leaves(rest):
         layouts[REST] = make_unit_layout((), rest, num_devices, align, tp=size,
                                          tp_dims=rest_dims)
         trees[REST] = rest
     return layouts, trees
+
+
+def _layer_dim(dim: int, path: Path) -> int:
+    """A stacked parameter's split dimension (counting the leading layer axis) -> one
+    layer's."""
+    if dim == 0:
+        raise ValueError(
+            f"the layer axis of the nn.scan stack {'/'.join(path)!r} maps to {MODEL!r}; "
+            "the layers are ZeRO's units, so map the scan's axis name (nn.scan's "
+            "metadata_params={nn.PARTITION_NAME: ...}) to None")
+    return dim - 1 if dim > 0 else dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,8 +250,7 @@ def annotated(raw: PyTree, params: PyTree, adapter: ModelAdapter) -> PyTree:
 
 def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
                     param_axes: Sequence[tuple[str, Sequence[Any]]] | None, mesh: Mesh,
-                    config: ZeroPPConfig, frozen: Any, stacked: Sequence[Any]
-                    ) -> TensorParallel | None:
+                    config: ZeroPPConfig, frozen: Any) -> TensorParallel | None:
     """The run's tensor parallelism: None on a mesh without a ``"model"`` axis. Each
     parameter's split dimension comes from its Flax partitioning metadata
     (``nn.with_logical_partitioning`` or ``nnx.with_partitioning`` names through ``rules``,
@@ -249,7 +263,6 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
         return None
     unsupported = [
         ("stage=3", config.stage != 3), ("no frozen=", frozen is not None),
-        ("no stacked= layers (nn.scan)", bool(stacked)),
         ("offload_optimizer=False and offload_params=False",
          config.offload_optimizer or config.offload_params),
         ("qgz_error_feedback=False",

@@ -212,7 +212,7 @@ class TrainState:
 
         stacked = build.stack_paths(stacked, units, params)
         tp = build.tensor_parallel(build.annotated(raw, params, adapter), logical_axis_rules,
-                                   param_axes, mesh, config, frozen, stacked)
+                                   param_axes, mesh, config, frozen)
         unit_trees, rest = build.split_into_units(params, units, adapter, stacked)
         build.check_frozen(frozen, stacked, config)
         unit_trees, rest, frozen_trees = build.split_frozen_units(unit_trees, rest, frozen)

@@ -263,8 +263,6 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
         return None
     unsupported = [
         ("stage=3", config.stage != 3), ("no frozen=", frozen is not None),
-        ("offload_optimizer=False and offload_params=False",
-         config.offload_optimizer or config.offload_params),
         ("qgz_error_feedback=False",
          plan_of(config).feedback(1 << 20, *mesh_shape(mesh))[0] > 0)]
     missing = [need for need, bad in unsupported if bad]

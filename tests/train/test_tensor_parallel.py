@@ -356,6 +356,15 @@ def test_comm_report_separates_tensor_parallel_collectives():
                if r.axis == "data" and r.kind != "all-reduce")  # all-reduce: the metrics
     planned = sum(b.cross for row in state.engine.wire_bytes().values() for b in row.values())
     assert zero == planned > 0
+    # The cost model's workload of the state (one rank's shape, two data groups per node)
+    # moves across nodes what the compiled step moves, metrics all-reduce included.
+    from zeropp_jax.plan.workload import config_workload, shape_of_state
+
+    shape = shape_of_state(state)
+    assert shape.tensor_parallel == 2
+    work = config_workload(state.engine.config, shape, 2, 2)
+    data = sum(r.cross_node_bytes * r.count for r in report.rows if r.axis == "data")
+    assert work.cross_bytes_per_node * 2 == data
     assert "over model axes" in report.table()
     assert CommReport.from_json(report.to_json()).by_axis() == axes
 

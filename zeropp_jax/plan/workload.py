@@ -272,7 +272,8 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
     unit's regather), and the units read outside their own calls (``resident``) are the
     engine's. Units holding only ``embedding``
     leaves need no weights in backward. ``flops_per_token`` defaults to 6 x the trainable
-    parameters (forward 2, backward 4)."""
+    parameters (forward 2, backward 4). A tensor-parallel state gives one rank's shape
+    (every unit one slice)."""
     engine = state.engine
     units = [(name, lay.n) for name, lay in engine.layouts.items()]
     frozen = tuple((name, lay.n) for name, lay in engine.frozen_layouts.items())
@@ -306,8 +307,12 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
     shape = _shape(tuple(units), frozen, embeddings, kept, flops_per_token,
                    activation_bytes_per_token, first_called)
     single = frozenset(name for name, lay in engine.layouts.items() if len(lay.shapes) == 1)
+    # A tensor-parallel state's units are one slice each (``lay.n``): one rank's shape.
+    # The model's own tensor-parallel all-reduces are not known from the state (0 here;
+    # ``transformer_shape(tensor_parallel=T)`` counts a decoder's).
+    tp = max((lay.tp for lay in engine.layouts.values()), default=1)
     return dataclasses.replace(shape, resident=resident_names, small_weights=small,
-                               single_weight=single)
+                               single_weight=single, tensor_parallel=tp)
 
 
 def shape_of_params(params: Mapping[str, Any], units: Any = None, model: Any = None, *,

@@ -210,7 +210,7 @@ class Engine:
         for lays in (self.layouts, self.frozen_layouts):
             for name, lay in lays.items():
                 row = rows.setdefault(name, [0, 0])
-                row[0] += lay.n
+                row[0] += lay.params
                 row[1] += lay.shard_len
         table = [(name, n, shard) for name, (n, shard) in rows.items()]
         return table, sum(r[1] for r in table)

@@ -752,6 +752,20 @@ def hf_llama() -> ZooEntry:
                      "RoPE sin/cos table and causal mask built in setup", 130)
 
 
+# Tensor parallelism for transformers' Llama: MaxText's logical names of its parameters
+# (``TrainState.create(param_axes=...)``) and the rules that split them over "model".
+LLAMA_AXES = (  # MaxText's logical names for transformers' Llama parameters
+    (r"(q|k|v)_proj/kernel", ("embed", "heads")),
+    (r"o_proj/kernel", ("heads", "embed")),
+    (r"(gate|up)_proj/kernel", ("embed", "mlp")),
+    (r"down_proj/kernel", ("mlp", "embed")),
+    (r"embed_tokens/embedding", ("vocab", "embed")),
+    (r"lm_head/kernel", ("embed", "vocab")),
+)
+MAXTEXT_RULES = (("batch", ("node", "local")), ("heads", "model"), ("mlp", "model"),
+                 ("vocab", "model"), ("embed", None))
+
+
 FACTORIES: dict[str, Callable[[], ZooEntry]] = {
     "lm1b": lm1b,
     "wmt": wmt,

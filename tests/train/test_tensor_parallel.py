@@ -28,6 +28,7 @@ from helpers import (
     tokens,
 )
 from zeropp_demo.gpt import GPT, MEGATRON_RULES
+from zoo import LLAMA_AXES, MAXTEXT_RULES
 from zeropp_jax.comm.partition import make_unit_layout
 from zeropp_jax.comm.placement import SLICED_SHARDED, to_host
 from zeropp_jax.measure.comm_report import collectives
@@ -195,18 +196,6 @@ def test_what_tensor_parallelism_refuses():
     with pytest.raises(ValueError, match="alone"):
         _state((2, 2, 2), zpp.ZeroPPConfig.zero3(**FP32),
                rules=(("mlp", ("local", "model")),))
-
-
-LLAMA_AXES = (  # MaxText's logical names for transformers' Llama parameters
-    (r"(q|k|v)_proj/kernel", ("embed", "heads")),
-    (r"o_proj/kernel", ("heads", "embed")),
-    (r"(gate|up)_proj/kernel", ("embed", "mlp")),
-    (r"down_proj/kernel", ("mlp", "embed")),
-    (r"embed_tokens/embedding", ("vocab", "embed")),
-    (r"lm_head/kernel", ("embed", "vocab")),
-)
-MAXTEXT_RULES = (("batch", ("node", "local")), ("heads", "model"), ("mlp", "model"),
-                 ("vocab", "model"), ("embed", None))
 
 
 def _nnx_model(seed, dtype=jnp.float32):

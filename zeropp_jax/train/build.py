@@ -412,9 +412,11 @@ def store_frozen(
     layouts: Mapping[str, UnitLayout],
     trees: Mapping[Path, PyTree],
     config: ZeroPPConfig,
-    sharding: NamedSharding,
+    mesh: Mesh,
 ) -> FrozenShards:
-    """Frozen subtrees -> their primary shards on the mesh, quantized if configured."""
+    """Frozen subtrees -> their primary shards on ``mesh`` (split over the data axes),
+    quantized if configured."""
+    sharding = NamedSharding(mesh, SHARDED)
     values, scales = {}, {}
     for name, lay in layouts.items():
         flat = flat_numpy(lay, trees[lay.path], config.param_jnp_dtype)

@@ -22,7 +22,7 @@ from zeropp_jax.train import build
 from zeropp_jax.train.engine import Engine
 from zeropp_jax.comm.frozen import FrozenFilter, FrozenShards
 from zeropp_jax.units.adapters import adapt
-from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams
+from zeropp_jax.comm.placement import REPLICATED, ShardedParams
 from zeropp_jax.units.wrap import describe_units, warn_if_unbalanced
 
 PyTree = Any
@@ -216,13 +216,11 @@ class TrainState:
         unit_trees, rest = build.split_into_units(params, units, adapter, stacked)
         build.check_frozen(frozen, stacked, config)
         unit_trees, rest, frozen_trees = build.split_frozen_units(unit_trees, rest, frozen)
-        num_devices = nodes * local
-        layouts, trees = build.unit_layouts(unit_trees, rest, stacked, num_devices,
+        layouts, trees = build.unit_layouts(unit_trees, rest, stacked, nodes * local,
                                             config.flat_alignment, tp)
-        frozen_layouts = build.frozen_layouts(frozen_trees, num_devices, config)
+        frozen_layouts = build.frozen_layouts(frozen_trees, nodes * local, config)
 
         pdt = config.param_jnp_dtype
-        sharded = NamedSharding(mesh, SHARDED)
         master = build.place_units(layouts, trees, pdt, build.master_sharding(mesh, config))
         opt_specs = build.opt_state_specs(tx, layouts, pdt)
         opt_state = build.init_opt_state(tx, mesh, opt_specs, master,
@@ -235,7 +233,7 @@ class TrainState:
         placed_collections = build.place_collections(collections, mesh)
         skipped = build.replicated_zero(mesh)
         if config.stage == 3:
-            frozen_shards = (build.store_frozen(frozen_layouts, frozen_trees, config, sharded)
+            frozen_shards = (build.store_frozen(frozen_layouts, frozen_trees, config, mesh)
                              if frozen_layouts else None)
             build.check_feedback(config, layouts, nodes, local)
             params = ShardedParams(master, True, engine.zero_feedback())

@@ -21,8 +21,10 @@ on a fixed-length buffer for every token (its cost grows with the square of the 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,9 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST
+from zeropp_jax.comm.placement import SLICED_SHARDED, sharded_spec
 from zeropp_jax.comm.transports.hpz import SecondaryRegather, secondary_of
 from zeropp_jax.core import compat
-from zeropp_jax.core.mesh import AXES, MODEL
+from zeropp_jax.core.mesh import AXES, MODEL, manual_axes
 from zeropp_jax.inference.conventions import (
     Convention,
     TransformersCache,
@@ -75,7 +78,25 @@ def _stored_buffers(engine: Any, name: str) -> int:
 
 
 def _specs(tree: PyTree) -> PyTree:
-    return jax.tree_util.tree_map(lambda _: SHARDED, tree)
+    """Each buffer's spec inside a generation program: split over the data axes on its
+    last dimension (a tensor-parallel unit's leading slice axis left to XLA)."""
+    return jax.tree_util.tree_map(lambda x: sharded_spec(np.ndim(x)), tree)
+
+
+def _rules(engine: Engine) -> Any:
+    """The model's logical-axis rules for its tensor-parallel constraints (none without a
+    ``"model"`` axis)."""
+    return nn.logical_axis_rules(engine.tensor_rules) if engine.tensor_rules else \
+        contextlib.nullcontext()
+
+
+def _pinned(tree: PyTree, mesh: Any) -> PyTree:
+    """A program's ``[T, ...]`` outputs kept split over ``"model"`` (as the state's)."""
+    if MODEL not in mesh.axis_names:
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, SLICED_SHARDED))
+        if x.ndim == 2 else x, tree)
 
 
 def _check(state: Any) -> Engine:
@@ -87,12 +108,6 @@ def _check(state: Any) -> Engine:
             "every device already holds the full weights: call model.apply on "
             "state.consolidate()"
         )
-    if MODEL in state.engine.mesh.axis_names:
-        raise NotImplementedError(
-            "generation runs on meshes without a 'model' axis for now: restore the state "
-            "onto one (zpp.checkpoint.save, then zpp.checkpoint.restore into a state "
-            "created on zpp.make_mesh(nodes, local)), or call model.apply on "
-            "state.consolidate()")
     return state.engine
 
 
@@ -118,11 +133,13 @@ def _build_gather_program(engine: Engine) -> Any:
 
     def run(units: dict, frozen: Any) -> dict:
         in_specs = (_specs(units), None if frozen is None else frozen.specs())
-        names = [("params/" + n, 1) for n in engine.layouts] + [
-            ("frozen/" + n, _stored_buffers(engine, n)) for n in engine.frozen_layouts]
-        out_specs = {n: (SHARDED,) * c for n, c in names}
-        return jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
-                             out_specs=out_specs)(units, frozen)
+        names = [("params/" + n, (sharded_spec(len(lay.global_shape)),))
+                 for n, lay in engine.layouts.items()] + [
+            ("frozen/" + n, (SHARDED,) * _stored_buffers(engine, n))
+            for n in engine.frozen_layouts]
+        out = jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
+                            out_specs=dict(names), **manual_axes(engine.mesh))(units, frozen)
+        return _pinned(out, engine.mesh)
 
     return jax.jit(run)
 
@@ -179,7 +196,8 @@ def _build_decode_program(engine: Engine, method: Any) -> Any:
             for n in names if n != REST
         }
         rest = unit_tree(secondary, REST) if REST in names else {}
-        logits = engine.adapter.run_units(units, rest, buffer, method=method)
+        with _rules(engine):
+            logits = engine.adapter.run_units(units, rest, buffer, method=method)
         last = jax.lax.dynamic_index_in_dim(logits, pos - 1, axis=1, keepdims=False)
         nxt = jnp.argmax(last, axis=-1).astype(buffer.dtype)
         return jax.lax.dynamic_update_slice_in_dim(buffer, nxt[:, None], pos, axis=1)
@@ -187,7 +205,8 @@ def _build_decode_program(engine: Engine, method: Any) -> Any:
     def run(secondary: dict, buffer: jax.Array, pos: jax.Array) -> jax.Array:
         return jax.shard_map(body, mesh=engine.mesh,
                              in_specs=(_specs(secondary), SHARDED, P()),
-                             out_specs=SHARDED)(secondary, buffer, pos)
+                             out_specs=SHARDED, **manual_axes(engine.mesh))(
+                                 secondary, buffer, pos)
 
     return jax.jit(run, donate_argnums=(1,))
 
@@ -365,10 +384,11 @@ def _model_step(engine: Engine, convention: Convention, source: Any, frozen: Any
             return _unit_weights(engine, name, source, frozen, hpz, tie)
 
         args, kwargs = convention.step_args(tokens, position, length)
-        out, mutated = apply_from_source(
-            adapter, engine.layouts, engine.frozen_layouts, weights,
-            engine.config.compute_jnp_dtype, *args, collections={"cache": cache},
-            mutable=["cache"], order=order, **kwargs)
+        with _rules(engine):
+            out, mutated = apply_from_source(
+                adapter, engine.layouts, engine.frozen_layouts, weights,
+                engine.config.compute_jnp_dtype, *args, collections={"cache": cache},
+                mutable=["cache"], order=order, **kwargs)
         return convention.logits(out), mutated["cache"]
 
     return step
@@ -409,7 +429,7 @@ def _build_generate_program(engine: Engine, convention: Convention, rollout: Rol
         in_specs = (_specs(source), None if frozen is None else frozen.specs(), SHARDED,
                     SHARDED, P())
         return jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
-                             out_specs=SHARDED, check_vma=False)(
+                             out_specs=SHARDED, check_vma=False, **manual_axes(engine.mesh))(
             source, frozen, prompts, lengths, key)
 
     return jax.jit(run)
@@ -532,7 +552,8 @@ def lower_generation_step(state: TrainState, prompts: Any, max_new_tokens: int, 
     def run(source: Any, frozen: Any, prompts: jax.Array) -> jax.Array:
         in_specs = (_specs(source), None if frozen is None else frozen.specs(), SHARDED)
         return jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs, out_specs=SHARDED,
-                             check_vma=False)(source, frozen, prompts)
+                             check_vma=False, **manual_axes(engine.mesh))(
+                                 source, frozen, prompts)
 
     return jax.jit(run).lower(source, state.frozen, prompts_)
 

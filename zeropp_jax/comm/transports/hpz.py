@@ -9,6 +9,7 @@ import jax
 
 from zeropp_jax.comm.hpz import group_nodes, hpz_all_gather, secondary_slice
 from zeropp_jax.comm.transports.base import Buffers, WeightTransport
+from zeropp_jax.comm.transports.sliced import SlicedWeights
 from zeropp_jax.core.mesh import LOCAL, NODE
 
 
@@ -82,4 +83,6 @@ def secondary_of(transport: Any) -> SecondaryRegather:
     """``transport`` if it already rebuilds from a secondary (hpZ on: its configured
     group), else ``transport`` wrapped to rebuild from one inside the node. Generation
     reads every unit from a secondary this way, whether training used hpZ or not."""
+    if isinstance(transport, SlicedWeights):  # per tensor-parallel slice, as in training
+        return SlicedWeights(secondary_of(transport.inner))
     return transport if isinstance(transport, SecondaryRegather) else SecondaryRegather(transport)

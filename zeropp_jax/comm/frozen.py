@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 from flax import struct
 
 from zeropp_jax.core.mesh import AXES
@@ -116,11 +117,15 @@ class FrozenShards:
     block_size: int = struct.field(pytree_node=False, default=256)
 
     def specs(self) -> "FrozenShards":
+        """Each buffer's spec inside a step: split over ``("node", "local")`` on its last
+        dimension (a tensor-parallel unit's leading slice axis left to XLA)."""
         from jax.sharding import PartitionSpec as P
 
-        spec = P(AXES)
-        return self.replace(values={k: spec for k in self.values},
-                            scales={k: spec for k in self.scales})
+        def spec(x: Any) -> P:
+            return P(AXES) if len(np.shape(x)) <= 1 else P(None, AXES)
+
+        return self.replace(values={k: spec(v) for k, v in self.values.items()},
+                            scales={k: spec(v) for k, v in self.scales.items()})
 
     @property
     def nbytes(self) -> int:

@@ -217,11 +217,14 @@ class TensorParallel:
       rules: the logical-axis rules the model's constraints are read with inside the step
         (those naming ``"model"``; every other logical name unconstrained: the data axes
         are the step's own).
+      frozen_dims: with frozen parameters, ``dims`` of those (``dims`` then holds the
+        trainable ones').
     """
 
     size: int
     dims: PyTree
     rules: tuple[tuple[str, Any], ...]
+    frozen_dims: PyTree = None
 
 
 def _model_dim(names: Any, mesh_axes: Any, where: str) -> int:
@@ -262,7 +265,8 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
     if size == 1:
         return None
     unsupported = [
-        ("stage=3", config.stage != 3), ("no frozen=", frozen is not None),
+        ("stage=3", config.stage != 3),
+        ("quantize_frozen=False", frozen_format(config) is not None),
         ("qgz_error_feedback=False",
          plan_of(config).feedback(1 << 20, *mesh_shape(mesh))[0] > 0)]
     missing = [need for need, bad in unsupported if bad]
@@ -306,15 +310,24 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
     model_rules = tuple((name, MODEL if axis == MODEL or (isinstance(axis, tuple) and
                                                            MODEL in axis) else None)
                         for name, axis in rules)
-    return TensorParallel(size, dims, model_rules)
+    frozen_dims = None
+    if frozen is not None:
+        dims, frozen_dims = split_frozen(dims, as_predicate(frozen))
+    return TensorParallel(size, dims, model_rules, frozen_dims)
 
 
 def frozen_layouts(frozen_trees: Mapping[Path, PyTree], num_devices: int,
-                   config: ZeroPPConfig) -> dict[str, UnitLayout]:
+                   config: ZeroPPConfig, tp: "TensorParallel | None" = None
+                   ) -> dict[str, UnitLayout]:
     """The flat layout of each unit's frozen part, by unit name (whole blocks of its
-    storage: ``TransportPlan.frozen_alignment``)."""
+    storage: ``TransportPlan.frozen_alignment``), in ``tp.size`` slices with ``tp``."""
+    dims: dict = {}
+    if tp is not None and frozen_trees:
+        dims, rest = split_units(tp.frozen_dims, tuple(p for p in frozen_trees if p))
+        dims[()] = rest
     return {
-        unit_name(p): make_unit_layout(p, f, num_devices, plan_of(config).frozen_alignment())
+        unit_name(p): make_unit_layout(p, f, num_devices, plan_of(config).frozen_alignment(),
+                                       tp=1 if tp is None else tp.size, tp_dims=dims.get(p))
         for p, f in frozen_trees.items()
     }
 
@@ -416,11 +429,11 @@ def store_frozen(
 ) -> FrozenShards:
     """Frozen subtrees -> their primary shards on ``mesh`` (split over the data axes),
     quantized if configured."""
-    sharding = NamedSharding(mesh, SHARDED)
     values, scales = {}, {}
     for name, lay in layouts.items():
         flat = flat_numpy(lay, trees[lay.path], config.param_jnp_dtype)
         stored = plan_of(config).store_frozen(flat, lay)
+        sharding = NamedSharding(mesh, SLICED_SHARDED if lay.tp > 1 else SHARDED)
         values[name] = place(stored[0], sharding)
         if len(stored) > 1:
             scales[name] = place(stored[1], sharding)

@@ -49,13 +49,17 @@ def canonical_engine(engine: Engine) -> Engine:
     mesh = data_mesh(engine.mesh)
     devices = mesh.devices.size
     align = engine.config.flat_alignment
-    layouts = {
-        name: UnitLayout(lay.name, lay.path, lay.treedef, lay.shapes, lay.params,
-                         padded_length(lay.params, devices, align), devices, lay.layer)
-        for name, lay in engine.layouts.items()}
+    def whole(lay: UnitLayout, align: int) -> UnitLayout:
+        return UnitLayout(lay.name, lay.path, lay.treedef, lay.shapes, lay.params,
+                          padded_length(lay.params, devices, align), devices, lay.layer)
+
+    layouts = {name: whole(lay, align) for name, lay in engine.layouts.items()}
+    frozen = {name: whole(lay, engine.plan.frozen_alignment())
+              for name, lay in engine.frozen_layouts.items()}
     opt_specs = build.opt_state_specs(engine.tx, layouts, engine.config.param_jnp_dtype)
     return dataclasses.replace(engine, mesh=mesh, layouts=layouts, opt_specs=opt_specs,
-                               transports={}, tensor_rules=(), memo={})
+                               frozen_layouts=frozen, transports={}, tensor_rules=(),
+                               memo={})
 
 
 def _rewrite(x: jax.Array, source: UnitLayout, target: UnitLayout,
@@ -87,8 +91,13 @@ def _move(state: TrainState, engine: Engine, shardings: dict[str, NamedSharding]
     opt = jax.tree_util.tree_unflatten(paths_leaves[1], [
         leaf(p, x, s) for (p, x), s in zip(paths_leaves[0], specs)])
     replicated = NamedSharding(engine.mesh, jax.sharding.PartitionSpec())
+    frozen = state.frozen
+    if frozen is not None:  # stored as they are (not quantized: refused with a model axis)
+        frozen = frozen.replace(values={
+            k: _rewrite(v, old.frozen_layouts[k], engine.frozen_layouts[k], shardings[k])
+            for k, v in frozen.values.items()})
     return state.replace(
-        engine=engine, params=params, opt_state=opt,
+        engine=engine, params=params, opt_state=opt, frozen=frozen,
         step=jax.device_put(state.step, replicated),
         skipped_steps=jax.device_put(state.skipped_steps, replicated),
         collections=jax.device_put(state.collections, replicated))
@@ -98,12 +107,13 @@ def to_canonical(state: TrainState) -> TrainState:
     """A tensor-parallel ``state`` in the canonical layout (``canonical_engine``)."""
     engine = canonical_engine(state.engine)
     sharded = NamedSharding(engine.mesh, SHARDED)
-    return _move(state, engine, {k: sharded for k in engine.layouts})
+    return _move(state, engine, {k: sharded for k in (*engine.layouts,
+                                                      *engine.frozen_layouts)})
 
 
 def from_canonical(state: TrainState, template: TrainState) -> TrainState:
     """``to_canonical``'s inverse: ``state`` (canonical) onto ``template``'s engine."""
     engine = template.engine
     sliced = {k: NamedSharding(engine.mesh, SLICED_SHARDED if lay.tp > 1 else SHARDED)
-              for k, lay in engine.layouts.items()}
+              for k, lay in (*engine.layouts.items(), *engine.frozen_layouts.items())}
     return _move(state, engine, sliced)

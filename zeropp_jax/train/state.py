@@ -218,7 +218,7 @@ class TrainState:
         unit_trees, rest, frozen_trees = build.split_frozen_units(unit_trees, rest, frozen)
         layouts, trees = build.unit_layouts(unit_trees, rest, stacked, nodes * local,
                                             config.flat_alignment, tp)
-        frozen_layouts = build.frozen_layouts(frozen_trees, nodes * local, config)
+        frozen_layouts = build.frozen_layouts(frozen_trees, nodes * local, config, tp)
 
         pdt = config.param_jnp_dtype
         master = build.place_units(layouts, trees, pdt, build.master_sharding(mesh, config))

@@ -73,6 +73,8 @@ class TransportPlan:
             if getattr(layouts.get(name), "tp", 1) > 1:
                 t = UnitTransports(SlicedWeights(t.weights), t.frozen,
                                    SlicedGradients(t.gradients))
+            if getattr(frozen_layouts.get(name), "tp", 1) > 1:
+                t = UnitTransports(t.weights, SlicedWeights(t.frozen), t.gradients)
             out[name] = t
         return out
 

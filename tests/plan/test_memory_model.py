@@ -72,7 +72,8 @@ def _hf_step(entry):
 
 
 def _llama_shape(entry, state) -> ModelShape:
-    """The state's units (as traced), and what the Llama's blocks keep per token."""
+    """The state's units (as traced), and what the Llama's blocks keep per token (one
+    tensor-parallel rank's share of them on a mesh with a "model" axis)."""
     import zoo
 
     cfg = entry.model.config
@@ -82,7 +83,18 @@ def _llama_shape(entry, state) -> ModelShape:
         shape, blocks=layers, itemsize=4,  # the transformers model computes in float32
         **decoder_activations(cfg.hidden_size, zoo.SEQ, cfg.vocab_size,
                               heads=cfg.num_attention_heads, ffn=cfg.intermediate_size,
-                              gated=True))
+                              gated=True, tensor_parallel=shape.tensor_parallel))
+
+
+def _llama_memory(name, entry, state, batch, nodes, local):
+    """``(memory model, tokens, batch bytes)`` per device of a step of the Llama ``state``
+    on ``batch``, its rows split over ``nodes x local`` data-parallel ranks."""
+    ranks = nodes * local
+    tokens = batch["input_ids"].size / ranks
+    batch_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(batch)) / ranks
+    model = memory_breakdown(CONFIGS[name], _llama_shape(entry, state), nodes, local, tokens,
+                             backend="cpu", batch_bytes_per_device=batch_bytes)
+    return model, tokens, batch_bytes
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -91,11 +103,7 @@ def test_the_memory_model_is_the_compiled_step_of_a_transformers_llama(name, lla
     state, compiled, batch = steps[name]
     stats = compiled.memory_analysis()
     shape = _llama_shape(entry, state)
-    devices = 8
-    tokens = batch["input_ids"].size / devices
-    batch_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(batch)) / devices
-    model = memory_breakdown(CONFIGS[name], shape, 2, 4, tokens, backend="cpu",
-                             batch_bytes_per_device=batch_bytes)
+    model, tokens, batch_bytes = _llama_memory(name, entry, state, batch, 2, 4)
     # The arguments to the byte: every unit's padded primary shard and Adam's moments,
     # the state's three int32 scalars and this device's slice of the batch.
     assert model.states == stats.argument_size_in_bytes
@@ -238,20 +246,8 @@ def test_the_memory_model_counts_a_tensor_parallel_rank(name):
             mesh=zpp.make_mesh(2, 2, model=2), config=CONFIGS[name],
             logical_axis_rules=zoo.MAXTEXT_RULES, param_axes=zoo.LLAMA_AXES)
         stats = _hf_step(entry).lower(state, batch).compile().memory_analysis()
-    cfg = entry.model.config
-    shape = shape_of_state(state)
-    assert shape.tensor_parallel == 2
-    shape = dataclasses.replace(
-        shape, blocks=frozenset(n for n, _ in shape.units if n.startswith("model/layers/")),
-        itemsize=4, **decoder_activations(cfg.hidden_size, zoo.SEQ, cfg.vocab_size,
-                                          heads=cfg.num_attention_heads,
-                                          ffn=cfg.intermediate_size, gated=True,
-                                          tensor_parallel=2))
-    ranks = 4  # data-parallel: each rank's two devices share its rows
-    tokens = batch["input_ids"].size / ranks
-    batch_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(batch)) / ranks
-    model = memory_breakdown(CONFIGS[name], shape, 2, 2, tokens, backend="cpu",
-                             batch_bytes_per_device=batch_bytes)
+    assert shape_of_state(state).tensor_parallel == 2
+    model, _, _ = _llama_memory(name, entry, state, batch, 2, 2)  # each rank: two devices
     assert model.states == stats.argument_size_in_bytes
     measured = stats.argument_size_in_bytes + stats.temp_size_in_bytes
     assert model.total == pytest.approx(measured, rel=0.10), (model, measured)

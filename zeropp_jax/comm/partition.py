@@ -24,6 +24,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.core.mesh import MODEL
 
 PyTree = Any
 REST = "<rest>"
@@ -176,16 +179,14 @@ def _tp_constrained(x: jax.Array, dim: int) -> jax.Array:
     """``x`` constrained to be split on ``dim`` over ``"model"`` (replicated for -1) when
     traced under a mesh whose ``"model"`` axis XLA partitions; as it is elsewhere (host
     values, a mesh without that axis)."""
-    from jax.sharding import PartitionSpec as P
-
     mesh = jax.sharding.get_abstract_mesh()
-    if "model" not in (mesh.axis_names or ()):
+    if MODEL not in (mesh.axis_names or ()):
         return x
-    if mesh.axis_types[mesh.axis_names.index("model")] == jax.sharding.AxisType.Manual:
+    if mesh.axis_types[mesh.axis_names.index(MODEL)] == jax.sharding.AxisType.Manual:
         return x
     spec = [None] * x.ndim
     if dim >= 0:
-        spec[dim] = "model"
+        spec[dim] = MODEL
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 

@@ -160,7 +160,7 @@ class Engine:
     # their own calls are reported (the default policy's leftovers are silently resident).
     explicit_units: bool = False
     # With a "model" mesh axis: the logical-axis rules the model's sharding constraints are
-    # read with inside the step (``build.TensorParallel.rules``).
+    # read with inside the step (``tensor_parallel.TensorParallel.rules``).
     tensor_rules: tuple = ()
     # What this engine works out once and reuses, for as long as it lives (as long as a
     # train state built on it): the units each call structure keeps gathered

@@ -20,6 +20,7 @@ from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import mesh_shape
 from zeropp_jax.train import build
 from zeropp_jax.train.engine import Engine
+from zeropp_jax.train.tensor_parallel import annotated, tensor_parallel
 from zeropp_jax.comm.frozen import FrozenFilter, FrozenShards
 from zeropp_jax.units.adapters import adapt
 from zeropp_jax.comm.placement import REPLICATED, ShardedParams
@@ -211,8 +212,8 @@ class TrainState:
         build.check_setup(params, tx, config, nodes, local)
 
         stacked = build.stack_paths(stacked, units, params)
-        tp = build.tensor_parallel(build.annotated(raw, params, adapter), logical_axis_rules,
-                                   param_axes, mesh, config, frozen)
+        tp = tensor_parallel(annotated(raw, params, adapter), logical_axis_rules,
+                             param_axes, mesh, config, frozen)
         unit_trees, rest = build.split_into_units(params, units, adapter, stacked)
         build.check_frozen(frozen, stacked, config)
         unit_trees, rest, frozen_trees = build.split_frozen_units(unit_trees, rest, frozen)

@@ -199,3 +199,40 @@ def test_config_picks_the_transports():
     # Transports are static data: equal configs give equal (hashable) transports.
     assert hash(transports.weight_transport(zpp_cfg)) == hash(transports.weight_transport(
         zpp.ZeroPPConfig.zeropp()))
+
+
+def test_a_new_wire_format_is_a_transport_and_one_registry_entry(monkeypatch):
+    """A wire format the library has never seen: its transport (here a subclass of the
+    plain gather with a label of its own, a stand-in for a real format) and one
+    ``WEIGHTS`` entry under a name that ends in its bits. The config takes the name as it is, the plan resolves it, a step
+    runs it and labels it; a name with no entry is refused when the plan is made."""
+    import dataclasses
+
+    import optax
+
+    from zeropp_jax.comm.transports import registry
+
+    @dataclasses.dataclass(frozen=True)
+    class Halves(PlainGather):
+        def label(self) -> str:
+            return "halves8"
+
+    monkeypatch.setitem(registry.WEIGHTS, "halves8",
+                        lambda config: Halves(config.compute_jnp_dtype))
+    config = zpp.ZeroPPConfig(qwz=True, weight_format="halves8", compute_dtype="float32")
+    assert config.weight_bits == 8
+    assert isinstance(transports.plan_of(config).weights, Halves)
+    assert transports.plan_of(config).label() == "halves8"
+
+    from helpers import SMALL, init_params, make_step, tokens
+    from zeropp_demo.gpt import GPT
+
+    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=config)
+    assert isinstance(state.engine.transports["block_0"].weights, Halves)
+    _, out = make_step()(state, tokens(16, seed=0))
+    assert np.isfinite(float(out["loss"]))
+    with pytest.raises(ValueError, match="'nf4' has no transport.*'int8', 'int4', 'fp8'"):
+        zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                              mesh=zpp.make_mesh(2, 4),
+                              config=zpp.ZeroPPConfig(qwz=True, weight_format="nf4"))

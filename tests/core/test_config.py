@@ -293,8 +293,9 @@ def test_weight_format_and_weight_bits_are_one_setting():
         with pytest.raises(ValueError, match=f"weight_format='{fmt}' and weight_bits={bits} "
                                              "disagree"):
             ZeroPPConfig(weight_format=fmt, weight_bits=bits)
-    with pytest.raises(ValueError, match=r"valid formats are \('int8', 'int4', 'fp8'\)"):
-        ZeroPPConfig(weight_format="int2")
+    for bad in ("int2", "fp16", "int8.0", "int"):
+        with pytest.raises(ValueError, match="named by its kind and its bits per value"):
+            ZeroPPConfig(weight_format=bad)
     with pytest.raises(ValueError, match="must be even"):
         ZeroPPConfig(weight_format="int4", block_size=33)
     # dataclasses.replace copies both names: changing one alone is a disagreement, and the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from typing import Any, Mapping
 
 import jax.numpy as jnp
@@ -31,8 +32,10 @@ from zeropp_jax.core.settings import (
 )
 
 _VALID_BITS = (4, 8)
-# weight_format -> the weight_bits it means (weight_bits is the older name of the INT ones).
-_WEIGHT_FORMATS = {"int8": 8, "int4": 4, "fp8": 8}
+# A wire format's name: its kind, then its bits per value (weight_bits is the older name of
+# the INT ones: weight_bits=4 is weight_format="int4").
+_FORMAT_NAME = re.compile(r"[a-z][a-z_]*?(\d+)")
+_EXAMPLE_FORMATS = "'int8', 'int4' or 'fp8'"
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 _IMPLEMENTATIONS = (None, "xla", "pallas")
@@ -83,26 +86,34 @@ def _as_int(name: str, value: Any) -> Any:
 
 def _weight_format(fmt: Any, bits: Any) -> tuple[str, int]:
     """``(weight_format, weight_bits)`` from either or both (None: not given); a pair
-    that disagrees raises, naming both."""
+    that disagrees raises, naming both.
+
+    A wire format is named by its kind and its bits per value (``"int8"``, ``"int4"``,
+    ``"fp8"``): the bits come from the name, so the config takes any format the
+    transports' registry may hold without listing them (``comm/transports/registry.py``
+    refuses, when the run's plan is made, a name it has no transport for)."""
     if fmt is None:
         bits = 8 if bits is None else bits
         if bits not in _VALID_BITS:
             raise ValueError(f"weight_bits={bits!r} is invalid; valid values are {_VALID_BITS}"
-                             f" (or weight_format, one of {tuple(_WEIGHT_FORMATS)})")
+                             f" (or weight_format, such as {_EXAMPLE_FORMATS})")
         return f"int{bits}", bits
-    if fmt not in _WEIGHT_FORMATS:
-        raise ValueError(f"weight_format={fmt!r} is invalid; valid formats are "
-                         f"{tuple(_WEIGHT_FORMATS)}")
-    if bits is not None and bits != _WEIGHT_FORMATS[fmt]:
-        older = {b: f for f, b in reversed(_WEIGHT_FORMATS.items())}.get(bits)
+    named = _FORMAT_NAME.fullmatch(fmt) if isinstance(fmt, str) else None
+    fmt_bits = int(named.group(1)) if named else None
+    if fmt_bits not in _VALID_BITS:
+        raise ValueError(
+            f"weight_format={fmt!r} is invalid: a wire format is named by its kind and its "
+            f"bits per value, {' or '.join(map(str, _VALID_BITS))}, such as "
+            f"{_EXAMPLE_FORMATS} (the transports' registry lists them)")
+    if bits is not None and bits != fmt_bits:
         raise ValueError(
             f"weight_format={fmt!r} and weight_bits={bits!r} disagree: weight_format={fmt!r} "
-            f"is {_WEIGHT_FORMATS[fmt]}-bit" + (f", weight_bits={bits} is weight_format="
-                                                f"{older!r}" if older else "")
+            f"is {fmt_bits}-bit" + (f", weight_bits={bits} is weight_format='int{bits}'"
+                                    if bits in _VALID_BITS else "")
             + ". Give one of them (weight_bits is the older name of 'int8' and 'int4'); "
             "dataclasses.replace copies both, so pass weight_bits=None with a new "
             "weight_format, or weight_format=None with a new weight_bits")
-    return fmt, _WEIGHT_FORMATS[fmt]
+    return fmt, fmt_bits
 
 
 @dataclasses.dataclass(frozen=True)

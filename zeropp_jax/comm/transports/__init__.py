@@ -25,7 +25,9 @@ work, kept errors).
 
 Adding a transport: a file with a frozen dataclass implementing the interface (the facts
 ``base.WeightFacts`` / ``GradientFacts`` default) and a ``from_config``, and one entry in
-``WEIGHTS``, ``FROZEN`` or ``GRADIENTS`` in ``registry.py``.
+``WEIGHTS``, ``FROZEN`` or ``GRADIENTS`` in ``registry.py``. A weight format's entry is its
+name, its kind and its bits per value (``"int8"``, ``"fp8"``): the config takes that name
+as ``weight_format`` without a list of its own.
 """
 
 

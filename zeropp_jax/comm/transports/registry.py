@@ -1,5 +1,6 @@
 """The registry: which transport a config's settings name. Adding a wire format is a file
-beside this one and one entry here."""
+beside this one and one entry here: ``WEIGHTS["<kind><bits>"] = <its from_config>``; the
+config takes the name as it is (its bits read from it)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from zeropp_jax.comm.transports import fp8, hpz, plain, qgz, qwz, reduce_scatter
 from zeropp_jax.comm.transports import hierarchical_reduce_scatter as hierarchical
 from zeropp_jax.comm.transports.base import GradientTransport, WeightTransport
 
-# Trainable weights, by ``weight_format(config)``.
+# Trainable weights, by ``weight_format(config)``: "plain" without qwZ, else the config's
+# ``weight_format``, a name ending in its bits per value (the config reads them from it).
 WEIGHTS: dict[str, Callable[[Any], WeightTransport]] = {
     "plain": plain.PlainGather.from_config,
-    "qwz": qwz.QwzGather.from_config,
+    "int8": qwz.QwzGather.from_config,
+    "int4": qwz.QwzGather.from_config,
     "fp8": fp8.Fp8Gather.from_config,
 }
 # Frozen weights stored in another form than the param dtype, by ``frozen_format(config)``
@@ -32,11 +35,17 @@ GRADIENTS["qgz"] = lambda config: qgz.QgzReduceScatter.from_config(
 
 
 def weight_format(config: Any) -> str:
-    """The ``WEIGHTS`` entry of the config: plain without qwZ; with it, by
-    ``config.weight_format`` (INT8 and INT4 are qwZ's, FP8 its own)."""
+    """The ``WEIGHTS`` entry of the config: plain without qwZ; with it,
+    ``config.weight_format``. Raises naming the registered formats for one without a
+    transport."""
     if not config.qwz:
         return "plain"
-    return "fp8" if config.weight_format == "fp8" else "qwz"
+    fmt = config.weight_format
+    if fmt == "plain" or fmt not in WEIGHTS:
+        known = ", ".join(repr(f) for f in WEIGHTS if f != "plain")
+        raise ValueError(f"weight_format={fmt!r} has no transport; the registered wire "
+                         f"formats are {known} (comm/transports/registry.py)")
+    return fmt
 
 
 def frozen_format(config: Any) -> str | None:

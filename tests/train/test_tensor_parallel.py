@@ -164,9 +164,14 @@ def test_checkpoint_restores_across_tensor_parallel_meshes(tmp_path):
     zpp.checkpoint.save(tmp_path, state)
     want = state.consolidate()
     mu = state.engine.consolidate(zpp.ShardedParams(state.opt_state[0].mu))
-    for shape in [(2, 4, 1), (1, 1, 1)]:
+    # (2, 2, 2) -> a mesh without "model", and one device; then a checkpoint written on
+    # (2, 4) without tensor parallelism -> (1, 2, 4).
+    plain = tmp_path / "written_without_tp"
+    for shape, source in [((2, 4, 1), tmp_path), ((1, 1, 1), tmp_path), ((1, 2, 4), plain)]:
         template = _state(shape, zpp.ZeroPPConfig.zero3(**FP32), tx=tx, seed=9)
-        back = zpp.checkpoint.restore(tmp_path, template)
+        back = zpp.checkpoint.restore(source, template)
+        if shape == (2, 4, 1):
+            zpp.checkpoint.save(plain, back)
         assert back.engine is template.engine
         got = back.consolidate()
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):

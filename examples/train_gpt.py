@@ -2,7 +2,9 @@
 
     python examples/train_gpt.py --nodes 2 --local 4 --mode zero3 --steps 300
 
-On a CPU machine the script simulates exactly ``nodes * local`` CPU devices itself. The data
+On a CPU machine the script simulates exactly ``nodes * local * model`` CPU devices itself
+(``--model T``: tensor parallelism, the GPT's weights split over a ``"model"`` mesh axis by
+Megatron's rules). The data
 is the installed Python standard library's source (no download; the last 5% is held out for
 validation); ``--batch`` is the global batch of one optimizer step, so the same seed trains on
 the same data for every mesh shape and every ``--accum``.
@@ -27,7 +29,11 @@ MODES = ["zero3", "qwz", "hpz", "qgz", "qwz_hpz", "zeropp"]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nodes", type=int, default=2, help="nodes in the mesh (default 2)")
-    p.add_argument("--local", type=int, default=4, help="devices per node (default 4)")
+    p.add_argument("--local", type=int, default=4,
+                   help="data-parallel devices per node (default 4)")
+    p.add_argument("--model", type=int, default=1,
+                   help="tensor-parallel degree: a (node, local, model) mesh, the GPT's "
+                        "weights split by Megatron's rules (default 1: none)")
     p.add_argument("--mode", default="zero3", choices=MODES)
     p.add_argument("--stage", type=int, default=3, choices=[1, 2, 3], help="ZeRO stage")
     p.add_argument("--steps", type=int, default=200,
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Must run before JAX touches its backend: the script simulates its own devices.
     import zeropp_jax as zpp
 
-    zpp.simulate_cpu_devices(args.nodes * args.local)
+    zpp.simulate_cpu_devices(args.nodes * args.local * args.model)
 
     import jax
     import numpy as np
@@ -171,9 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     from zeropp_jax.train import checkpoint
     from zeropp_jax.train.accumulate import accumulate_gradients
     from zeropp_demo.data import VOCAB_SIZE, sample_batch, stdlib_corpus, train_val_split
-    from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
+    from zeropp_demo.gpt import GPT, MEGATRON_RULES, GPTConfig, loss_fn
 
-    mesh = zpp.make_mesh(args.nodes, args.local)
+    mesh = zpp.make_mesh(args.nodes, args.local, model=args.model)
     config = make_config(args)
     gpt_cfg = GPTConfig(
         vocab_size=VOCAB_SIZE,
@@ -183,6 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
         heads=args.heads,
         dtype=args.compute_dtype,
         sequence_axis="local" if args.sequence_parallel else None,
+        logical_axes=args.model > 1,
     )
     model = GPT(gpt_cfg)
     train_data, val_data = train_val_split(stdlib_corpus())
@@ -191,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
 
     tx = optax.adamw(make_schedule(args), weight_decay=args.weight_decay)
-    state = zpp.TrainState.create(model=model, params=params, tx=tx, mesh=mesh, config=config)
+    state = zpp.TrainState.create(model=model, params=params, tx=tx, mesh=mesh, config=config,
+                                  logical_axis_rules=MEGATRON_RULES if args.model > 1 else None)
     start = 0
     if args.resume is not None:
         state = checkpoint.restore(args.resume, state)
@@ -279,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         "stage": args.stage,
         "nodes": args.nodes,
         "local": args.local,
+        "model": args.model,
         "params": n_params,
         "compute_dtype": args.compute_dtype,
         "batch": args.batch,
@@ -301,7 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print()
     print(f"zeropp_jax train_gpt — {args.mode} (stage {args.stage}) on {args.nodes} node(s) x "
-          f"{args.local} device(s), {jax.devices()[0].platform}")
+          f"{args.local} device(s)" + (f" x {args.model} (tensor parallel)" if args.model > 1
+                                       else "") + f", {jax.devices()[0].platform}")
     print(f"  model      {n_params / 1e6:.2f}M params, {args.layers} layers, d_model "
           f"{args.d_model}, {args.heads} heads, seq {args.seq_len}, {args.compute_dtype}")
     print(f"  units      {len(state.engine.layouts)} (each gathered just before use)")

@@ -48,9 +48,13 @@ def test_same_seed_same_losses_on_every_mesh_shape(tmp_path):
     a = _run(tmp_path, "a", "--nodes", "2", "--local", "2", *common)
     b = _run(tmp_path, "b", "--nodes", "1", "--local", "4", *common)
     c = _run(tmp_path, "c", "--nodes", "2", "--local", "1", *common)
-    # fp32: only the order of the per-device partial sums differs between meshes.
+    d = _run(tmp_path, "d", "--nodes", "2", "--local", "1", "--model", "2", *common)
+    assert d["model"] == 2
+    # fp32: only the order of the per-device partial sums differs between meshes (with
+    # tensor parallelism also the row-parallel matmuls' partial products).
     np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-5)
     np.testing.assert_allclose(a["losses"], c["losses"], rtol=1e-5)
+    np.testing.assert_allclose(a["losses"], d["losses"], rtol=1e-5)
 
 
 # The library tests pin qwZ (test_qwz) and hpZ (test_hpz); these CLI variants only add time.

@@ -46,6 +46,25 @@ def global_spec(spec: P, mesh: Any) -> P:
     return spec
 
 
+def pin_slices(out: Any, specs: Any, mesh: Any) -> Any:
+    """``out`` (the global result of a ``shard_map`` manual over the data axes, with
+    out_specs ``specs``, a tree prefix of it) with every tensor-parallel buffer (spec
+    ``sharded_spec(2)``) constrained to stay split over ``"model"``, as the state came in:
+    XLA would be free to replicate the axis it partitions. Inside ``jit``; ``out`` as it
+    is on a mesh without a ``"model"`` axis."""
+    if MODEL not in mesh.axis_names:
+        return out
+
+    def pin(spec: P, x: Any) -> Any:
+        wanted = global_spec(spec, mesh)
+        if wanted == spec:
+            return x
+        return jax.tree_util.tree_map(
+            lambda y: jax.lax.with_sharding_constraint(y, NamedSharding(mesh, wanted)), x)
+
+    return jax.tree_util.tree_map(pin, specs, out, is_leaf=lambda x: isinstance(x, P))
+
+
 def offload_mask(tree: Any, units: Any, offloaded: frozenset[str]) -> Any:
     """A tree like ``tree`` (an optimizer state, or its specs) of bools: True for the
     leaves kept in host memory, those of the ``offloaded`` units (``unit_of``), and the

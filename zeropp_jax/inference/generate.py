@@ -33,10 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST
-from zeropp_jax.comm.placement import SLICED_SHARDED, sharded_spec
+from zeropp_jax.comm.placement import pin_slices, sharded_spec
 from zeropp_jax.comm.transports.hpz import SecondaryRegather, secondary_of
 from zeropp_jax.core import compat
-from zeropp_jax.core.mesh import AXES, MODEL, manual_axes
+from zeropp_jax.core.mesh import AXES, manual_axes
 from zeropp_jax.inference.conventions import (
     Convention,
     TransformersCache,
@@ -90,15 +90,6 @@ def _rules(engine: Engine) -> Any:
         contextlib.nullcontext()
 
 
-def _pinned(tree: PyTree, mesh: Any) -> PyTree:
-    """A program's ``[T, ...]`` outputs kept split over ``"model"`` (as the state's)."""
-    if MODEL not in mesh.axis_names:
-        return tree
-    return jax.tree_util.tree_map(
-        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, SLICED_SHARDED))
-        if x.ndim == 2 else x, tree)
-
-
 def _check(state: Any) -> Engine:
     if not isinstance(state, TrainState):
         raise TypeError(f"expected a zeropp_jax.TrainState, got {type(state).__name__}")
@@ -137,9 +128,10 @@ def _build_gather_program(engine: Engine) -> Any:
                  for n, lay in engine.layouts.items()] + [
             ("frozen/" + n, (SHARDED,) * _stored_buffers(engine, n))
             for n in engine.frozen_layouts]
+        out_specs = dict(names)
         out = jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
-                            out_specs=dict(names), **manual_axes(engine.mesh))(units, frozen)
-        return _pinned(out, engine.mesh)
+                            out_specs=out_specs, **manual_axes(engine.mesh))(units, frozen)
+        return pin_slices(out, out_specs, engine.mesh)
 
     return jax.jit(run)
 

@@ -26,12 +26,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.core import compat
-from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams, global_spec
-from zeropp_jax.core.mesh import AXES, MODEL, manual_axes
+from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams, pin_slices
+from zeropp_jax.core.mesh import AXES, manual_axes
 from zeropp_jax.train import axes
 from zeropp_jax.train.dispatch import StepPacer
 from zeropp_jax.train.engine import Engine
@@ -72,22 +71,6 @@ def _out_specs(out: PyTree, batch_spec: P) -> PyTree:
         return REPLICATED
 
     return jax.tree_util.tree_map(spec, out, is_leaf=_is_container)
-
-
-def _pin_slices(out: PyTree, specs: PyTree, mesh: Any) -> PyTree:
-    """Outputs the step returns per tensor-parallel slice (``[T, ...]`` buffers, spec
-    ``P(None, ("node", "local"))``) stay split over ``"model"``, as the state came in:
-    the step is manual over the data axes only, so without this XLA may replicate them."""
-    if MODEL not in mesh.axis_names:
-        return out
-
-    def pin(spec: P, x: Any) -> Any:
-        wanted = global_spec(spec, mesh)
-        if wanted == spec:
-            return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, wanted))
-
-    return jax.tree_util.tree_map(pin, specs, out)
 
 
 def _unwrap(out: PyTree) -> PyTree:
@@ -272,7 +255,7 @@ def _make_step(fn: Callable[..., Any], *, donate_state: bool, batch_spec: P,
         out = jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,
                             out_specs=recorded["specs"], check_vma=False,
                             **manual_axes(engine.mesh))(state, batch, *extra)
-        return _unwrap(_pin_slices(out, recorded["specs"], engine.mesh))
+        return _unwrap(pin_slices(out, recorded["specs"], engine.mesh))
 
     jitted = jax.jit(run, donate_argnums=(0,) if donate_state else ())
     # Simulated CPU devices whose thread pool was not sized by simulate_cpu_devices deadlock

@@ -73,6 +73,7 @@ def _move(state: TrainState, engine: Engine, shardings: dict[str, NamedSharding]
           ) -> TrainState:
     """``state`` (on its engine's layouts) rewritten onto ``engine``'s layouts."""
     old = state.engine
+    replicated = NamedSharding(engine.mesh, jax.sharding.PartitionSpec())
 
     def unit(name: str, x: jax.Array) -> jax.Array:
         return _rewrite(x, old.layouts[name], engine.layouts[name], shardings[name])
@@ -80,8 +81,7 @@ def _move(state: TrainState, engine: Engine, shardings: dict[str, NamedSharding]
     def leaf(path: tuple, x: Any, spec: Any) -> Any:
         name = unit_of(path, old.layouts)
         if name is None or spec == jax.sharding.PartitionSpec():
-            return x if not isinstance(x, jax.Array) else jax.device_put(
-                x, NamedSharding(engine.mesh, jax.sharding.PartitionSpec()))
+            return jax.device_put(x, replicated) if isinstance(x, jax.Array) else x
         return unit(name, x)
 
     params = ShardedParams({k: unit(k, v) for k, v in state.params.units.items()}, True,
@@ -90,7 +90,6 @@ def _move(state: TrainState, engine: Engine, shardings: dict[str, NamedSharding]
     paths_leaves = jax.tree_util.tree_flatten_with_path(state.opt_state)
     opt = jax.tree_util.tree_unflatten(paths_leaves[1], [
         leaf(p, x, s) for (p, x), s in zip(paths_leaves[0], specs)])
-    replicated = NamedSharding(engine.mesh, jax.sharding.PartitionSpec())
     frozen = state.frozen
     if frozen is not None:  # stored as they are (not quantized: refused with a model axis)
         frozen = frozen.replace(values={

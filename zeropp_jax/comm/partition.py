@@ -114,65 +114,92 @@ class UnitLayout:
 
     def flatten(self, tree: PyTree, dtype: Any) -> jax.Array:
         """Unit subtree -> flat ``[n_pad]`` buffer of ``dtype``, zero padded (``[tp,
-        n_pad]`` with tensor parallelism: row ``t`` holds slice ``t`` of every leaf)."""
+        n_pad]`` with tensor parallelism: row ``t`` holds slice ``t`` of every leaf).
+
+        A tree of numpy arrays is flattened with numpy (a numpy result, the same values:
+        each leaf is first read as the dtype JAX would give it), so building a state runs
+        no per-leaf device programs and holds no whole unit on one device."""
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if treedef != self.treedef:
             raise ValueError(
                 f"unit {self.name!r}: parameter tree structure {treedef} does not match the "
                 f"layout's {self.treedef}"
             )
+        xp = _array_module(leaves)
+        if xp is np:
+            leaves = [_as_jax_would(x) for x in leaves]
         if self.tp > 1:
-            parts = [self._slices(x, dim, size).astype(dtype)
+            parts = [self._slices(xp, x, dim, size).astype(dtype)
                      for x, dim, size in zip(leaves, self.tp_dims, self.sizes)]
             pad = self.n_pad - self.n
             if pad:
-                parts.append(jnp.zeros((self.tp, pad), dtype))
-            return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-        parts = [jnp.ravel(x).astype(dtype) for x in leaves]
+                parts.append(xp.zeros((self.tp, pad), dtype))
+            return xp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        parts = [xp.ravel(x).astype(dtype) for x in leaves]
         pad = self.n_pad - self.n
         if pad:
-            parts.append(jnp.zeros((pad,), dtype))
-        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+            parts.append(xp.zeros((pad,), dtype))
+        return xp.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def _slices(self, x: Any, dim: int, size: int) -> jax.Array:
-        """A full leaf -> its ``[tp, size]`` tensor-parallel slices, flattened."""
-        x = jnp.asarray(x)
+    def _slices(self, xp: Any, x: Any, dim: int, size: int) -> Any:
+        """A full leaf -> its ``[tp, size]`` tensor-parallel slices, flattened (``xp``:
+        numpy or ``jax.numpy``)."""
+        x = xp.asarray(x)
         if dim < 0:  # used whole: equal pieces of the flattened values
-            flat = jnp.ravel(x)
-            return jnp.pad(flat, (0, self.tp * size - flat.size)).reshape(self.tp, size)
+            flat = xp.ravel(x)
+            return xp.pad(flat, (0, self.tp * size - flat.size)).reshape(self.tp, size)
         shape = x.shape
         split = shape[:dim] + (self.tp, shape[dim] // self.tp) + shape[dim + 1:]
-        return jnp.moveaxis(x.reshape(split), dim, 0).reshape(self.tp, size)
+        return xp.moveaxis(x.reshape(split), dim, 0).reshape(self.tp, size)
 
     def unflatten(self, flat: jax.Array) -> PyTree:
         """Flat ``[n_pad]`` (or ``[n]``) buffer -> unit subtree, in ``flat``'s dtype.
 
         With tensor parallelism ``flat`` is ``[tp, n_pad]``; inside a step (a mesh whose
         ``"model"`` axis XLA partitions) each rebuilt leaf is constrained to its
-        tensor-parallel sharding, so every device computes with its slice only."""
+        tensor-parallel sharding, so every device computes with its slice only. A numpy
+        buffer gives numpy leaves (views, no device programs)."""
         if flat.shape[-1] < self.n:
             raise ValueError(f"unit {self.name!r}: flat buffer {flat.shape} shorter than {self.n}")
         leaves, offset = [], 0
+        host = isinstance(flat, np.ndarray)
+        xp = np if host else jnp
         if self.tp > 1:
             if flat.ndim != 2 or flat.shape[0] != self.tp:
                 raise ValueError(f"unit {self.name!r}: tensor-parallel flat buffer must be "
                                  f"[{self.tp}, n], got {flat.shape}")
             for shape, dim, size in zip(self.shapes, self.tp_dims, self.sizes):
-                piece = jax.lax.slice_in_dim(flat, offset, offset + size, axis=1)
-                leaves.append(_tp_constrained(self._whole(piece, shape, dim), dim))
+                piece = (flat[:, offset:offset + size] if host
+                         else jax.lax.slice_in_dim(flat, offset, offset + size, axis=1))
+                whole = self._whole(xp, piece, shape, dim)
+                leaves.append(whole if host else _tp_constrained(whole, dim))
                 offset += size
             return jax.tree_util.tree_unflatten(self.treedef, leaves)
         for shape, size in zip(self.shapes, self.sizes):
-            leaves.append(jax.lax.slice_in_dim(flat, offset, offset + size).reshape(shape))
+            piece = (flat[offset:offset + size] if host
+                     else jax.lax.slice_in_dim(flat, offset, offset + size))
+            leaves.append(piece.reshape(shape))
             offset += size
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
-    def _whole(self, piece: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
+    def _whole(self, xp: Any, piece: Any, shape: tuple[int, ...], dim: int) -> Any:
         """``[tp, size]`` slices of one leaf -> the leaf (inverse of ``_slices``)."""
         if dim < 0:
             return piece.reshape(-1)[: math.prod(shape)].reshape(shape)
         block = shape[:dim] + (shape[dim] // self.tp,) + shape[dim + 1:]
-        return jnp.moveaxis(piece.reshape((self.tp,) + block), 0, dim).reshape(shape)
+        return xp.moveaxis(piece.reshape((self.tp,) + block), 0, dim).reshape(shape)
+
+
+def _array_module(leaves: list) -> Any:
+    """numpy if every leaf is a numpy array (or a Python/numpy scalar), else jax.numpy."""
+    return np if all(isinstance(x, (np.ndarray, np.generic, int, float)) for x in leaves) else jnp
+
+
+def _as_jax_would(x: Any) -> np.ndarray:
+    """``x`` as numpy in the dtype ``jnp.asarray`` gives it (float64 -> float32 unless
+    ``jax_enable_x64``), so the numpy path rounds exactly as the jax one."""
+    x = np.asarray(x)
+    return x.astype(jax.dtypes.canonicalize_dtype(x.dtype), copy=False)
 
 
 def _tp_constrained(x: jax.Array, dim: int) -> jax.Array:

@@ -244,8 +244,11 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
         hw.nodes, hw.local // t, base, allow_int4_weights=bool(allow_int4_weights))
         for t in shapes}
 
+    memo: dict = {}  # traced transports, shared by every candidate of this call
+
     def costed(config: ZeroPPConfig, t: int = 1) -> Candidate:
-        w = config_workload(config, shapes[t], hw.nodes, hw.local // t, tokens_per_device)
+        w = config_workload(config, shapes[t], hw.nodes, hw.local // t, tokens_per_device,
+                            memo=memo)
         p = predict_step(w, hw)
         fits = memory_budget_bytes is None or p.memory_bytes <= memory_budget_bytes
         return Candidate(config, p, fits, w.cross_bytes_per_node / 1e6, t)

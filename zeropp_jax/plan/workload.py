@@ -372,13 +372,31 @@ def _only_embeddings(tree: Any) -> bool:
                                 for p, _ in leaves)
 
 
-def _unit_phases(config: ZeroPPConfig, n: int, nodes: int, local: int
-                 ) -> tuple[tuple[TracedCollective, ...], ...]:
-    """(forward, backward, gradient) collectives of a trainable unit of ``n`` parameters."""
+def _memoized(memo: dict | None, key: tuple, make: Any) -> Any:
+    """``make()``, kept in ``memo`` under ``key`` (computed each time without a memo)."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _unit_phases(config: ZeroPPConfig, n: int, nodes: int, local: int,
+                 memo: dict | None = None) -> tuple[tuple[TracedCollective, ...], ...]:
+    """(forward, backward, gradient) collectives of a trainable unit of ``n`` parameters.
+
+    The traces depend on the transports only (hashable frozen dataclasses), so a caller
+    that prices many configurations passes one ``memo`` and traces each transport, unit
+    size and mesh once."""
     n_pad = padded_length(n, nodes * local, config.flat_alignment)
     plan = plan_of(config)
-    w = weight_collectives(plan.weights, n_pad, config.param_jnp_dtype, nodes, local)
-    g = gradient_collectives(plan.gradients, n_pad, config.compute_jnp_dtype, nodes, local)
+    w = _memoized(memo, ("weights", plan.weights, n_pad, config.param_jnp_dtype, nodes, local),
+                  lambda: weight_collectives(plan.weights, n_pad, config.param_jnp_dtype,
+                                             nodes, local))
+    g = _memoized(memo, ("gradients", plan.gradients, n_pad, config.compute_jnp_dtype, nodes,
+                         local),
+                  lambda: gradient_collectives(plan.gradients, n_pad,
+                                               config.compute_jnp_dtype, nodes, local))
     return w["forward"], w["backward"], g
 
 
@@ -389,10 +407,12 @@ def _frozen_transport(config: ZeroPPConfig, n: int, devices: int) -> tuple[Any, 
     return plan_of(config).unit(None, layout).frozen, n_pad
 
 
-def _frozen_phases(config: ZeroPPConfig, n: int, nodes: int, local: int
-                   ) -> tuple[tuple[TracedCollective, ...], ...]:
+def _frozen_phases(config: ZeroPPConfig, n: int, nodes: int, local: int,
+                   memo: dict | None = None) -> tuple[tuple[TracedCollective, ...], ...]:
     transport, n_pad = _frozen_transport(config, n, nodes * local)
-    w = weight_collectives(transport, n_pad, config.param_jnp_dtype, nodes, local)
+    w = _memoized(memo, ("weights", transport, n_pad, config.param_jnp_dtype, nodes, local),
+                  lambda: weight_collectives(transport, n_pad, config.param_jnp_dtype, nodes,
+                                             local))
     return w["forward"], w["backward"]
 
 
@@ -772,10 +792,12 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
 
 def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,
                     tokens_per_device: float = 0.0, label: str = "", scalar_bytes: int = 8,
-                    *, backend: str = "gpu") -> Workload:
+                    *, backend: str = "gpu", memo: dict | None = None) -> Workload:
     """One step of ``config`` training ``shape`` on a ``nodes x local`` mesh with
     ``tokens_per_device`` tokens per device (rules in the module docstring).
-    ``scalar_bytes``: the step's scalar outputs (loss and metrics), all-reduced together."""
+    ``scalar_bytes``: the step's scalar outputs (loss and metrics), all-reduced together.
+    ``memo``: a dict the caller keeps across calls (a planner pricing many configurations),
+    where each transport's traced collectives are kept."""
     if config.stage != 3:
         raise ValueError("the cost model covers ZeRO-3 and ZeRO++ (stage=3) configurations; "
                          f"got stage={config.stage}")
@@ -793,8 +815,13 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     # (``memory_breakdown``).
     copies = (shape.small_weights if config.remat == "minimal"
               and (shape.itemsize or 0) > config.compute_jnp_dtype.itemsize else frozenset())
-    # Traced once per unit size for this call (a model's layers share one), then dropped.
-    phases = functools.cache(lambda n: _unit_phases(config, n, nodes, local))
+    # Traced once per unit size (a model's layers share one); with the caller's ``memo``,
+    # once per transport across every configuration it prices.
+    memo = {} if memo is None else memo
+
+    def phases(n: int) -> tuple[tuple[TracedCollective, ...], ...]:
+        return _unit_phases(config, n, nodes, local, memo)
+
     for name, n in shape.units:
         fwd, bwd, grad = phases(n)
         if name == partner:  # one collective moves both: the padded lengths add up
@@ -814,7 +841,7 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
             local)
         quant, grad_quant = quant + w_elems + g_elems, grad_quant + g_elems
     for name, n in shape.frozen:
-        fwd, bwd = _frozen_phases(config, n, nodes, local)
+        fwd, bwd = _frozen_phases(config, n, nodes, local, memo)
         regathers = name != kept and name not in shape.no_regather
         costs += _costs(f"{name} frozen forward", fwd, nodes, local)
         if regathers:

@@ -137,13 +137,18 @@ def test_residuals_hold_secondary_slices_not_full_weights():
 @pytest.mark.bitwise_programs
 def test_secondary_is_rebuilt_every_step():
     """Two steps whose parameters change in between: each step's backward must use that
-    step's weights (a stale secondary would give the first step's gradient again)."""
+    step's weights (a stale secondary would give the first step's gradient again).
+
+    SGD(0.1) as in test_hpz_alone_equals_zero3: the first step moves every weight by 0.1
+    of its gradient, which changes the second step's gradient, and the two configurations
+    are then the programs that test compiles on the 2x4 mesh (served from the run's
+    compile cache)."""
     params = init_params(seed=51)
     batches = [tokens(16, seed=52), tokens(16, seed=53)]
     results = {}
     for name, cfg in (("z3", zpp.ZeroPPConfig(**FP32)),
                       ("hpz", zpp.ZeroPPConfig(hpz=True, **FP32))):
-        state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.5),
+        state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
                                       mesh=zpp.make_mesh(2, 4), config=cfg)
         step = make_step(with_grads=True)
         grads = []

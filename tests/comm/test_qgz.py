@@ -24,13 +24,22 @@ from helpers import (SMALL, U32, all_pairs, assert_leaves_equal, assert_loss_and
 AXES = ("node", "local")
 
 
+def _runner(mesh, **kwargs):
+    """One jitted qgZ program: x_dev [P, n] (row d = device d's gradient) -> qgZ result of
+    each device, [P, n/P]. Calls with inputs of the same shape reuse its compiled program."""
+    fn = jax.jit(jax.shard_map(lambda v: qgz_reduce_scatter(v, **kwargs), mesh=mesh,
+                               in_specs=P(AXES), out_specs=P(AXES)))
+
+    def run(x_dev):
+        x = jax.device_put(jnp.asarray(x_dev).reshape(-1), NamedSharding(mesh, P(AXES)))
+        return np.asarray(fn(x)).reshape(x_dev.shape[0], -1)
+
+    return run
+
+
 def _run(mesh, x_dev, **kwargs):
     """x_dev [P, n] (row d = device d's gradient) -> qgZ result of each device, [P, n/P]."""
-    num = x_dev.shape[0]
-    fn = jax.shard_map(lambda v: qgz_reduce_scatter(v, **kwargs), mesh=mesh,
-                       in_specs=P(AXES), out_specs=P(AXES))
-    x = jax.device_put(jnp.asarray(x_dev).reshape(-1), NamedSharding(mesh, P(AXES)))
-    return np.asarray(jax.jit(fn)(x)).reshape(num, -1)
+    return _runner(mesh, **kwargs)(x_dev)
 
 
 def _q_dq(v: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -171,12 +180,12 @@ def test_qgz_until_switches_without_recompiling():
     batches = [tokens(16, seed=62 + i) for i in range(4)]
     mesh = zpp.make_mesh(2, 4)
 
-    def run(cfg):
+    def run(cfg, steps=4):
         state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
                                       mesh=mesh, config=cfg)
         step = make_step(with_grads=True)
         grads = []
-        for b in batches:
+        for b in batches[:steps]:
             state, out = step(state, b)
             grads.append(state.engine.consolidate(out["grads"]))
         return grads, step
@@ -184,7 +193,7 @@ def test_qgz_until_switches_without_recompiling():
     fp32 = dict(compute_dtype="float32", block_size=32)
     z3, _ = run(zpp.ZeroPPConfig(**fp32))
     never, _ = run(zpp.ZeroPPConfig(qgz=True, qgz_until=0, **fp32))
-    always, _ = run(zpp.ZeroPPConfig(qgz=True, **fp32))
+    always, _ = run(zpp.ZeroPPConfig(qgz=True, **fp32), steps=1)  # only its step 0 is used
     half, step = run(zpp.ZeroPPConfig(qgz=True, qgz_until=0.5, planned_steps=4, **fp32))
     # Off, qgZ is its fallback reduce-scatter: the same sums in the same order, bit for bit
     # (as tests/comm/test_transports.py checks on the transport alone).
@@ -285,12 +294,16 @@ def test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups():
     node_groups = {(0, 4), (1, 5), (2, 6), (3, 7)}
     local_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
     grads = []
+    params, batch = init_params(seed=73), tokens(16, seed=74)
     for ag, qwz in (("hierarchical", False), ("hierarchical", True), ("flat", False)):
         cfg = zpp.ZeroPPConfig(all_gather=ag, qwz=qwz, compute_dtype="float32")
-        st = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=73),
+        st = zpp.TrainState.create(model=GPT(SMALL), params=params,
                                    tx=optax.sgd(0.1), mesh=mesh, config=cfg)
-        batch = tokens(16, seed=74)
-        rows = comm_report(make_step().lower(st, batch).compile(), mesh).rows
+        # One program per configuration: the step that also returns the gradients is the
+        # one inspected and the one run (the gradients leave it as sharded as they are
+        # reduce-scattered, so returning them adds no gather).
+        compiled = make_step(with_grads=True).lower(st, batch).compile()
+        rows = comm_report(compiled, mesh).rows
         gathers = [set(r.groups) for r in rows if r.kind == "all-gather"]
         assert gathers
         if ag == "hierarchical":
@@ -299,7 +312,7 @@ def test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups():
         else:
             assert {tuple(range(8))} in gathers
         if not qwz:
-            _, out = make_step(with_grads=True)(st, batch)
+            _, out = compiled(st, st.engine.shard_batch(batch))
             grads.append(st.engine.consolidate(out["grads"]))
     for a, b in zip(jax.tree_util.tree_leaves(grads[0]), jax.tree_util.tree_leaves(grads[1])):
         np.testing.assert_array_equal(a, b)
@@ -408,12 +421,15 @@ def test_hadamard_stages_are_bitwise_identical_and_the_block_is_checked():
     spec = P(AXES)
     xs = jax.device_put(jnp.asarray(x).reshape(-1), NamedSharding(mesh, spec))
 
-    def run(stages, key):
-        fn = jax.shard_map(
+    @functools.lru_cache(maxsize=None)  # one program per stage count (the key is an input)
+    def program(stages):
+        return jax.jit(jax.shard_map(
             lambda v, k: zpp.collectives.qgz_reduce_scatter(
                 v, bits=4, block_size=32, stages=stages, hadamard=True, key=k[0]),
-            mesh=mesh, in_specs=(spec, P()), out_specs=spec)
-        return np.asarray(jax.jit(fn)(xs, jax.random.key(key)[None]))
+            mesh=mesh, in_specs=(spec, P()), out_specs=spec))
+
+    def run(stages, key):
+        return np.asarray(program(stages)(xs, jax.random.key(key)[None]))
 
     one = run(1, key=5)
     np.testing.assert_array_equal(run(4, key=5), one)
@@ -447,10 +463,10 @@ def test_stochastic_rounding_is_seeded_and_averages_out():
     assert not np.array_equal(draws[0], draws[1])
     single = np.sqrt(np.mean((draws - exact) ** 2))
     assert np.sqrt(np.mean((draws.mean(axis=0) - exact) ** 2)) < 0.5 * single
-    no_key = _run(mesh, x, bits=4, block_size=32, stochastic_rounding=True)
-    np.testing.assert_array_equal(no_key, _run(mesh, x, bits=4, block_size=32,
-                                                stochastic_rounding=True))
+    keyless = _runner(mesh, bits=4, block_size=32, stochastic_rounding=True)  # one program
+    no_key = keyless(x)
+    np.testing.assert_array_equal(no_key, keyless(x))
     x2 = x.copy()
     x2[0, 0] += 1.0
-    other = _run(mesh, x2, bits=4, block_size=32, stochastic_rounding=True)
+    other = keyless(x2)
     assert np.mean(other != no_key) > 0.1  # a new gradient: a new dither everywhere

@@ -158,7 +158,8 @@ def test_flax_lm1b_decode_convention():
     argmax (which shifts right: its position j predicts token j + 1 of the BOS-led row)."""
     cfg = TransformerConfig(max_len=16)
     model, twin = TransformerLM(cfg), TransformerLM(dataclasses.replace(cfg, decode=True))
-    params = model.init(jax.random.PRNGKey(3), np.zeros((1, 16), np.int32))["params"]
+    # Flax's init and apply, jitted: one program each instead of one per op.
+    params = jax.jit(model.init)(jax.random.PRNGKey(3), np.zeros((1, 16), np.int32))["params"]
     state = zpp.TrainState.create(
         model=model, params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
         config=zpp.ZeroPPConfig(compute_dtype="float32"),
@@ -170,7 +171,7 @@ def test_flax_lm1b_decode_convention():
     # demo GPT's cache takes a whole prompt prefix in one step.
     assert not takes_several_tokens(FlaxCache(twin), 1, 12)
     assert takes_several_tokens(FlaxCache(GPT(DECODE)), 1, 12)
-    logits = np.asarray(model.apply({"params": params}, out[:, 1:]))
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, out[:, 1:]))
     np.testing.assert_array_equal(np.argmax(logits[:, 3:], -1), out[:, 4:])
     assert len(np.unique(out[:, 4:])) > 2
 
@@ -186,12 +187,18 @@ def _check_transformers(transformers, arch):
     seed = int(np.random.SeedSequence().entropy % 1000)
     if arch == "gpt2":
         model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4), seed=seed)
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4), _do_init=False)
     else:
         model = transformers.FlaxLlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16),
-            seed=seed)
+            _do_init=False)
+    # The model's own random init (what seed=seed would run), as one jitted program instead
+    # of op by op (which compiles each op of the init).
+    params = jax.jit(model.init_weights, static_argnums=1)(jax.random.PRNGKey(seed),
+                                                           model.input_shape)
+    model._is_initialized = True  # what _do_init=True sets, without its eager init
+    model.params = params
     state = _state(model, None, hpz=True)
     prompts = np.random.default_rng(seed).integers(1, 64, (8, 4)).astype(np.int32)
     # transformers stops a row at the config's eos token and pads it with pad_token_id.

@@ -93,16 +93,6 @@ def run_multihost(tmp: pathlib.Path, mode: str, extra: list[str] = ()) -> dict:
     return json.loads(out.read_text())
 
 
-def run_single(tmp: pathlib.Path, mode: str) -> dict:
-    """examples/train_gpt.py on one process with a 2x2 mesh."""
-    out = tmp / f"single_{mode}.json"
-    subprocess.run([PY, str(ROOT / "examples/train_gpt.py"), "--nodes", "2", "--local", "2",
-                    "--mode", mode, *MODEL, "--json", str(out)],
-                   cwd=ROOT, env=_env(), check=True, timeout=TIMEOUT_S,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return json.loads(out.read_text())
-
-
 def _load_example():
     spec = importlib.util.spec_from_file_location("multihost_example",
                                                   ROOT / "examples/multihost.py")
@@ -111,24 +101,9 @@ def _load_example():
     return mod
 
 
-# zero3 runs in `make test` (about 35 s); the ZeRO++ case adds 30 s more, so it is slow.
-@pytest.mark.parametrize("mode", ["zero3", pytest.param("zeropp", marks=pytest.mark.slow)])
-def test_two_processes_match_one_process(tmp_path, mode):
-    extra = (["--save-params", str(tmp_path / "params.npz"), "--save", str(tmp_path / "ck")]
-             if mode == "zero3" else [])
-    multi = run_multihost(tmp_path, mode, extra)
-    single = run_single(tmp_path, mode)
-    assert (multi["nodes"], multi["local"], multi["processes"]) == (2, 2, 2)
-    assert len(multi["losses"]) == len(single["losses"]) == 4
-    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5)
-    # Training moved: the comparison is not between two constant sequences.
-    assert abs(multi["losses"][-1] - multi["losses"][0]) > 1e-3
-
-    if mode != "zero3":
-        return
-    # state.consolidate() across processes (process_allgather) gives the parameters of the
-    # same 4 steps run here in one process on a 2x2 mesh of this process's devices.
-
+def _one_process_run(mode: str) -> tuple[list[float], object]:
+    """The same 4 steps in this process on a 2x2 mesh of its devices (the example's own
+    ``build``: model, initial parameters, optimizer, config and data): (losses, state)."""
     ex = _load_example()
     args = ex.parse_args(["--coordinator", "unused:0", "--num-processes", "1",
                           "--process-id", "0", "--mode", mode, *MODEL])
@@ -140,10 +115,33 @@ def test_two_processes_match_one_process(tmp_path, mode):
     from zeropp_demo.gpt import lm_train_step
 
     step = lm_train_step()
-
+    losses = []
     for i in range(4):
-        state, _ = step(state, sample_batch(parts["data"], args.batch, args.seq_len,
-                                            seed=args.seed, step=i))
+        state, metrics = step(state, sample_batch(parts["data"], args.batch, args.seq_len,
+                                                  seed=args.seed, step=i))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+# zero3 runs in `make test`; the ZeRO++ case adds ~30 s more, so it is slow. The one-process
+# reference runs here, in the test's process (the CLI's single-process runs have tests of
+# their own: test_example, test_resume).
+@pytest.mark.parametrize("mode", ["zero3", pytest.param("zeropp", marks=pytest.mark.slow)])
+def test_two_processes_match_one_process(tmp_path, mode):
+    extra = (["--save-params", str(tmp_path / "params.npz"), "--save", str(tmp_path / "ck")]
+             if mode == "zero3" else [])
+    multi = run_multihost(tmp_path, mode, extra)
+    single, state = _one_process_run(mode)
+    assert (multi["nodes"], multi["local"], multi["processes"]) == (2, 2, 2)
+    assert len(multi["losses"]) == len(single) == 4
+    np.testing.assert_allclose(multi["losses"], single, rtol=1e-5)
+    # Training moved: the comparison is not between two constant sequences.
+    assert abs(multi["losses"][-1] - multi["losses"][0]) > 1e-3
+
+    if mode != "zero3":
+        return
+    # state.consolidate() across processes (process_allgather) gives the parameters of the
+    # same 4 steps run here in one process on a 2x2 mesh of this process's devices.
     ref = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
            for path, v in jax.tree_util.tree_leaves_with_path(state.consolidate())}
     got = dict(np.load(tmp_path / "params.npz"))

@@ -28,7 +28,8 @@ from zeropp_jax.parallel.ulysses import (dot_product_attention, head_plan, pad_s
 
 from helpers import (SMALL, adam_sensitivity, assert_leaves_rel_close, assert_rounding_close,
                      assert_training_close, dequantized_params, fp32_gradient_rounding,
-                     init_params, reference_train, rounding_of, trajectory_tolerances)
+                     init_params, jitted, reference_train, rounding_of,
+                     trajectory_tolerances)
 
 SEQ = P(None, "local")  # [batch, seq, heads, head_dim]: sequence over "local"
 
@@ -92,32 +93,32 @@ def test_attention_matches_single_device(batch, sp, hq, hkv, kind):
     args = [_put(mesh, a) for a in (q, k, v)]
 
     out = sp_attn(*args)
-    with jax.default_device(jax.devices()[0]):
-        ref = attn(q, k, v)
     # Gradients by autodiff through both all-to-alls, for a loss that weighs every output
     # element differently (a plain sum would hide a permutation of tokens or heads).
     w = np.random.default_rng(seed + 1).standard_normal(q.shape).astype(np.float32)
-
-    def loss(f):
-        return lambda q, k, v: jnp.sum(f(q, k, v) * w)
-
-    grads = jax.jit(jax.grad(loss(sp_attn), argnums=(0, 1, 2)))(*args)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(sp_attn(*a) * w), argnums=(0, 1, 2)))(*args)
+    # The single-device reference, output and gradients, as one jitted program on device 0:
+    # the very evaluation ``rounding_of`` measures against float64 below (``jitted`` keeps
+    # one compiled program per function), instead of op by op.
+    ref_fn = _out_and_grads(attn)
     with jax.default_device(jax.devices()[0]):
-        ref_grads = jax.grad(loss(attn), argnums=(0, 1, 2))(q, k, v)
+        ref, ref_grads = jitted(ref_fn)(q, k, v, w)
     # fp32; the per-head computation is the same, only XLA's fusion/reduction order differs
     # between programs: within this CPU's measured fp32 rounding of attention and its
     # gradients (gradients of k, v sum over the query heads sharing them, GQA); a permuted
     # token or head is off by the outputs' own size.
-    assert_rounding_close((out, grads), (ref, ref_grads), _attention_rounding(attn, q, k, v, w))
+    rho = rounding_of(ref_fn, q, k, v, w, widen=(ulysses,)).rho
+    assert_rounding_close((out, grads), (ref, ref_grads), rho)
 
 
-def _attention_rounding(attn, q, k, v, w) -> float:
-    """``rounding_of`` attention's output and the gradients of ``sum(out * w)``, in the
-    dtype of ``q, k, v`` (attention's fp32 softmax widened in the float64 reference)."""
+def _out_and_grads(attn):
+    """Attention's output and the gradients of ``sum(out * w)``, ``(q, k, v, w) -> (out,
+    (dq, dk, dv))``: what ``rounding_of`` measures, in the dtype of ``q, k, v``
+    (attention's fp32 softmax widened in the float64 reference)."""
     def out_and_grads(q, k, v, w):
         return attn(q, k, v), jax.grad(lambda *a: jnp.sum(attn(*a) * w), argnums=(0, 1, 2))(q, k, v)
 
-    return rounding_of(out_and_grads, q, k, v, w, widen=(ulysses,)).rho
+    return out_and_grads
 
 
 def test_bf16_moves_as_16_bits_and_matches():
@@ -128,7 +129,7 @@ def test_bf16_moves_as_16_bits_and_matches():
     args = [_put(mesh, a) for a in (q, k, v)]
     out = f(*args)
     with jax.default_device(jax.devices()[0]):
-        ref = attn(q, k, v)
+        ref = jitted(attn)(q, k, v)  # the evaluation rounding_of measures below
     # Same bf16 inputs, same per-head arithmetic; programs may round intermediates
     # differently: each within the bf16 rounding of the output measured against float64
     # (at least 4 bf16 roundoffs, 2^-6), so 2 rho of the outputs' size apart; a permuted
@@ -332,13 +333,14 @@ def test_gpt_padded_sequence_with_causal_mask_is_exact():
     fwd = jax.jit(jax.shard_map(lambda p, x: GPT(cfg).apply({"params": p}, x), mesh=mesh,
                                 in_specs=(P(), spec), out_specs=spec))
     logits = fwd(params, _put(mesh, padded, spec))
+    one_device = lambda p, t: GPT(CFG).apply({"params": p}, t)  # noqa: E731
     with jax.default_device(jax.devices()[0]):
-        ref = GPT(CFG).apply({"params": params}, toks)
+        ref = jitted(one_device)(params, toks)  # the evaluation rounding_of measures below
     # fp32, same per-token computation; only reduction order differs: within the logits'
     # measured fp32 rounding (the GPT's fp32 casts widened in the float64 reference). A
     # token seeing a padded one is off by the logits' size.
     wide = GPT(dataclasses.replace(CFG, dtype="float64"))
-    rho = rounding_of(lambda p, t: GPT(CFG).apply({"params": p}, t), params, toks,
+    rho = rounding_of(one_device, params, toks,
                       fn64=lambda p, t: wide.apply({"params": p}, t), widen=(gpt,)).rho
     assert_rounding_close(np.asarray(logits)[:, valid], ref, rho)
 

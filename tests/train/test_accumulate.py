@@ -56,8 +56,10 @@ def test_fp32_zero3_accumulation_equals_one_large_batch(setup):
     tx = optax.adam(lr, eps=eps)
     batches = [tokens(32, seed=40 + i) for i in range(2)]
     results = {}
+    # One start state for both runs (steps do not donate it): one engine to build.
+    start = zpp.TrainState.create(model=model, params=params, tx=tx, mesh=mesh, config=cfg)
     for k in (1, 4):
-        state = zpp.TrainState.create(model=model, params=params, tx=tx, mesh=mesh, config=cfg)
+        state = start
         step = _step(k)
         losses = []
         for b in batches:
@@ -134,7 +136,8 @@ def test_bf16_accumulates_in_fp32(setup):
     cfg = zpp.ZeroPPConfig.zero3()  # bf16 compute
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(1.0),
                                   mesh=zpp.make_mesh(2, 4), config=cfg)
-    lowered = _step(4).lower(state, batch).as_text()
+    step4 = _step(4)  # lowered and run: one trace
+    lowered = step4.lower(state, batch).as_text()
     # The scan's carry holds fp32 shards: the accumulator is not bf16. Every unit's shard
     # rides in the carry as f32 twice (the parameters and their accumulator), none as bf16.
     [carry] = [line.split(" : ", 1)[1] for line in lowered.splitlines()
@@ -142,7 +145,7 @@ def test_bf16_accumulates_in_fp32(setup):
     assert "bf16" not in carry, carry
     for lay in state.engine.layouts.values():
         assert carry.count(f"tensor<{lay.shard_len}xf32>") >= 2, (lay.shard_len, carry)
-    s4, _ = _step(4)(state, batch)
+    s4, _ = step4(state, batch)
     s1, _ = _step(1)(state, batch)
     # bf16 gradients of micro-batches vs of the whole batch. Both compute in fp32 at the
     # same bf16 weights; each device's gradient (of a one-row micro-batch, or of its 4 rows)

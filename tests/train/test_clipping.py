@@ -20,6 +20,7 @@ from helpers import (
     global_norm_rtol,
     init_params,
     make_step,
+    reference_loss_and_grads,
     reference_train,
     tokens,
     trajectory_tolerances,
@@ -85,10 +86,9 @@ def test_global_norm_inside_the_step_equals_the_unsharded_norm():
         g = jax.grad(loss_of)(state.params)
         return {"norm": zpp.global_norm(g)}
 
-    def ref_loss(p):
-        return loss_fn(model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-    ref = optax.tree.norm(jax.grad(ref_loss)(params))
+    # The single-device gradient and its norm, jitted (op by op, they compiled ~200 small
+    # programs): the same fp32 arithmetic, each a program of its own.
+    ref = jax.jit(optax.tree.norm)(reference_loss_and_grads(model, params, batch)[1])
     # Two fp32 norms of gradients that differ by rounding (helpers.global_norm_rtol); a
     # norm missing a device's share (or summing replicas) is off by 1/8 or more.
     rho, (_, g) = fp32_gradient_rounding(model, params, batch)

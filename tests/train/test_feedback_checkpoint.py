@@ -94,25 +94,32 @@ def _kept(state):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A 2x4 zeropp state with kept errors after 2 steps, its checkpoint, the step."""
-    state = _state()
+    """A 2x4 zeropp state with kept errors after 2 steps, its checkpoint, the step, and the
+    untrained state it started from (a template for restores on the same mesh: its engine
+    is the trained state's, so the step does not compile again for what is restored into
+    it, and its values, the initial parameters and no kept errors, are not the
+    checkpoint's)."""
+    start = _state()
+    state = start
     step = make_step()
     for i in range(2):
         state, _ = step(state, tokens(16, seed=9100 + i))
     for name, bufs in state.params.feedback.items():  # errors really are kept
-        assert np.any(np.asarray(bufs[0], np.float32) != 0), name
+        assert np.any(np.asarray(bufs[0]).astype(np.float32) != 0), name
         assert np.all(np.asarray(bufs[4]) == 1), name
     d = tmp_path_factory.mktemp("feedback") / "ckpt"
     ckpt.save(d, state)
-    return state, d, step
+    return state, d, step, start
 
 
 def test_same_mesh_restores_the_errors_bit_for_bit(trained):
-    state, d, step = trained
+    state, d, step, start = trained
     meta = json.loads((d / "step_00000002" / "meta.json").read_text())
     assert meta["feedback"]["nodes"] == 2 and meta["feedback"]["local"] == 4
     assert (d / "step_00000002" / "feedback").is_dir()
-    restored = ckpt.restore(d, _state(seed=5))
+    for bufs in start.params.feedback.values():  # the template keeps no errors
+        assert not np.any(np.asarray(bufs[0]).astype(np.float32))
+    restored = ckpt.restore(d, start)
     _feedback_equal(restored, state)
     _leaves_equal(restored.consolidate(), state.consolidate())
     _leaves_equal(restored.opt_state, state.opt_state)
@@ -159,13 +166,13 @@ def _assert_total_kept(before, restored) -> None:
         bufs = restored.params.feedback[name]
         hop1 = _bits(bufs[0]).reshape(devices, -1)
         assert np.all(hop1 == hop1[0]), name  # every device an equal share
-        assert not np.any(np.asarray(bufs[2], np.float32)), name  # nothing for hop 2
+        assert not np.any(np.asarray(bufs[2]).astype(np.float32)), name  # nothing for hop 2
         assert not np.any(np.asarray(bufs[3])), name
         np.testing.assert_array_equal(np.asarray(bufs[4]), np.ones(devices, np.float32))
 
 
 def test_other_meshes_get_the_total_error_shared_out(trained):
-    state, d, step = trained
+    state, d, step, _ = trained
     before = _kept(state)
     b = tokens(16, seed=9300)
     for shape, devices in (((4, 2), None), ((2, 2), jax.devices()[:4])):
@@ -176,7 +183,7 @@ def test_other_meshes_get_the_total_error_shared_out(trained):
         new, m = step(restored, b)
         assert np.isfinite(float(m["loss"])) and int(new.step) == 3
         for name, bufs in new.params.feedback.items():
-            assert np.any(np.asarray(bufs[0], np.float32) != 0), name
+            assert np.any(np.asarray(bufs[0]).astype(np.float32) != 0), name
     # One node: qgZ quantizes nothing there and keeps nothing; the errors are dropped.
     one = ckpt.restore(d, _state((1, 8), seed=7))
     for name, bufs in one.params.feedback.items():
@@ -187,7 +194,7 @@ def test_other_meshes_get_the_total_error_shared_out(trained):
 def test_feedback_checkpoints_and_states_mix(trained, tmp_path, monkeypatch):
     """A checkpoint with kept errors into a state without (ignored, feedback/ not read),
     and one without into a state with (errors of zero, as a new run's)."""
-    state, d, step = trained
+    state, d, step, _ = trained
     subs = []
     read = ckpt._read_arrays
 
@@ -213,7 +220,7 @@ def test_feedback_checkpoints_and_states_mix(trained, tmp_path, monkeypatch):
     new, m = step(on, tokens(16, seed=9400))
     assert np.isfinite(float(m["loss"]))
     for name, bufs in new.params.feedback.items():
-        assert np.any(np.asarray(bufs[0], np.float32) != 0), name
+        assert np.any(np.asarray(bufs[0]).astype(np.float32) != 0), name
 
 
 def test_changed_kept_errors_fail_the_checksum(trained, tmp_path):
@@ -221,7 +228,7 @@ def test_changed_kept_errors_fail_the_checksum(trained, tmp_path):
     refuses them, naming the array."""
     import orbax.checkpoint as ocp
 
-    _, d, _ = trained
+    _, d, _, start = trained
     d2 = tmp_path / "ckpt"
     shutil.copytree(d, d2)
     fb_dir = d2 / "step_00000002" / "feedback"
@@ -239,5 +246,5 @@ def test_changed_kept_errors_fail_the_checksum(trained, tmp_path):
     meta["feedback"]["files"] = ckpt._file_sizes(fb_dir)  # only the contents differ
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(ckpt.CheckpointError, match="feedback/f1_0 fails its checksum"):
-        ckpt.restore(d2, _state(seed=9))
+        ckpt.restore(d2, start)
     ckpt.load_params(d2)  # the weights do not depend on the kept errors

@@ -15,10 +15,35 @@ from zeropp_demo.gpt import GPT
 
 HOST = "pinned_host"
 
+# One train step for the module: a step compiles once per engine (a train state's engine is
+# compared by identity), so tests that start from the same cached state (``_initial``) share
+# its compiled program instead of tracing and compiling it again.
+STEP = make_step()
+
 
 def _state(config, tx, mesh=(2, 4), seed=0):
     return zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=seed), tx=tx,
                                  mesh=zpp.make_mesh(*mesh), config=config)
+
+
+_INITIAL: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_initial_states():
+    yield
+    _INITIAL.clear()
+
+
+def _initial(name, config):
+    """A fresh 2x4 state (seed-0 parameters, optimizer ``TXS[name]``), one per optimizer and
+    config in the module. Steps do not donate it, so tests that train from the same
+    configuration start from the same state and reuse its compiled step; each test still
+    trains on its own fresh batches."""
+    key = (name, config)
+    if key not in _INITIAL:
+        _INITIAL[key] = _state(config, TXS[name]())
+    return _INITIAL[key]
 
 
 def _memory_kinds(tree):
@@ -26,7 +51,7 @@ def _memory_kinds(tree):
 
 
 def _train(state, steps, seed, step=None):
-    step = step or make_step()
+    step = step or STEP
     losses = []
     for i in range(steps):
         state, out = step(state, state.engine.shard_batch(tokens(16, seed=seed + i)))
@@ -54,15 +79,16 @@ PARAM_CASES = [
 ]
 TXS = {"sgd": lambda: optax.sgd(0.05, momentum=0.9),
        "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
-       "lion": lambda: optax.lion(1e-3)}
+       "lion": lambda: optax.lion(1e-3),
+       "adamw-default-decay": lambda: optax.adamw(3e-3)}
 
 
 @pytest.mark.parametrize("name,config", CASES, ids=[f"{n}-{i}" for i, (n, _) in
                                                      enumerate(CASES)])
 def test_offloaded_training_is_bit_for_bit_the_same(name, config):
     seed = int(np.random.default_rng().integers(1 << 16))
-    base, base_losses = _train(_state(config, TXS[name]()), 3, seed)
-    offloaded = _state(dataclasses.replace(config, offload_optimizer=True), TXS[name]())
+    base, base_losses = _train(_initial(name, config), 3, seed)
+    offloaded = _initial(name, dataclasses.replace(config, offload_optimizer=True))
     assert _memory_kinds(offloaded.opt_state) == {HOST}
     offloaded, losses = _train(offloaded, 3, seed)
     # Between steps the state stays on the host; the parameters stay on the device.
@@ -75,8 +101,8 @@ def test_offloaded_training_is_bit_for_bit_the_same(name, config):
 @pytest.mark.parametrize("name,config,offload", PARAM_CASES, ids=["zero3", "zeropp-both"])
 def test_offloaded_parameters_train_bit_for_bit_the_same(name, config, offload):
     seed = int(np.random.default_rng().integers(1 << 16))
-    base, base_losses = _train(_state(config, TXS[name]()), 3, seed)
-    off = _state(dataclasses.replace(config, **offload), TXS[name]())
+    base, base_losses = _train(_initial(name, config), 3, seed)
+    off = _initial(name, dataclasses.replace(config, **offload))
     assert _memory_kinds(off.params.units) == {HOST}
     off, losses = _train(off, 3, seed)
     assert _memory_kinds(off.params.units) == {HOST}
@@ -96,24 +122,29 @@ def test_offloaded_parameters_need_stage_3():
         zpp.ZeroPPConfig(stage=2, offload_params=True)
 
 
+@zpp.train_step
+def _accumulating_step(state, batch):
+    from zeropp_demo.gpt import loss_fn
+
+    def loss_of(p, b):
+        return loss_fn(state.apply_fn({"params": p}, b[:, :-1]), b[:, 1:])
+
+    loss, grads = zpp.accumulate_gradients(loss_of, state.params, batch, micro_batches=2)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+# Gradient accumulation with clipping, on the device and with both offloads (the checkpoint
+# test trains this configuration too, from the same cached state and compiled step).
+ACC = ("adamw-default-decay", zpp.ZeroPPConfig.zeropp(gradient_clipping=0.1))
+BOTH = dict(offload_optimizer=True, offload_params=True)
+
+
 def test_offload_with_gradient_accumulation_is_bit_for_bit_the_same():
     seed = int(np.random.default_rng().integers(1 << 16))
-
-    @zpp.train_step
-    def step(state, batch):
-        from zeropp_demo.gpt import loss_fn
-
-        def loss_of(p, b):
-            return loss_fn(state.apply_fn({"params": p}, b[:, :-1]), b[:, 1:])
-
-        loss, grads = zpp.accumulate_gradients(loss_of, state.params, batch, micro_batches=2)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
-    config = zpp.ZeroPPConfig.zeropp(gradient_clipping=0.1)
-    base, base_losses = _train(_state(config, optax.adamw(3e-3)), 2, seed, step)
-    off, losses = _train(_state(dataclasses.replace(config, offload_optimizer=True,
-                                                    offload_params=True),
-                                optax.adamw(3e-3)), 2, seed, step)
+    name, config = ACC
+    base, base_losses = _train(_initial(name, config), 2, seed, _accumulating_step)
+    off, losses = _train(_initial(name, dataclasses.replace(config, **BOTH)), 2, seed,
+                         _accumulating_step)
     np.testing.assert_array_equal(losses, base_losses)
     _assert_states_equal(off, base)
 
@@ -136,22 +167,24 @@ def test_checkpoints_cross_the_switch_and_meshes(tmp_path):
     from zeropp_jax import checkpoint
 
     seed = int(np.random.default_rng().integers(1 << 16))
-    config = zpp.ZeroPPConfig.zeropp()
-    both = dict(offload_optimizer=True, offload_params=True)
-    off, _ = _train(_state(dataclasses.replace(config, **both), optax.adamw(3e-3)), 2, seed)
+    name, config = ACC  # zeropp, AdamW; trained with accumulation (the step is incidental)
+    # The offloaded state the accumulation test starts from: its step is compiled once.
+    fresh = _initial(name, dataclasses.replace(config, **BOTH))
+    off, _ = _train(fresh, 2, seed, _accumulating_step)
     checkpoint.save(tmp_path / "a", off)
     # Offloaded -> on the device, another mesh; and back.
-    on_device = checkpoint.restore(tmp_path / "a", _state(config, optax.adamw(3e-3), (4, 2)))
+    on_device = checkpoint.restore(tmp_path / "a", _state(config, TXS[name](), (4, 2)))
     assert _memory_kinds(on_device.opt_state) == {"device"}
     checkpoint.save(tmp_path / "b", on_device)
-    back = checkpoint.restore(tmp_path / "b", _state(
-        dataclasses.replace(config, **both), optax.adamw(3e-3)))
+    # Back into a fresh offloaded state of the same engine (its values are the untrained
+    # ones, so nothing of the checkpoint is there unless restore put it there).
+    back = checkpoint.restore(tmp_path / "b", fresh)
     assert _memory_kinds(back.opt_state) == {HOST}
     assert _memory_kinds(back.params.units) == {HOST}
     _assert_states_equal(back, off)
     # Training goes on the same from either.
-    cont_off, a = _train(back, 1, seed + 10)
-    cont_ref, b = _train(off, 1, seed + 10)
+    cont_off, a = _train(back, 1, seed + 10, _accumulating_step)
+    cont_ref, b = _train(off, 1, seed + 10, _accumulating_step)
     np.testing.assert_array_equal(a, b)
     _assert_states_equal(cont_off, cont_ref)
 
@@ -311,10 +344,11 @@ def test_a_fraction_of_the_optimizer_state_offloaded_trains_bit_for_bit_the_same
     the step count) on the device, before and after steps; training is the same bit for
     bit, and a checkpoint restores into the same split."""
     seed = int(np.random.default_rng().integers(1 << 16))
-    config = zpp.ZeroPPConfig.zeropp(gradient_clipping=0.05)
-    base, base_losses = _train(_state(config, TXS["adamw"]()), 3, seed)
-    part = _state(dataclasses.replace(config, offload_optimizer=True, offload_ratio=ratio),
-                  TXS["adamw"]())
+    config = zpp.ZeroPPConfig.zeropp(gradient_clipping=0.05)  # as CASES' adamw-1: same base
+    base, base_losses = _train(_initial("adamw", config), 3, seed)
+    fresh = _initial("adamw", dataclasses.replace(config, offload_optimizer=True,
+                                                  offload_ratio=ratio))
+    part = fresh
     engine = part.engine
     sizes = {name: lay.n for name, lay in engine.layouts.items()}
     off = engine.offloaded
@@ -328,7 +362,7 @@ def test_a_fraction_of_the_optimizer_state_offloaded_trains_bit_for_bit_the_same
     zpp.checkpoint.save(tmp_path, part)
     back = zpp.checkpoint.restore(tmp_path, _state(split, TXS["adamw"](), seed=seed + 1))
     _assert_states_equal(back, part)
-    for state in (_state(split, TXS["adamw"]()), part, back):
+    for state in (fresh, part, back):
         for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state):
             unit = next((getattr(k, "key", None) for k in reversed(path)
                          if getattr(k, "key", None) in sizes), None)

@@ -117,7 +117,9 @@ def _train_both(model, params, mesh, loss, batches, units=None, lr=0.1):
         value, g = ref_grad(p, batch)
         theirs.append(float(value))
         grads.append(g)
-        p = jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g)
+        # fp32 numpy: the same roundings as jnp, without an eager program per leaf shape
+        p = jax.tree_util.tree_map(
+            lambda a, b: np.asarray(a) - np.float32(lr) * np.asarray(b), p, g)
     rho, (_, g) = loss_and_grads_rounding(lambda p, b: loss(model.apply, p, b), params,
                                           batches[0])
     tols = trajectory_tolerances(p, g, rho=rho, lr=lr, steps=len(batches),
@@ -297,8 +299,10 @@ def test_token_mean_is_the_global_token_mean_and_its_gradient(mesh):
 
     batch = {"ids": ids, "mask": mask}
     new, metrics = step(state, batch)
-    want, g = jax.value_and_grad(lambda p: masked_mean(model.apply, p, batch))(params)
-    ref = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, params, g)
+    # One device, jitted (one program instead of op by op); the update in fp32 numpy.
+    want, g = jax.jit(jax.value_and_grad(lambda p: masked_mean(model.apply, p, batch)))(params)
+    ref = jax.tree_util.tree_map(lambda a, b: np.asarray(a) - np.float32(0.1) * np.asarray(b),
+                                 params, g)
     # One SGD step, agreeing to this CPU's measured fp32 rounding of the masked mean and its
     # gradient (whole-batch order: the loss is no mean over rows to slice).
     rho, (_, g64) = loss_and_grads_rounding(

@@ -3,6 +3,8 @@ and each scan iteration gathers only its own layer."""
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -76,6 +78,12 @@ def _mse(model):
     return lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _ref_loss_and_grads(model, params, batch):
+    """``jax.value_and_grad`` of ``_mse(model)`` on one device, jitted."""
+    return jax.value_and_grad(_mse(model))(params, batch)
+
+
 def _batch(seed):
     rng = np.random.default_rng(seed)
     return {"x": rng.standard_normal((16, 8)).astype(np.float32),
@@ -93,12 +101,10 @@ def test_scanned_stack_equals_single_device_and_unrolled(remat):
         f"layers[{i}]" for i in range(4)]
     new, out = _step()(state, batch)
 
-    def ref_loss(p, model):
-        return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
-
-    loss, grads = jax.value_and_grad(ref_loss)(params, _Scanned())
+    # One-device references, jitted (one program each instead of op by op).
+    loss, grads = _ref_loss_and_grads(_Scanned(), params, batch)
     unrolled = _unrolled_params(params, 4)
-    u_loss, u_grads = jax.value_and_grad(ref_loss)(unrolled, _Unrolled())
+    u_loss, u_grads = _ref_loss_and_grads(_Unrolled(), unrolled, batch)
     # fp32: the three runs (sharded, scanned, unrolled) differ only in summation order; each
     # is within this CPU's measured rounding of the exact values.
     rho = loss_and_grads_rounding(_mse(_Scanned()), params, batch).rho
@@ -110,7 +116,9 @@ def test_scanned_stack_equals_single_device_and_unrolled(remat):
     # p - 0.1 g in fp32 in both, from gradients 2 rho apart: 0.1 * 2 rho max|g| per leaf,
     # plus each run's two roundings (of 0.1 g, and of the new parameter: U32 of each); a
     # missing or misplaced layer's update moves it by a whole 0.1 g.
-    expected = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    # (in fp32 numpy: the same two roundings as jnp, without a program per leaf shape)
+    expected = jax.tree_util.tree_map(
+        lambda p, g: np.asarray(p) - np.float32(0.1) * np.asarray(g), params, grads)
     for g, e, a in zip(*map(jax.tree_util.tree_leaves, (grads, expected, new.consolidate()))):
         step = 0.1 * np.max(np.abs(g))
         tol = 2 * rho * step + 2 * U32 * (step + np.max(np.abs(e)))
@@ -122,7 +130,10 @@ def _compiled(layers):
     # Wide layers and 1 row per device: weights dominate activations.
     x = np.zeros((8, 8), np.float32)
     model = _Scanned(layers, d=128)
-    params = model.init(jax.random.PRNGKey(0), x[:2])["params"]
+    # Zeros of the parameters' shapes: the compiled program and its buffer sizes depend on
+    # shapes and dtypes only (no init program to run).
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), x[:2])["params"]
+    params = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig(),
                                   stacked=["layers"])
@@ -156,7 +167,10 @@ def test_default_policy_finds_the_stack_and_other_policies_name_the_fix():
 
 
 def test_stacked_path_must_be_a_stack():
-    params = _Unrolled().init(jax.random.PRNGKey(0), np.zeros((2, 8), np.float32))["params"]
+    # Zeros of the parameters' shapes: the check reads the tree's structure only.
+    shapes = jax.eval_shape(_Unrolled().init, jax.random.PRNGKey(0),
+                            np.zeros((2, 8), np.float32))["params"]
+    params = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     with pytest.raises(ValueError, match="not an nn.scan stack"):
         zpp.TrainState.create(model=_Unrolled(), params=params, tx=optax.sgd(0.1),
                               mesh=zpp.make_mesh(2, 4), stacked=["inp"])
@@ -202,7 +216,7 @@ def test_boxed_scan_stack_is_found_on_defaults_and_exact():
         f"layers[{i}]" for i in range(4)]
     _, out = _step()(state, batch)
     params = nn.meta.unbox(boxed)
-    loss, grads = jax.value_and_grad(_mse(model))(params, batch)
+    loss, grads = _ref_loss_and_grads(model, params, batch)
     # fp32; the runs differ only in summation order (8 row slices vs one batch).
     rho = loss_and_grads_rounding(_mse(model), params, batch).rho
     assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]), loss,

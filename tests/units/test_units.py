@@ -42,6 +42,33 @@ def _compiled(remat, shape=(1, 1), compute_dtype="float32", **config):
     return state, make_step().lower(state, tokens(8, seed=0)).compile()
 
 
+REMAT_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+REMAT_BATCH = 16  # 2 rows per device on the 2x4 mesh
+
+
+@pytest.fixture(scope="module")
+def remat_steps():
+    """Per remat choice, a fp32 ZeRO-3 state on the 2x4 mesh and its step (with gradients),
+    compiled once: ``test_minimal_remat_runs_no_forward_matmul_twice`` reads the compiled
+    program's matmuls, ``test_remat_choices_equal_single_device`` runs it (a call with the
+    same shapes reuses the compiled program). Built on first use."""
+    model, params = GPT(SMALL), init_params(seed=4)
+    built = {}
+
+    def get(remat):
+        key = remat if isinstance(remat, str) else "policy"
+        if key not in built:
+            state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                          mesh=zpp.make_mesh(2, 4),
+                                          config=zpp.ZeroPPConfig.zero3(remat=remat, **FP32))
+            step = make_step(with_grads=True)
+            compiled = step.lower(state, tokens(REMAT_BATCH, seed=0)).compile()
+            built[key] = state, step, compiled
+        return built[key]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def plain_dots():
     model, params = GPT(SMALL), init_params()
@@ -56,11 +83,13 @@ def plain_dots():
     return len(_DOT.findall(text))
 
 
-def test_minimal_remat_runs_no_forward_matmul_twice(plain_dots):
+def test_minimal_remat_runs_no_forward_matmul_twice(plain_dots, remat_steps):
     """The compiled ZeRO-3 step with remat="minimal" has exactly the plain single-device
-    step's matmuls; "full" recomputes the forward ones (more)."""
-    _, minimal = _compiled("minimal")
-    _, full = _compiled("full")
+    step's matmuls; "full" recomputes the forward ones (more). (The 2x4 fp32 steps of
+    ``test_remat_choices_equal_single_device``: sharding and returning the gradients add
+    collectives, no matmul.)"""
+    minimal = remat_steps("minimal")[2]
+    full = remat_steps("full")[2]
     assert len(_DOT.findall(minimal.as_text())) == plain_dots
     assert len(_DOT.findall(full.as_text())) > plain_dots
 
@@ -87,27 +116,6 @@ def test_backward_regathers_apart_from_forward_gathers(keep_last_unit):
     assert len(backward) == units - 2 - keep_last_unit
 
 
-@pytest.mark.parametrize("mode", ["zero3", "zeropp"])
-@pytest.mark.bitwise_programs
-def test_keeping_the_last_unit_changes_no_bit(mode):
-    """The last unit's kept forward weights equal what backward would regather (qwZ's
-    quantization is deterministic, hpZ's secondary is a slice of the forward's gather):
-    loss and gradients are bit for bit those of a step that regathers every unit."""
-    model, params = GPT(SMALL), init_params(seed=7)
-    batch = tokens(8, seed=70)
-    outs = []
-    for keep in (True, False):
-        config = getattr(zpp.ZeroPPConfig, mode)(keep_last_unit=keep, block_size=16)
-        state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
-                                      mesh=zpp.make_mesh(2, 2, devices=jax.devices()[:4]),
-                                      config=config)
-        outs.append(make_step(with_grads=True)(state, batch)[1])
-    assert float(outs[0]["loss"]) == float(outs[1]["loss"])
-    for a, b in zip(jax.tree_util.tree_leaves(outs[0]["grads"]),
-                    jax.tree_util.tree_leaves(outs[1]["grads"])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 BUCKET_MODES = {
     "zero3": {},
     "zero3 two-hop": dict(all_gather="hierarchical", reduce_scatter="hierarchical"),
@@ -118,38 +126,63 @@ BUCKET_MODES = {
 }
 
 
+# Modes that also run with keep_last_unit=False (their presets, ZeroPPConfig.zero3 and
+# .zeropp, are these configurations).
+KEEP_LAST_MODES = ("zero3", "zeropp")
+
+
 @pytest.mark.parametrize("mode", list(BUCKET_MODES))
 @pytest.mark.bitwise_programs
-def test_bucketing_changes_no_bit_and_saves_collectives(mode):
+def test_bucketing_and_keeping_the_last_unit_change_no_bit(mode):
     """The rest unit's gather and reduce-scatter riding in the first unit's (``bucket``)
     give loss and gradients bit for bit those of separate collectives (every transport
     here works element by element, with quantization blocks inside one unit), with one
     forward gather and one reduce-scatter fewer (each two collectives when two-hop; qgZ's
-    reduce-scatter is more than one)."""
+    reduce-scatter is more than one).
+
+    For ZeRO-3 and ZeRO++ (``KEEP_LAST_MODES``) also: the last unit's kept forward weights
+    (``keep_last_unit``, on by default) equal what backward would regather (qwZ's
+    quantization is deterministic, hpZ's secondary is a slice of the forward's gather):
+    loss and gradients are bit for bit those of a step that regathers every unit. Both
+    comparisons share the default step (bucket and keep_last_unit on), compiled once."""
     model, params = GPT(SMALL), init_params(seed=int(np.random.default_rng().integers(1000)))
     batch = tokens(8, seed=int(np.random.default_rng().integers(1000)))
-    outs, counts = [], []
-    for bucket in (True, False):
-        config = zpp.ZeroPPConfig(bucket=bucket, block_size=16, **BUCKET_MODES[mode])
+    changes = [{}, dict(bucket=False)]  # the default step first
+    if mode in KEEP_LAST_MODES:
+        changes.append(dict(keep_last_unit=False))
+    outs, counts, asked = [], [], []
+    for change in changes:
+        config = zpp.ZeroPPConfig(block_size=16, **BUCKET_MODES[mode], **change)
         state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                       mesh=zpp.make_mesh(2, 2, devices=jax.devices()[:4]),
                                       config=config)
         step = make_step(with_grads=True)
-        counts.append(len(collectives(step.lower(state, batch).compile().as_text())))
+        if "keep_last_unit" not in change:
+            lowered = step.lower(state, batch)
+            asked.append(len(collectives(lowered)))
+            # The call below reuses this compiled program.
+            counts.append(len(collectives(lowered.compile().as_text())))
         outs.append(step(state, batch)[1])
-    assert float(outs[0]["loss"]) == float(outs[1]["loss"])
-    for a, b in zip(jax.tree_util.tree_leaves(outs[0]["grads"]),
-                    jax.tree_util.tree_leaves(outs[1]["grads"])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for out in outs[1:]:
+        assert float(outs[0]["loss"]) == float(out["loss"])
+        for a, b in zip(jax.tree_util.tree_leaves(outs[0]["grads"]),
+                        jax.tree_util.tree_leaves(out["grads"])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     hops = 2 if "two-hop" in mode else 1
     assert counts[1] - counts[0] >= 2 * hops, counts
+    # The lowered programs already differ (test_bucketing_skipped_where_a_value_would_change
+    # counts there).
+    assert asked[1] - asked[0] >= 2 * hops, asked
 
 
 @pytest.mark.parametrize("change", [dict(qgz=True, qgz_hadamard=True),
                                     dict(qwz=True, blockwise=False)])
 def test_bucketing_skipped_where_a_value_would_change(change):
     """A Hadamard sign pattern or one scale per shard depends on where a unit sits in the
-    buffer: such configurations keep the rest unit's collectives apart."""
+    buffer: such configurations keep the rest unit's collectives apart. Counted in the
+    lowered programs (what the step asks XLA for, where bucketing is decided; the counts
+    of a bucketing configuration differ there as in the compiled ones), so nothing is
+    compiled."""
     model, params = GPT(SMALL), init_params(seed=3)
     batch = tokens(8, seed=30)
     counts = []
@@ -158,21 +191,18 @@ def test_bucketing_skipped_where_a_value_would_change(change):
             model=model, params=params, tx=optax.sgd(0.1),
             mesh=zpp.make_mesh(2, 2, devices=jax.devices()[:4]),
             config=zpp.ZeroPPConfig(bucket=bucket, block_size=16, **change))
-        counts.append(len(collectives(make_step().lower(state, batch).compile().as_text())))
+        counts.append(len(collectives(make_step().lower(state, batch))))
     assert counts[0] == counts[1]
 
 
-def test_remat_choices_equal_single_device():
+def test_remat_choices_equal_single_device(remat_steps):
     model, params = GPT(SMALL), init_params(seed=4)
-    batch = tokens(16, seed=40)
+    batch = tokens(REMAT_BATCH, seed=40)
     ref_loss, ref_grads = reference_loss_and_grads(model, params, batch)
     rho = fp32_gradient_rounding(model, params, batch).rho
-    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    for remat in ("full", "minimal", policy):
-        state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
-                                      mesh=zpp.make_mesh(2, 4),
-                                      config=zpp.ZeroPPConfig.zero3(remat=remat, **FP32))
-        _, out = make_step(with_grads=True)(state, batch)
+    for remat in ("full", "minimal", REMAT_POLICY):
+        state, step, _ = remat_steps(remat)  # zero3, fp32, 2x4 mesh, params of seed 4
+        _, out = step(state, batch)
         # fp32; only the summation order differs (8 partial means vs one mean).
         assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
                                     ref_loss, ref_grads, rho)
@@ -229,7 +259,7 @@ def test_constant_float_arguments_work_and_match_single_device():
         return jnp.mean(jnp.stack([(model.apply({"params": p}, x[i:i + 2]) ** 2).mean()
                                    for i in range(0, 16, 2)]))
 
-    ref_loss, ref_grads = jax.value_and_grad(ref)(params)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(ref))(params)
     # fp32, the reference in the step's order; the table is fp32 in both runs (widened in
     # the float64 evaluation that measures the rounding).
     rho = loss_and_grads_rounding(_squares_mean(model), params, x,
@@ -246,7 +276,11 @@ def test_live_weights_bounded_in_depth():
 
     def temp_and_layer(layers):
         cfg = GPTConfig(vocab_size=64, seq_len=8, layers=layers, d_model=128, heads=4)
-        params = GPT(cfg).init(jax.random.PRNGKey(0), np.zeros((1, 8), np.int32))["params"]
+        # Zeros of the parameters' shapes: the compiled program and its buffer sizes depend
+        # on shapes and dtypes only (an eager init ran ~80 small programs first).
+        shapes = jax.eval_shape(GPT(cfg).init, jax.random.PRNGKey(0),
+                                np.zeros((1, 8), np.int32))["params"]
+        params = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
         state = zpp.TrainState.create(model=GPT(cfg), params=params, tx=optax.sgd(0.1),
                                       mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig())
         stats = make_step().lower(state, np.zeros((8, 9), np.int32)).compile().memory_analysis()
@@ -311,9 +345,9 @@ def test_minimal_never_keeps_a_copy_of_weights():
 
     model, params, x, state, step = _tied_state(2, "float32")
     _, out = step(state, x)
-    ref_loss, ref_grads = jax.value_and_grad(
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(
         lambda p: jnp.mean(jnp.stack([(model.apply({"params": p}, x[i:i + 1]) ** 2).mean()
-                                      for i in range(8)])))(params)
+                                      for i in range(8)]))))(params)
     rho = loss_and_grads_rounding(_squares_mean(model), params, x).rho
     assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
                                 ref_loss, ref_grads, rho)

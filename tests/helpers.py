@@ -78,9 +78,16 @@ def tokens(batch: int, seq_len: int = SMALL.seq_len, *, seed: int) -> np.ndarray
     return rng.integers(0, SMALL.vocab_size, (batch, seq_len + 1)).astype(np.int32)
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_init(cfg: GPTConfig):
+    """``GPT(cfg).init`` as one program per configuration (op by op it compiles ~90 small
+    programs the first time a process sees them)."""
+    return jax.jit(GPT(cfg).init)
+
+
 def init_params(cfg: GPTConfig = SMALL, seed: int = 0) -> dict:
-    model = GPT(cfg)
-    params = model.init(jax.random.PRNGKey(seed), tokens(2, cfg.seq_len, seed=seed)[:, :-1])
+    params = _jitted_init(cfg)(jax.random.PRNGKey(seed),
+                               tokens(2, cfg.seq_len, seed=seed)[:, :-1])
     params = params["params"]
     # Perturb the init so no parameter sits at a special value (ones/zeros of LayerNorm).
     leaves, treedef = jax.tree_util.tree_flatten(params)

@@ -76,21 +76,30 @@ def _library(nodes: int, local: int, hadamard: bool, stages: int, feedback: bool
 # -- numpy reference ------------------------------------------------------------------------
 
 
+# The reference's jnp steps each run as one jitted program (XLA compiles them either way;
+# op by op, every primitive and shape is a compile of its own): the same operations.
+@jax.jit
+def _q_dq_jit(v, signs):
+    values, scales = quantize_reference(v, bits=BITS, block_size=BLOCK, signs=signs)
+    return dequantize_reference(values, scales, bits=BITS, block_size=BLOCK,
+                                dtype=jnp.float32)
+
+
+_unrot_jit = jax.jit(functools.partial(unrotate_reference, block_size=BLOCK))
+_rot_jit = jax.jit(functools.partial(rotate_reference, block_size=BLOCK))
+
+
 def _q_dq(v: np.ndarray, signs) -> np.ndarray:
     """fp32 ``[k]`` (whole blocks) -> the fp32 products ``q * scale`` of its quantized blocks,
     still rotated when ``signs`` rotated them (what a receiver adds up)."""
-    values, scales = quantize_reference(jnp.asarray(v, jnp.float32), bits=BITS,
-                                        block_size=BLOCK, signs=signs)
-    return np.asarray(dequantize_reference(values, scales, bits=BITS, block_size=BLOCK,
-                                           dtype=jnp.float32))
+    return np.asarray(_q_dq_jit(jnp.asarray(v, jnp.float32), signs))
 
 
 def _unrot(v: np.ndarray, signs) -> np.ndarray:
     """Each block rotated back (nothing without signs); any shape of whole blocks."""
     if signs is None:
         return v
-    flat = unrotate_reference(jnp.asarray(v.reshape(-1)), signs, block_size=BLOCK)
-    return np.asarray(flat).reshape(v.shape)
+    return np.asarray(_unrot_jit(jnp.asarray(v.reshape(-1)), signs)).reshape(v.shape)
 
 
 def _sum_in_order(terms) -> np.ndarray:
@@ -284,10 +293,14 @@ def test_error_feedback_conserves_the_sum(mesh_shape, hadamard, stages):
 
 def _q_ints(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """fp32 ``[k]`` -> the quantized integers ``q [k]`` and each element's block scale."""
-    values, scales = quantize_reference(jnp.asarray(v, jnp.float32), bits=BITS,
-                                        block_size=BLOCK)
-    q = unpack_int4_reference(values.reshape(-1, BLOCK // 2)).reshape(-1)
+    q, scales = _q_ints_jit(jnp.asarray(v, jnp.float32))
     return np.asarray(q, np.int32), np.repeat(np.asarray(scales, np.float64), BLOCK)
+
+
+@jax.jit
+def _q_ints_jit(v):
+    values, scales = quantize_reference(v, bits=BITS, block_size=BLOCK)
+    return unpack_int4_reference(values.reshape(-1, BLOCK // 2)).reshape(-1), scales
 
 
 # How far the middle hop's y = S / scale may move when S moves by ETA2 ||S|| per block
@@ -333,8 +346,7 @@ def test_zero_errors_give_plain_qgz(mesh_shape, hadamard, stages):
 
     # The one difference: the middle hop's quantizer input.
     s1 = s_plain.reshape(-1).astype(np.float64)
-    s2 = np.asarray(rotate_reference(jnp.asarray(inter["z"].reshape(-1)), signs,
-                                     block_size=BLOCK), np.float64)
+    s2 = np.asarray(_rot_jit(jnp.asarray(inter["z"].reshape(-1)), signs), np.float64)
     blocks = lambda v: np.sqrt(np.sum(v.reshape(-1, BLOCK) ** 2, axis=1))  # noqa: E731
     assert np.all(blocks(s2 - s1) <= 1.01 * ETA2 * blocks(s1))
     assert np.any(s2 != s1)  # within rounding, not equal
@@ -417,10 +429,13 @@ def test_feedback_moves_the_same_bytes(mesh_shape, stages, switched):
     assert sum(c.bytes.cross for c in without) > 0
 
 
+_encode_jit = jax.jit(encode_error)  # one program, not op by op
+
+
 def _encode_rows(e: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """Per-device errors ``[P, h]`` -> global (FP8 values, scales) as the transport stores
     them, device after device."""
-    parts = [encode_error(jnp.asarray(row, jnp.float32)) for row in e]
+    parts = [_encode_jit(jnp.asarray(row, jnp.float32)) for row in e]
     return (jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts]))
 
 

@@ -84,34 +84,48 @@ def test_gather_is_the_wire_format_and_regather_is_bitwise(shape, name):
     assert full.shape == (devices, devices * SHARD) and full.dtype == jnp.bfloat16
     np.testing.assert_array_equal(full, np.broadcast_to(full[0], full.shape))
     np.testing.assert_array_equal(rebuilt, full)
-    # What the wire format promises: the bf16 cast, or each shard's own dequantized blocks.
+    # What the wire format promises: the bf16 cast, or each shard's own dequantized blocks
+    # (computed in one jitted program, as the transport's own code runs, not op by op).
     if name.startswith("plain"):
-        expect = np.asarray(jnp.asarray(w).astype(jnp.bfloat16))
+        def wire(w):
+            return w.astype(jnp.bfloat16)
     elif name == "fp8":
-        v, s = quantize_fp8_flat(jnp.asarray(w), block_size=256)
-        expect = np.asarray(dequantize_fp8_flat(v, s, block_size=256, dtype=jnp.bfloat16))
+        def wire(w):
+            v, s = quantize_fp8_flat(w, block_size=256)
+            return dequantize_fp8_flat(v, s, block_size=256, dtype=jnp.bfloat16)
     elif name == "qwz4_hadamard":  # the fixed key's signs: rotated, quantized, rotated back
-        kw = dict(bits=4, block_size=256, implementation="xla", signs=hadamard_signs(None, 256))
-        v, s = quantize_flat(jnp.asarray(w), **kw)
-        expect = np.asarray(dequantize_flat(v, s, dtype=jnp.bfloat16, **kw))
+        def wire(w):
+            kw = dict(bits=4, block_size=256, implementation="xla",
+                      signs=hadamard_signs(None, 256))
+            v, s = quantize_flat(w, **kw)
+            return dequantize_flat(v, s, dtype=jnp.bfloat16, **kw)
     else:
         block = t.block_size or SHARD
-        v, s = quantize_flat(jnp.asarray(w), bits=t.bits, block_size=block, implementation="xla")
-        expect = np.asarray(dequantize_flat(v, s, bits=t.bits, block_size=block,
-                                            dtype=jnp.bfloat16, implementation="xla"))
-    np.testing.assert_array_equal(full[0], expect)
+
+        def wire(w):
+            v, s = quantize_flat(w, bits=t.bits, block_size=block, implementation="xla")
+            return dequantize_flat(v, s, bits=t.bits, block_size=block, dtype=jnp.bfloat16,
+                                   implementation="xla")
+    np.testing.assert_array_equal(full[0], np.asarray(jax.jit(wire)(jnp.asarray(w))))
+
+
+def _stored(w, bits):
+    """``w`` quantized as stored: ``quantize_flat``'s (values, scales), in one jitted program."""
+    return jax.jit(lambda w: quantize_flat(w, bits=bits, block_size=256,
+                                           implementation="xla"))(w)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_stored_quantized_moves_what_is_stored(bits):
     mesh = zpp.make_mesh(2, 2, devices=jax.devices()[:4])
     w = jnp.asarray(_weights(4, seed=bits))
-    # Stored as each device's shard quantized on its own (whole blocks per shard).
-    v, s = quantize_flat(w, bits=bits, block_size=256, implementation="xla")
+    # Stored as each device's shard quantized on its own (whole blocks per shard); both
+    # sides jitted (one program each, not op by op).
+    v, s = _stored(w, bits)
     t = StoredQuantizedGather(bits, 256, jnp.float32, "xla")
     full, rebuilt = _round_trip(t, mesh, (v, s))
-    expect = dequantize_flat(v, s, bits=bits, block_size=256, dtype=jnp.float32,
-                             implementation="xla")
+    expect = jax.jit(lambda v, s: dequantize_flat(v, s, bits=bits, block_size=256,
+                                                  dtype=jnp.float32, implementation="xla"))(v, s)
     np.testing.assert_array_equal(np.asarray(full)[0], np.asarray(expect))
     np.testing.assert_array_equal(np.asarray(rebuilt), np.asarray(full))
 
@@ -122,7 +136,7 @@ def test_hpz_rebuilds_forward_weights_from_the_secondary(inner, group_size):
     mesh = zpp.make_mesh(2, 4)
     w = jnp.asarray(_weights(8, seed=3))
     if inner == "stored8":
-        stored = quantize_flat(w, bits=8, block_size=256, implementation="xla")
+        stored = _stored(w, 8)
         base = StoredQuantizedGather(8, 256, jnp.bfloat16, "xla")
     else:
         stored = (w,)

@@ -9,14 +9,24 @@ import pytest
 
 import zeropp_jax as zpp
 from tests.helpers import SMALL, init_params
-from zeropp_jax.plan import presets
+from zeropp_jax.plan import auto, presets
 from zeropp_jax.plan.auto import candidate_configs, plan
 from zeropp_jax.plan.cost_model import Hardware, Link
-from zeropp_jax.plan.workload import config_label, transformer_shape
+from zeropp_jax.plan.workload import config_label, config_workload, transformer_shape
 
 SHAPE = transformer_shape(4, 512, 8000, 512, name="GPT 4L d512")
 # A slow network and free compute: the ranking is by bytes and collectives only.
 SLOW = Hardware(4, 2, Link(1e10, 1e-5), Link.gbps(0.1, 1e-4), flops_per_s=1e15)
+# Traced transports shared by every plan of this module (each ``plan`` call keeps its own
+# memo otherwise): the keys name all a trace depends on (transport, padded length, dtype,
+# mesh), so every candidate is costed as before, each transport traced once.
+_MEMO: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _shared_traces(monkeypatch):
+    monkeypatch.setattr(auto, "config_workload",
+                        lambda *a, memo=None, **k: config_workload(*a, memo=_MEMO, **k))
 
 
 def test_candidates_cover_the_combinations_and_one_node_is_zero3_only():

@@ -9,6 +9,18 @@ import pytest
 
 from benchmarks.cluster import calibrate
 from zeropp_jax.measure.comm_report import CollectiveRow, CommReport
+from zeropp_jax.plan.workload import config_workload
+
+# Traced transports shared by every ``config_workload`` call of this module (calibrate's
+# ``grad_quant_elems`` prices each cell anew): the keys name all a trace depends on
+# (transport, padded length, dtype, mesh), so the workloads are the same, traced once.
+_MEMO: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _shared_traces(monkeypatch):
+    monkeypatch.setattr(calibrate, "config_workload",
+                        lambda *a, memo=None, **k: config_workload(*a, memo=_MEMO, **k))
 
 
 def _report(cross_bytes: float, collectives: int) -> dict:

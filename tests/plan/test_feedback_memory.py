@@ -5,6 +5,7 @@ step's memory on XLA's CPU backend (tests/plan/test_memory_model.py's method).""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -12,7 +13,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.plan import presets
+from zeropp_jax.plan import auto, presets
 from zeropp_jax.plan.auto import candidate_configs, plan
 from zeropp_jax.plan.workload import (
     config_label,
@@ -24,9 +25,22 @@ from zeropp_jax.plan.workload import (
 )
 
 EF = zpp.ZeroPPConfig.zeropp(qgz_error_feedback=True)
+# Traced transports shared by this module's ``config_workload`` calls and plans (its
+# ``memo=``): the keys name all a trace depends on (transport, padded length, dtype, mesh),
+# so each workload is the same as without it, each transport traced once.
+MEMO: dict = {}
 
 
+@pytest.fixture
+def shared_traces(monkeypatch):
+    monkeypatch.setattr(auto, "config_workload",
+                        lambda *a, memo=None, **k: config_workload(*a, memo=MEMO, **k))
+
+
+@functools.lru_cache(maxsize=None)
 def _state(config, nodes, local):
+    """One state per (config, mesh), shared by the tests that read it (none changes it: the
+    donating step below is only lowered and compiled, never run)."""
     from helpers import SMALL, init_params
     from zeropp_demo.gpt import GPT
 
@@ -95,12 +109,12 @@ def test_the_feedback_term_does_not_shrink_with_devices():
     assert m.feedback > 10 * m.states
     # The quantization work counts each unit's decode and encode (2 (h1 + h2) elements).
     off = dataclasses.replace(on, qgz_error_feedback=False)
-    extra = (config_workload(on, shape, 16, 8).grad_quant_elems_per_device
-             - config_workload(off, shape, 16, 8).grad_quant_elems_per_device)
+    extra = (config_workload(on, shape, 16, 8, memo=MEMO).grad_quant_elems_per_device
+             - config_workload(off, shape, 16, 8, memo=MEMO).grad_quant_elems_per_device)
     assert extra == pytest.approx(2 * shape.params * (1 + 1 / 8), rel=0.01)
 
 
-def test_labels_and_the_planner():
+def test_labels_and_the_planner(shared_traces):
     assert config_label(EF) == "qwz-int8+hpz+qgz-int4+EF"
     steps = zpp.ZeroPPConfig(qgz=True, qgz_hadamard=True, qgz_signs="per_step")
     assert config_label(steps) == "qgz-int4-had-step"

@@ -40,6 +40,10 @@ CONFIGS = {"zero3": zpp.ZeroPPConfig(), "zeropp": zpp.ZeroPPConfig.zeropp()}
 # tests/zoo.py's transformers Llama: d_model 16, MLP 32 (SwiGLU), 2 heads (1 for keys and
 # values), vocab 64, sequences of 8, 2 layers; float32 layers on bfloat16 weights.
 GLOBAL_BATCH = 16
+# Traced transports shared by this module's ``config_workload`` calls (its ``memo=``): the
+# keys name all a trace depends on (transport, padded length, dtype, mesh), so each
+# workload is the same as without it, each transport traced once.
+MEMO: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +116,12 @@ def test_the_memory_model_is_the_compiled_step_of_a_transformers_llama(name, lla
     measured = stats.argument_size_in_bytes + stats.temp_size_in_bytes
     assert model.total == pytest.approx(measured, rel=0.10), (model, measured)
     # The workload carries the same bytes (less the batch, which it is not told of).
-    assert config_workload(CONFIGS[name], shape, 2, 4, tokens, backend="cpu"
+    assert config_workload(CONFIGS[name], shape, 2, 4, tokens, backend="cpu", memo=MEMO
                            ).memory_bytes_per_device == model.total - batch_bytes
     # Its weights under 1024 elements each, a layer keeps its float32 copies for backward
     # and regathers nothing: the workload's collectives are the compiled step's.
     report = report_workload(comm_report(compiled, mesh))
-    work = config_workload(CONFIGS[name], shape, 2, 4)
+    work = config_workload(CONFIGS[name], shape, 2, 4, memo=MEMO)
     assert work.cross_node_collectives == report.cross_node_collectives
     assert work.intra_node_collectives == report.intra_node_collectives
 

@@ -29,17 +29,32 @@ SIZES = [(32, 13, 8), (64, 3, 8), (256, 1, 8), (64, 16, 8), (32, 7, 2)]
 
 
 @functools.lru_cache(maxsize=None)
+def _program(dtype_name: str, bits: int, block_size: int, bpp: int = 8):
+    """``x -> (kernel outputs, reference outputs)``, each ``(values, scales, dequantized)``:
+    the kernels (interpret mode) and the references in one ``jit`` per static setting, so a
+    case costs one compile instead of dozens of op-by-op ones. The two sides stay separate
+    computations in that program (the reference dequantizes the reference's values)."""
+    dtype = DTYPES[dtype_name]
+    kw = dict(bits=bits, block_size=block_size)
+
+    def kernels_and_references(x):
+        values, scales = Q.quantize(x, **kw, interpret=True, blocks_per_program=bpp)
+        out = Q.dequantize(values, scales, **kw, dtype=dtype, interpret=True,
+                           blocks_per_program=bpp)
+        ref_values, ref_scales = Q.quantize_reference(x, **kw)
+        ref_out = Q.dequantize_reference(ref_values, ref_scales, **kw, dtype=dtype)
+        return (values, scales, out), (ref_values, ref_scales, ref_out)
+
+    return jax.jit(kernels_and_references)
+
+
+@functools.lru_cache(maxsize=None)
 def _run(dtype_name: str, bits: int, block_size: int, nb: int, bpp: int):
     """Kernel (interpret) and reference outputs for one case; shared by several tests."""
     dtype = DTYPES[dtype_name]
     rng = np.random.default_rng(seed_of(dtype_name, bits, block_size, nb))
     x = sample_blocks(rng, nb, block_size, dtype)
-    kw = dict(bits=bits, block_size=block_size)
-    values, scales = Q.quantize(x, **kw, interpret=True, blocks_per_program=bpp)
-    ref_values, ref_scales = Q.quantize_reference(x, **kw)
-    out = Q.dequantize(values, scales, **kw, dtype=dtype, interpret=True, blocks_per_program=bpp)
-    ref_out = Q.dequantize_reference(ref_values, ref_scales, **kw, dtype=dtype)
-    return x, (values, scales, out), (ref_values, ref_scales, ref_out)
+    return x, *_program(dtype_name, bits, block_size, bpp)(x)
 
 
 # ------------------------------------------------------------------ 1. bit-for-bit parity
@@ -80,13 +95,12 @@ def test_kernels_match_reference_at_extreme_magnitudes(bits):
     exponents = np.array([127, 100, -100, -126, -140, -149], np.float64)[:, None]
     x = rng.uniform(-1.5, 1.5, size=(nb, block_size)) * 2.0**exponents
     x = jnp.asarray(x.astype(np.float32).reshape(-1))
-    kw = dict(bits=bits, block_size=block_size)
-    values, scales = Q.quantize(x, **kw, interpret=True)
-    ref_values, ref_scales = Q.quantize_reference(x, **kw)
+    (values, scales, out), (ref_values, ref_scales, ref_out) = _program("fp32", bits,
+                                                                        block_size)(x)
     assert_bitwise_equal(values, ref_values)
     assert_bitwise_equal(scales, ref_scales)
-    out = Q.dequantize(values, scales, **kw, dtype=jnp.float32, interpret=True)
-    assert_bitwise_equal(out, Q.dequantize_reference(values, scales, **kw, dtype=jnp.float32))
+    # values == ref_values (just checked): ref_out is dequantize_reference of these values.
+    assert_bitwise_equal(out, ref_out)
 
 
 # --------------------------------------------------------------------- 2. round-trip bound
@@ -148,12 +162,11 @@ def test_zero_and_non_finite_blocks(dtype_name, bits):
     x[3, rng.integers(block_size)] = np.nan
     x[5, rng.integers(block_size)] = -np.inf
     x = jnp.asarray(x.reshape(-1)).astype(dtype)
-    kw = dict(bits=bits, block_size=block_size)
 
-    values, scales = Q.quantize(x, **kw, interpret=True)
-    out = Q.dequantize(values, scales, **kw, dtype=dtype, interpret=True)
-    assert_bitwise_equal(values, Q.quantize_reference(x, **kw)[0])
-    assert_bitwise_equal(scales, Q.quantize_reference(x, **kw)[1])
+    (values, scales, out), (ref_values, ref_scales, _) = _program(dtype_name, bits,
+                                                                  block_size)(x)
+    assert_bitwise_equal(values, ref_values)
+    assert_bitwise_equal(scales, ref_scales)
 
     s = to_np(scales)
     v = to_np(values).reshape(nb, -1)
@@ -167,9 +180,14 @@ def test_zero_and_non_finite_blocks(dtype_name, bits):
     # Neighbours: finite, and exactly what they quantize to on their own.
     for b in (0, 4, 6):
         alone = jnp.asarray(clean[b]).astype(dtype)
-        alone_values, alone_scales = Q.quantize_reference(alone, **kw)
+        alone_values, alone_scales = _quantize_reference(bits, block_size)(alone)
         assert s[b] == to_np(alone_scales)[0] and np.array_equal(v[b], to_np(alone_values))
         assert np.all(np.isfinite(o[b]))
+
+
+@functools.lru_cache(maxsize=None)
+def _quantize_reference(bits: int, block_size: int):
+    return jax.jit(functools.partial(Q.quantize_reference, bits=bits, block_size=block_size))
 
 
 # ------------------------------------------------------------------------ 4. INT4 packing

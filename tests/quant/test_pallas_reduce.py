@@ -9,6 +9,7 @@ references themselves are pinned to an independent numpy computation, eagerly an
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -37,25 +38,43 @@ def _chunks(rng: np.random.Generator, groups: int, nb: int, bits: int
     [G, nb]``, each chunk the quantization of a fresh heavy-tailed gradient whose blocks have
     scales 1e-3..1e1 apart."""
     x = sample_blocks(rng, groups * nb, BLOCK, jnp.float32)
-    values, scales = jax.jit(lambda x: quantize_reference(x, bits=bits, block_size=BLOCK))(x)
+    values, scales = _quantize(bits)(x)
     return values.reshape(groups, -1), scales.reshape(groups, nb)
 
 
-def _kernels(values, scales, *, bits: int, out_bits: int):
-    """Both kernels (interpret mode) in one ``jit``: compiling dominates their runtime."""
+# One jitted function per static setting, shared by all the cases: a case whose shapes an
+# earlier case already had reuses its compiled program (a fresh lambda per call would trace
+# and compile it again).
+@functools.lru_cache(maxsize=None)
+def _quantize(bits: int):
+    return jax.jit(lambda x: quantize_reference(x, bits=bits, block_size=BLOCK))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_fn(bits: int, out_bits: int):
     kw = dict(bits=bits, block_size=BLOCK, interpret=True)
     return jax.jit(lambda v, s: (
         D.dequantize_reduce(v, s, **kw),
         D.dequantize_reduce_requantize(v, s, **kw, out_bits=out_bits),
-    ))(values, scales)
+    ))
 
 
-def _references(values, scales, *, bits: int, out_bits: int):
+@functools.lru_cache(maxsize=None)
+def _references_fn(bits: int, out_bits: int):
     kw = dict(bits=bits, block_size=BLOCK)
     return jax.jit(lambda v, s: (
         D.dequantize_reduce_reference(v, s, **kw),
         D.dequantize_reduce_requantize_reference(v, s, **kw, out_bits=out_bits),
-    ))(values, scales)
+    ))
+
+
+def _kernels(values, scales, *, bits: int, out_bits: int):
+    """Both kernels (interpret mode) in one ``jit``: compiling dominates their runtime."""
+    return _kernels_fn(bits, out_bits)(values, scales)
+
+
+def _references(values, scales, *, bits: int, out_bits: int):
+    return _references_fn(bits, out_bits)(values, scales)
 
 
 def _check_case(values, scales, *, bits: int, out_bits: int) -> tuple[jax.Array, jax.Array]:

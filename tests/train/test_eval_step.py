@@ -2,6 +2,7 @@
 models, on several meshes and configs; what fails outside a step says what to use."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +13,11 @@ from flax import linen as nn
 from flax import nnx
 
 import zeropp_demo.gpt as gpt
+from pallas_kernels.quantize import dequantize_reference, quantize_reference
 import zeropp_jax as zpp
 from zeropp_demo.gpt import GPT, loss_fn
 
-from helpers import SMALL, dequantized_params, init_params, rounding_of, tokens
+from helpers import SMALL, dequantized_params, init_params, jitted, rounding_of, tokens
 
 FP32 = zpp.ZeroPPConfig(compute_dtype="float32")
 
@@ -30,6 +32,22 @@ def gpt_eval(state, batch):
     per_row = jax.vmap(loss_fn)(logits[:, None], batch[:, None, 1:])
     return {"loss": loss_fn(logits, batch[:, 1:]),
             "logits": zpp.per_example(logits), "per_row": zpp.per_example(per_row)}
+
+
+@functools.lru_cache(maxsize=None)
+def _outputs(m):
+    """The loss and logits of model ``m`` on one device; one function per model (flax modules
+    hash by their fields), so each parametrization reuses the references' compiled programs
+    (the parameters are arguments, drawn afresh by each)."""
+    def run(p, b):
+        logits = m.apply({"params": p}, b[:, :-1])
+        return loss_fn(logits, b[:, 1:]), logits
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_of(m):
+    return lambda p, b: m.apply({"params": p}, b[:, :-1])
 
 
 @pytest.mark.parametrize("shape, config", [
@@ -48,13 +66,7 @@ def test_eval_step_equals_one_device(shape, config):
     assert out["logits"].shape == (16, SMALL.seq_len, SMALL.vocab_size)
     assert out["per_row"].shape == (16,)
 
-    def outputs(m):
-        def run(p, b):
-            logits = m.apply({"params": p}, b[:, :-1])
-            return loss_fn(logits, b[:, 1:]), logits
-        return run
-
-    run = jax.jit(outputs(model))
+    run = jitted(_outputs(model))
 
     def sliced():  # the order the step sums in: 8 slices of 2 rows, then their mean
         parts = [run(params, batch[2 * i:2 * i + 2]) for i in range(8)]
@@ -63,8 +75,8 @@ def test_eval_step_equals_one_device(shape, config):
 
     # The demo GPT's float64 twin, with its explicit fp32 casts widened, is the reference;
     # rho covers both summation orders.
-    rounding = rounding_of(outputs(model), params, batch,
-                           fn64=outputs(GPT(dataclasses.replace(SMALL, dtype="float64"))),
+    rounding = rounding_of(_outputs(model), params, batch,
+                           fn64=_outputs(GPT(dataclasses.replace(SMALL, dtype="float64"))),
                            widen=(gpt,), orders=[sliced])
     loss, logits = rounding.exact
     tol = 2 * rounding.rho
@@ -85,18 +97,24 @@ def test_eval_step_under_zeropp_reads_the_quantized_weights():
     config = zpp.ZeroPPConfig.zeropp(compute_dtype="float32")
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4), config=config)
-    deq = dequantized_params(state, config.block_size, config.weight_bits)
+    # The INT8 round trip jitted (as the step runs it; quantize_reference is written to round
+    # alike jitted or not): one program per unit size instead of each op compiled alone.
+    @jax.jit
+    def roundtrip(flat):
+        v, s = quantize_reference(flat, bits=config.weight_bits, block_size=config.block_size)
+        return dequantize_reference(v, s, bits=config.weight_bits,
+                                    block_size=config.block_size, dtype=jnp.float32)
 
-    def logits_of(m):
-        return lambda p, b: m.apply({"params": p}, b[:, :-1])
+    deq = dequantized_params(state, config.block_size, config.weight_bits, roundtrip)
 
-    rounding = rounding_of(logits_of(model), deq, batch,
-                           fn64=logits_of(GPT(dataclasses.replace(SMALL, dtype="float64"))),
+    rounding = rounding_of(_logits_of(model), deq, batch,
+                           fn64=_logits_of(GPT(dataclasses.replace(SMALL, dtype="float64"))),
                            widen=(gpt,))
     got = np.asarray(gpt_eval(state, batch)["logits"], np.float64)
     tol = 2 * rounding.rho * np.max(np.abs(rounding.exact))
     assert np.max(np.abs(got - rounding.exact)) <= tol
-    master = np.asarray(logits_of(model)(params, batch), np.float64)
+    # Jitted: the program rounding_of compiled for the dequantized weights (same shapes).
+    master = np.asarray(jitted(_logits_of(model))(params, batch), np.float64)
     assert np.max(np.abs(got - master)) > 100 * tol
 
 

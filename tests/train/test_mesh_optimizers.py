@@ -17,7 +17,7 @@ from helpers import (SMALL, adam_sensitivity, assert_training_close, fp32_gradie
                      sign_sensitivity, tokens, trajectory_tolerances)
 
 FP32 = dict(compute_dtype="float32")
-# eps=1e-3 for the adaptive ones: see test_engine.test_three_adam_steps_equal_single_device
+# eps=1e-3 for the adaptive ones: see test_engine.test_three_adam_steps_of_stages_1_2_3_equal_single_device
 # (rounding noise in gradients that are zero in exact arithmetic must not become full steps).
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.1, momentum=0.9),

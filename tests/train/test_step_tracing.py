@@ -1,6 +1,8 @@
 """The step is traced as under ``jax.jit``: constants in loop carries, pmap-era axis names,
 collectives on the gradients, and the NNX step of the docs."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -142,21 +144,36 @@ def test_an_unbound_axis_name_says_what_the_axes_are(mesh):
     ("batch", lambda g: jax.lax.pmean(g, "batch")),
     (None, lambda g: jax.tree_util.tree_map(lambda s: jax.lax.psum(2.0 * s, "local"), g)),
 ])
-def test_a_collective_on_zero3_gradients_is_refused(mesh, axis_name, reduce):
+def test_a_collective_on_zero3_gradients_is_refused(bn_states, axis_name, reduce):
     """The gradients of a ZeRO-3 step are already averaged shards: a pmap-era
     ``lax.pmean(grads, ...)`` (or any collective over devices on values computed from
     them) would mix shards; the step refuses it. The library's own (``global_norm``,
     ``apply_gradients``) pass, and stage 1's local gradients may be averaged."""
+    state, stage1, x = bn_states
+    with pytest.raises(ValueError, match="already the mean over all devices"):
+        _bn_step(axis_name, reduce)(state, x)
+    _global_norm_step(axis_name)(state, x)
+    _bn_step(axis_name, reduce)(stage1, x)
+
+
+@pytest.fixture(scope="module")
+def bn_states(mesh):
+    """A ZeRO-3 and a stage-1 state of ``SyncBN(AXES)``, shared by the parametrizations
+    above (the steps never donate them), and the input."""
     x = np.ones((16, 3), np.float32)
     variables = SyncBN(AXES).init(jax.random.key(0), x)
     state = zpp.TrainState.create(model=SyncBN(AXES), params=variables, tx=optax.sgd(0.1),
                                   mesh=mesh)
-    with pytest.raises(ValueError, match="already the mean over all devices"):
-        _bn_step(axis_name, reduce)(state, x)
-    _bn_step(axis_name, lambda g: (zpp.global_norm(g), g)[1])(state, x)
     stage1 = zpp.TrainState.create(model=SyncBN(AXES), params=variables, tx=optax.sgd(0.1),
                                    mesh=mesh, config=zpp.ZeroPPConfig(stage=1))
-    _bn_step(axis_name, reduce)(stage1, x)
+    return state, stage1, x
+
+
+@functools.lru_cache(maxsize=None)
+def _global_norm_step(axis_name):
+    """The step that calls the library's own global_norm on the gradients: one per axis
+    name, so parametrizations with the same name reuse its compiled program."""
+    return _bn_step(axis_name, lambda g: (zpp.global_norm(g), g)[1])
 
 
 class ParamsOnly(nnx.Module):

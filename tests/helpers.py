@@ -144,16 +144,23 @@ def reference_train(model, params, tx, batches, *, with_grads: bool = False):
     return (params, losses, grads) if with_grads else (params, losses)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "block"))
+def _int_round_trip(flat, *, bits: int, block: int):
+    """INT``bits`` blocks of ``block``: Q then Q^-1 to fp32, one program per unit size (the
+    step runs the same reference jitted; ``quantize_reference`` rounds alike either way)."""
+    from pallas_kernels.quantize import dequantize_reference, quantize_reference
+
+    v, s = quantize_reference(flat, bits=bits, block_size=block)
+    return dequantize_reference(v, s, bits=bits, block_size=block, dtype=jnp.float32)
+
+
 def dequantized_params(state, block: int, bits: int, roundtrip=None) -> dict:
     """The weights a qwZ step computes with: every unit's flat buffer through Q and Q^-1
     (``roundtrip(flat) -> fp32 flat``; default INT``bits`` blocks of ``block``)."""
-    from pallas_kernels.quantize import dequantize_reference, quantize_reference
     from zeropp_jax.comm.partition import REST, merge_units
 
     if roundtrip is None:
-        def roundtrip(flat):
-            v, s = quantize_reference(flat, bits=bits, block_size=block)
-            return dequantize_reference(v, s, bits=bits, block_size=block, dtype=jnp.float32)
+        roundtrip = functools.partial(_int_round_trip, bits=bits, block=block)
 
     units, rest = {}, {}
     for name, lay in state.engine.layouts.items():

@@ -13,7 +13,6 @@ from flax import linen as nn
 from flax import nnx
 
 import zeropp_demo.gpt as gpt
-from pallas_kernels.quantize import dequantize_reference, quantize_reference
 import zeropp_jax as zpp
 from zeropp_demo.gpt import GPT, loss_fn
 
@@ -97,15 +96,7 @@ def test_eval_step_under_zeropp_reads_the_quantized_weights():
     config = zpp.ZeroPPConfig.zeropp(compute_dtype="float32")
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4), config=config)
-    # The INT8 round trip jitted (as the step runs it; quantize_reference is written to round
-    # alike jitted or not): one program per unit size instead of each op compiled alone.
-    @jax.jit
-    def roundtrip(flat):
-        v, s = quantize_reference(flat, bits=config.weight_bits, block_size=config.block_size)
-        return dequantize_reference(v, s, bits=config.weight_bits,
-                                    block_size=config.block_size, dtype=jnp.float32)
-
-    deq = dequantized_params(state, config.block_size, config.weight_bits, roundtrip)
+    deq = dequantized_params(state, config.block_size, config.weight_bits)
 
     rounding = rounding_of(_logits_of(model), deq, batch,
                            fn64=_logits_of(GPT(dataclasses.replace(SMALL, dtype="float64"))),

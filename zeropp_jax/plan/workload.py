@@ -372,17 +372,15 @@ def _only_embeddings(tree: Any) -> bool:
                                 for p, _ in leaves)
 
 
-def _memoized(memo: dict | None, key: tuple, make: Any) -> Any:
-    """``make()``, kept in ``memo`` under ``key`` (computed each time without a memo)."""
-    if memo is None:
-        return make()
+def _traced(memo: dict, key: tuple, trace: Any) -> Any:
+    """``trace()``, kept in ``memo`` under ``key``."""
     if key not in memo:
-        memo[key] = make()
+        memo[key] = trace()
     return memo[key]
 
 
 def _unit_phases(config: ZeroPPConfig, n: int, nodes: int, local: int,
-                 memo: dict | None = None) -> tuple[tuple[TracedCollective, ...], ...]:
+                 memo: dict) -> tuple[tuple[TracedCollective, ...], ...]:
     """(forward, backward, gradient) collectives of a trainable unit of ``n`` parameters.
 
     The traces depend on the transports only (hashable frozen dataclasses), so a caller
@@ -390,10 +388,10 @@ def _unit_phases(config: ZeroPPConfig, n: int, nodes: int, local: int,
     size and mesh once."""
     n_pad = padded_length(n, nodes * local, config.flat_alignment)
     plan = plan_of(config)
-    w = _memoized(memo, ("weights", plan.weights, n_pad, config.param_jnp_dtype, nodes, local),
+    w = _traced(memo, ("weights", plan.weights, n_pad, config.param_jnp_dtype, nodes, local),
                   lambda: weight_collectives(plan.weights, n_pad, config.param_jnp_dtype,
                                              nodes, local))
-    g = _memoized(memo, ("gradients", plan.gradients, n_pad, config.compute_jnp_dtype, nodes,
+    g = _traced(memo, ("gradients", plan.gradients, n_pad, config.compute_jnp_dtype, nodes,
                          local),
                   lambda: gradient_collectives(plan.gradients, n_pad,
                                                config.compute_jnp_dtype, nodes, local))
@@ -408,9 +406,9 @@ def _frozen_transport(config: ZeroPPConfig, n: int, devices: int) -> tuple[Any, 
 
 
 def _frozen_phases(config: ZeroPPConfig, n: int, nodes: int, local: int,
-                   memo: dict | None = None) -> tuple[tuple[TracedCollective, ...], ...]:
+                   memo: dict) -> tuple[tuple[TracedCollective, ...], ...]:
     transport, n_pad = _frozen_transport(config, n, nodes * local)
-    w = _memoized(memo, ("weights", transport, n_pad, config.param_jnp_dtype, nodes, local),
+    w = _traced(memo, ("weights", transport, n_pad, config.param_jnp_dtype, nodes, local),
                   lambda: weight_collectives(transport, n_pad, config.param_jnp_dtype, nodes,
                                              local))
     return w["forward"], w["backward"]
@@ -818,16 +816,13 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     # Traced once per unit size (a model's layers share one); with the caller's ``memo``,
     # once per transport across every configuration it prices.
     memo = {} if memo is None else memo
-
-    def phases(n: int) -> tuple[tuple[TracedCollective, ...], ...]:
-        return _unit_phases(config, n, nodes, local, memo)
-
     for name, n in shape.units:
-        fwd, bwd, grad = phases(n)
+        fwd, bwd, grad = _unit_phases(config, n, nodes, local, memo)
         if name == partner:  # one collective moves both: the padded lengths add up
             pad = functools.partial(padded_length, num_shards=devices,
                                     align=config.flat_alignment)
-            fwd, _, grad = phases(pad(n) + pad(sizes[REST]))
+            fwd, _, grad = _unit_phases(config, pad(n) + pad(sizes[REST]), nodes, local,
+                                         memo)
         regathers = (name not in (REST, kept) and name not in shape.no_regather
                      and name not in copies)
         if not (name == REST and partner):

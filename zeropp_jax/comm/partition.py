@@ -56,8 +56,16 @@ def stack_layers(subtree: PyTree, path: Sequence[str]) -> list[PyTree]:
             "modules made with nn.scan(..., variable_axes={'params': 0}) as stacked="
         )
     (layers,) = lengths
-    return [jax.tree_util.tree_map(lambda x, i=i: np.asarray(x)[i], subtree)
+    return [jax.tree_util.tree_map(lambda x, i=i: _layer(x, i), subtree)
             for i in range(layers)]
+
+
+def _layer(x: Any, i: int) -> Any:
+    """Layer ``i`` of a stacked leaf: a numpy array, or the shape of one for a
+    ``jax.ShapeDtypeStruct`` (an abstract state's)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return np.asarray(x)[i]
 
 
 @dataclasses.dataclass(frozen=True)

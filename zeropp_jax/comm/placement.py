@@ -79,13 +79,16 @@ def offload_mask(tree: Any, units: Any, offloaded: frozenset[str]) -> Any:
 
 
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
-    """Puts a host value that every process holds in full onto ``sharding``.
+    """Puts a host value that every process holds in full onto ``sharding``; a
+    ``jax.ShapeDtypeStruct`` becomes one that carries ``sharding`` (nothing is placed).
 
     One process (or a sharding whose devices are all local): ``jax.device_put``. Several
     processes (the mesh spans devices of other processes): every process must pass the
     same global value, and each one places only the slices its own devices hold, so no
     data moves between processes.
     """
+    if isinstance(x, jax.ShapeDtypeStruct):  # an abstract state: shapes and places only
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     x = np.asarray(x)

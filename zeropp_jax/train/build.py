@@ -209,9 +209,32 @@ def frozen_layouts(frozen_trees: Mapping[Path, PyTree], num_devices: int,
     }
 
 
-def flat_numpy(layout: UnitLayout, tree: PyTree, dtype: Any) -> np.ndarray:
-    """A unit's subtree as its flat padded 1-D numpy array of ``dtype``."""
+def is_abstract(tree: PyTree) -> bool:
+    """True if ``tree``'s leaves are ``jax.ShapeDtypeStruct`` (``jax.eval_shape(model.init,
+    ...)``): ``TrainState.create`` then builds an abstract state, shapes and shardings only,
+    for ahead-of-time compilation. Raises if it mixes abstract leaves and arrays."""
+    kinds = {isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(tree)}
+    if len(kinds) > 1:
+        raise TypeError(
+            "params mixes jax.ShapeDtypeStruct leaves and arrays: pass all shapes "
+            "(jax.eval_shape(model.init, ...)) for an abstract state, or all arrays")
+    return kinds == {True}
+
+
+def flat_numpy(layout: UnitLayout, tree: PyTree, dtype: Any) -> np.ndarray | jax.ShapeDtypeStruct:
+    """A unit's subtree as its flat padded numpy array of ``dtype`` (``layout.global_shape``);
+    its shape and dtype only for an abstract tree."""
+    if is_abstract(tree):
+        return jax.ShapeDtypeStruct(layout.global_shape, np.dtype(dtype))
     return np.asarray(layout.flatten(jax.tree_util.tree_map(np.asarray, tree), dtype))
+
+
+def cast_to(x: np.ndarray | jax.ShapeDtypeStruct, dtype: Any
+            ) -> np.ndarray | jax.ShapeDtypeStruct:
+    """``x`` in ``dtype``: a numpy array's values, or an abstract array's dtype."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, np.dtype(dtype))
+    return x.astype(dtype)
 
 
 def master_sharding(mesh: Mesh, config: ZeroPPConfig) -> NamedSharding:
@@ -232,7 +255,7 @@ def place_units(layouts: Mapping[str, UnitLayout], trees: Mapping[str, PyTree], 
         if lay.tp > 1:  # tensor-parallel slices: over "model", each one's shards as usual
             spec = SLICED_SHARDED if sharding.spec == SHARDED else P(None, *sharding.spec)
             where = NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
-        out[name] = place(flat if cast is None else flat.astype(cast), where)
+        out[name] = place(flat if cast is None else cast_to(flat, cast), where)
     return out
 
 
@@ -268,15 +291,20 @@ def init_opt_state(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree,
         state = tx.init(compat.on_device(m))  # offloaded shards: the state is the device's
         return compat.in_host_memory(state, host) if offloaded else state
 
-    in_specs = ({k: sharded_spec(np.ndim(v)) for k, v in master.items()},)
+    in_specs = ({k: sharded_spec(len(v.shape)) for k, v in master.items()},)
     # Tensor-parallel slices stay split over "model" (XLA would be free to replicate them).
     out = jax.tree_util.tree_map(
         lambda s, h: NamedSharding(mesh, global_spec(s, mesh),
                                    memory_kind=compat.HOST_MEMORY if h else None),
         specs, host)
-    return jax.jit(
+    init_all = jax.jit(
         jax.shard_map(init, mesh=mesh, in_specs=in_specs, out_specs=specs, **manual_axes(mesh)),
-        out_shardings=out)(master)
+        out_shardings=out)
+    if is_abstract(master):
+        return jax.tree_util.tree_map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(init_all, master), out)
+    return init_all(master)
 
 
 def offloaded(config: ZeroPPConfig, layouts: Mapping[str, UnitLayout]) -> frozenset[str]:
@@ -287,9 +315,11 @@ def offloaded(config: ZeroPPConfig, layouts: Mapping[str, UnitLayout]) -> frozen
     return offloaded_units(((n, lay.n) for n, lay in layouts.items()), config.offload_ratio)
 
 
-def replicated_zero(mesh: Mesh) -> jax.Array:
-    """A counter: int32 zero, replicated on every device of ``mesh``."""
-    return place(np.zeros((), np.int32), NamedSharding(mesh, REPLICATED))
+def replicated_zero(mesh: Mesh, abstract: bool = False) -> jax.Array | jax.ShapeDtypeStruct:
+    """A counter: int32 zero, replicated on every device of ``mesh`` (its shape only if
+    ``abstract``)."""
+    zero = jax.ShapeDtypeStruct((), np.int32) if abstract else np.zeros((), np.int32)
+    return place(zero, NamedSharding(mesh, REPLICATED))
 
 
 def place_collections(collections: PyTree, mesh: Mesh) -> PyTree:

@@ -563,11 +563,12 @@ class Engine:
                               for s in per_device)
         return out
 
-    def zero_feedback(self) -> dict[str, tuple[jax.Array, ...]]:
+    def zero_feedback(self, abstract: bool = False) -> dict[str, tuple[jax.Array, ...]]:
         """Kept qgZ errors of zero (a new run's), placed on the mesh
-        (``feedback_specs``)."""
+        (``feedback_specs``); their shapes only if ``abstract``."""
         sharded = NamedSharding(self.mesh, SHARDED)
-        return {name: tuple(place(np.zeros(s.shape, s.dtype), sharded) for s in specs)
+        return {name: tuple(place(s if abstract else np.zeros(s.shape, s.dtype), sharded)
+                            for s in specs)
                 for name, specs in self.feedback_specs().items()}
 
     def shard_batch(self, batch: PyTree, spec: P = SHARDED, *,

@@ -165,6 +165,11 @@ class TrainState:
           params: its parameters (the ``"params"`` collection of ``model.init``), or the
             whole variables dict of ``model.init`` (``params`` plus other collections such
             as ``batch_stats``, which then go to ``state.collections``).
+            ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape(model.init, ...)``) give an
+            abstract state: every array a ``ShapeDtypeStruct`` carrying its sharding,
+            nothing allocated, for ``train_step.lower(state, batch).compile()`` ahead of
+            time (a model too large for this host, or a mesh of another machine's devices,
+            ``jax.experimental.topologies``).
             Multi-host: every process passes the same values (same init seed); each places
             only its own devices' shards.
           tx: an optax transformation acting elementwise (checked).
@@ -210,6 +215,11 @@ class TrainState:
         nodes, local = mesh_shape(mesh)
         params, collections = build.split_variables(params, collections, batch_stats)
         build.check_setup(params, tx, config, nodes, local)
+        abstract = build.is_abstract(params)
+        if abstract and (frozen is not None or jax.tree_util.tree_leaves(collections)):
+            raise NotImplementedError(
+                "an abstract state (params of jax.ShapeDtypeStruct) supports neither "
+                "frozen= nor other variable collections yet; pass arrays for those models")
 
         stacked = build.stack_paths(stacked, units, params)
         tp = tensor_parallel(annotated(raw, params, adapter), logical_axis_rules,
@@ -230,14 +240,14 @@ class TrainState:
                         explicit_units=units is not None and units != "auto",
                         tensor_rules=() if tp is None else tp.rules)
         warn_if_unbalanced(*engine.unit_table(), params)
-        step = build.replicated_zero(mesh)
+        step = build.replicated_zero(mesh, abstract)
         placed_collections = build.place_collections(collections, mesh)
-        skipped = build.replicated_zero(mesh)
+        skipped = build.replicated_zero(mesh, abstract)
         if config.stage == 3:
             frozen_shards = (build.store_frozen(frozen_layouts, frozen_trees, config, mesh)
                              if frozen_layouts else None)
             build.check_feedback(config, layouts, nodes, local)
-            params = ShardedParams(master, True, engine.zero_feedback())
+            params = ShardedParams(master, True, engine.zero_feedback(abstract))
             return cls(step, params, opt_state, None, engine, skipped, frozen_shards,
                        placed_collections)
         # Stages 1 and 2: the step differentiates full replicated compute-dtype weights.

@@ -222,3 +222,25 @@ def test_combined_all_reduce_with_many_operands_is_counted():
     assert "/*index=5*/" in text  # the case this test is about is really printed
     reduces = [c for c in collectives(text) if c.kind == "all-reduce"]
     assert sum(c.bytes for c in reduces) == 4 * sum(widths)
+
+
+def test_gpu_async_starts_count_their_results():
+    # XLA's GPU compiler prints an async start's operands before its results, the
+    # operands as a nested tuple for reduce-scatter and all-to-all.
+    lines = {
+        "reduce-scatter": "  %rs = ((bf16[64]{0}), bf16[8]{0}) reduce-scatter-start(%g), "
+                          "channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}",
+        "all-to-all": "  %a2a = ((u8[8,12]{1,0}), u8[8,12]{1,0}) all-to-all-start(%q), "
+                      "channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}",
+        "all-gather": "  %ag = (s16[8]{0}, s16[64]{0}) all-gather-start(%w), channel_id=1, "
+                      "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}",
+        "all-reduce": "  %ar = f32[2]{0} all-reduce-start(%l), channel_id=2, "
+                      "replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
+    }
+    expected = {"reduce-scatter": ("bf16", (8,), 16), "all-to-all": ("u8", (8, 12), 96),
+                "all-gather": ("s16", (64,), 128), "all-reduce": ("f32", (2,), 8)}
+    for kind, line in lines.items():
+        (c,) = collectives("HloModule m\n" + line, 8)
+        assert (c.kind, c.dtype, c.shape, c.bytes) == (kind, *expected[kind])
+    (c,) = collectives("HloModule m\n" + lines["all-to-all"], 8)
+    assert c.groups == ((0, 1, 2, 3), (4, 5, 6, 7))

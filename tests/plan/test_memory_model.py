@@ -255,3 +255,27 @@ def test_the_memory_model_counts_a_tensor_parallel_rank(name):
     assert model.states == stats.argument_size_in_bytes
     measured = stats.argument_size_in_bytes + stats.temp_size_in_bytes
     assert model.total == pytest.approx(measured, rel=0.10), (model, measured)
+
+
+def test_scanned_blocks_keep_only_their_matmul_outputs():
+    # A scanned stack's layers under remat "minimal" keep their matmul outputs and
+    # recompute the rest in backward (units.apply). At the last block's backward, the
+    # blocks before it hold their kept activations: the difference from unrolled blocks is
+    # that many blocks' recomputed part.
+    layers, tokens = 8, 128
+    shapes = {s: transformer_shape(layers, 256, 1000, tokens, ffn=688, heads=4, gated=True,
+                                   scanned=s) for s in (False, True)}
+    unrolled, scanned = (memory_breakdown(zpp.ZeroPPConfig(), shapes[s], 2, 4, tokens)
+                         for s in (False, True))
+    assert unrolled.moment == scanned.moment == f"backward block_{layers - 1} (end)"
+    shape = shapes[True]
+    # q, k, v, the attention output, two projections (6 d), the scores (2 heads x seq +
+    # 2 heads), gate and up (2 ffn).
+    assert shape.block_matmul_outputs == 6 * 256 + 2 * 4 * tokens + 2 * 4 + 2 * 688
+    recomputed = shape.block_activations - shape.block_matmul_outputs
+    assert unrolled.activations - scanned.activations == pytest.approx(
+        (layers - 1) * tokens * 2 * recomputed, rel=1e-12)
+    # remat "full" keeps block inputs alone, scanned or not.
+    full = [memory_breakdown(zpp.ZeroPPConfig(remat="full"), shapes[s], 2, 4, tokens)
+            for s in (False, True)]
+    assert full[0].total == full[1].total

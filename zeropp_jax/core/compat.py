@@ -59,6 +59,14 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    ``CompileOptions`` (``env_option_overrides`` carry XLA debug options) in 0.10 to 0.12,
    and the persistent compilation cache keys include those overrides. The test suite uses
    it to compile some tests with XLA:CPU's default fusion emitters (tests/conftest.py).
+12. An NNX variable's sharding names (below).
+13. Devices of a GPU cluster to compile for, without its GPUs (``gpu_cluster_devices``):
+   ``jax.experimental.topologies.get_topology_desc(platform="cuda", topology="SxHxD",
+   target_config=...)`` in 0.10.2 to 0.12 (the CUDA plugin, ``jax[cuda12]`` or
+   ``jax[cuda13]``, must be installed; no GPU or driver is needed, though the plugin's
+   version check must be skipped where no driver exists: ``JAX_PLATFORMS=cpu``). The
+   topology string is "<slices>x<hosts per slice>x<devices per host>"; its devices are
+   numbered host-major, one process per host.
 """
 
 from __future__ import annotations
@@ -378,3 +386,27 @@ def nnx_sharding_names(var: Any) -> tuple | None:
         if names is not None and not hasattr(names, "mesh"):  # names, not a NamedSharding
             return tuple(names)
     return None
+
+
+# -- 13. devices of a GPU cluster to compile for ------------------------------------------------
+
+
+def gpu_cluster_devices(target_config: str, nodes: int, local: int) -> list[Any]:
+    """The ``nodes x local`` devices of a GPU cluster described by ``target_config`` (a
+    ``stream_executor.GpuTargetConfigProto`` in text form), for compiling its programs
+    ahead of time on a host with no GPU: ``Mesh(np.array(devices).reshape(nodes, local),
+    ...)``, then ``jit(...).lower(<ShapeDtypeStructs on that mesh>).compile()``. Device
+    ``i`` is process ``i // local``'s, as on the real cluster. Raises ImportError naming
+    the package when the CUDA plugin is missing."""
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology_name="", target_config=target_config,
+            topology=f"{nodes}x1x{local}")
+    except (NotImplementedError, RuntimeError) as e:
+        raise ImportError(
+            "compiling for a GPU cluster needs JAX's CUDA plugin: pip install "
+            "'jax[cuda12]' (or cuda13) matching this jax; on a host without a GPU run with "
+            f"JAX_PLATFORMS=cpu ({e})") from e
+    return sorted(topology.devices, key=lambda d: d.id)

@@ -29,11 +29,13 @@ from zeropp_jax.comm.wire import count_bytes
 
 KINDS = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce", "collective-permute")
 
-_ITEMSIZE = {
+ITEMSIZE = {
     "pred": 1, "i1": 1, "s8": 1, "u8": 1, "i8": 1, "ui8": 1,
     "s16": 2, "u16": 2, "i16": 2, "ui16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "i32": 4, "ui32": 4, "f32": 4,
     "s64": 8, "u64": 8, "i64": 8, "ui64": 8, "f64": 8,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e8m0fnu": 1,
+    "s4": 0.5, "u4": 0.5, "i4": 0.5, "ui4": 0.5, "c64": 8, "c128": 16,
 }
 
 
@@ -494,7 +496,7 @@ def _mlir_collectives(text: str, num: int | None) -> list[Collective]:
             if not types:
                 continue
             dtype, shape = types[0]
-            nbytes = sum(_ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types)
+            nbytes = int(sum(ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types))
             if kind == "collective-permute":
                 pm = re.search(r"source_target_pairs\s*=\s*(dense<.*?>\s*:\s*tensor<\w+>)",
                                attrs)
@@ -511,15 +513,19 @@ def _mlir_collectives(text: str, num: int | None) -> list[Collective]:
 # HLO (compiled) ----------------------------------------------------------------------------
 
 
-def _hlo_types(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+def hlo_types(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``(dtype, dims)`` of every array in an HLO type, a tuple's elements in order."""
     return [(t, tuple(int(v) for v in dims.split(",") if v))
-            for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", type_text)]
+            for t, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]", type_text)]
 
 
 # A tuple result type: XLA prints a comment before every fifth element
-# (``(f32[16]{0}, ..., /*index=5*/f32[96]{0}, ...)``), so "=" may occur inside it.
+# (``(f32[16]{0}, ..., /*index=5*/f32[96]{0}, ...)``), so "=" may occur inside it; an async
+# start on the GPU nests its operands' tuple in it (``((bf16[64]{0}), bf16[8]{0})``).
+_TUPLE_PART = r"(?:[^=()]|/\*index=\d+\*/)"
 _HLO_OP = re.compile(
-    r"=\s*(?P<type>\((?:[^=()]|/\*index=\d+\*/)*?\)|[a-z]+\d*\[[\d,]*\](?:\{[\d,]*\})?)\s+"
+    rf"=\s*(?P<type>\((?:{_TUPLE_PART}|\({_TUPLE_PART}*\))*?\)"
+    r"|[a-z]+\d*\[[\d,]*\](?:\{[\d,]*\})?)\s+"
     r"(?P<kind>all-gather|all-to-all|reduce-scatter|all-reduce|collective-permute)"
     r"(?P<start>-start)?\((?P<rest>.*)$"
 )
@@ -550,26 +556,60 @@ def _hlo_replica_groups(rest: str) -> list[list[int]] | None:
     return _brace_groups(gm.group(1))
 
 
+def tuple_elements(type_text: str) -> list[str]:
+    """The top-level elements of an HLO tuple type (``"(a, (b, c))"`` -> ``["a", "(b,
+    c)"]``); a non-tuple type is its own one element."""
+    text = re.sub(r"/\*index=\d+\*/", "", type_text).strip()
+    if not text.startswith("("):
+        return [text]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(text):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:-1].strip())
+    return [p for p in parts if p]
+
+
+def _async_results(type_text: str) -> str:
+    """The results in an async collective start's type: GPU HLO prints ``((operands...),
+    results...)`` (reduce-scatter, all-to-all) or ``(operands..., results...)`` (all-gather,
+    collective-permute), and an all-reduce start as its result alone."""
+    parts = tuple_elements(type_text)
+    if len(parts) == 1:
+        return parts[0]
+    if parts[0].startswith("("):
+        return ", ".join(parts[1:])
+    return ", ".join(parts[len(parts) // 2:])
+
+
+def hlo_collective(line: str, num: int | None) -> Collective | None:
+    """The collective one line of HLO text defines (an async ``-start`` counts as its
+    collective), or None if it defines none. ``num``: devices of the program, for ops that
+    name no groups."""
+    m = _HLO_OP.search(line)
+    if not m:
+        return None
+    kind, rest = m.group("kind"), m.group("rest")
+    types = hlo_types(_async_results(m.group("type")) if m.group("start") else m.group("type"))
+    dtype, shape = types[0]
+    nbytes = int(sum(ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types))
+    if kind == "collective-permute":
+        pm = re.search(r"source_target_pairs=(\{\{.*?\}\})", rest)
+        groups = _brace_groups(pm.group(1)) if pm else []
+    else:
+        groups = _hlo_replica_groups(rest) or ([list(range(num))] if num else [])
+    widened = bool(re.search(r"to_apply=%?[\w.\-]*_promoted", rest))
+    return Collective(kind, dtype, shape, nbytes, tuple(map(tuple, groups)), widened)
+
+
 def _hlo_collectives(text: str, num: int | None) -> list[Collective]:
-    out = []
-    for line in text.splitlines():
-        m = _HLO_OP.search(line)
-        if not m:
-            continue
-        kind, rest = m.group("kind"), m.group("rest")
-        types = _hlo_types(m.group("type"))
-        if m.group("start") and kind in ("all-gather", "collective-permute") and len(types) >= 2:
-            types = types[len(types) // 2:]  # (operands..., results...) of the async start
-        dtype, shape = types[0]
-        nbytes = sum(_ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types)
-        if kind == "collective-permute":
-            pm = re.search(r"source_target_pairs=(\{\{.*?\}\})", rest)
-            groups = _brace_groups(pm.group(1)) if pm else []
-        else:
-            groups = _hlo_replica_groups(rest) or ([list(range(num))] if num else [])
-        widened = bool(re.search(r"to_apply=%?[\w.\-]*_promoted", rest))
-        out.append(Collective(kind, dtype, shape, nbytes, tuple(map(tuple, groups)), widened))
-    return out
+    return [c for c in map(lambda line: hlo_collective(line, num), text.splitlines())
+            if c is not None]
 
 
 def _program_text(program: Any) -> str:

@@ -90,6 +90,10 @@ class ModelShape:
         norms' outputs and the like (``decoder_activations``). The kept unit keeps them
         anyway (its backward runs right after its forward, on the same weights).
       block_inputs: elements per token of a block's inputs (all remat ``"full"`` keeps).
+      block_matmul_outputs: of ``block_activations``, the matmul outputs alone: what a
+        block keeps with remat ``"minimal"`` when it is a layer of a scanned stack
+        (``scanned``; ``units.apply``), recomputing the rest in backward.
+      scanned: the blocks are the layers of an ``nn.scan`` / ``nnx.scan`` stack.
       block_gradients: elements per token of the gradients live while a block's backward
         runs (the one flowing in, the widest one inside), in ``itemsize``.
       activations: elements per token kept outside the blocks, in ``itemsize`` (the
@@ -124,6 +128,8 @@ class ModelShape:
     block_activations: float = 0.0
     block_recomputed: float = 0.0
     block_inputs: float = 0.0
+    block_matmul_outputs: float = 0.0
+    scanned: bool = False
     block_gradients: float = 0.0
     activations: float = 0.0
     logits: float = 0.0
@@ -145,8 +151,8 @@ def decoder_activations(d_model: int, seq_len: int, vocab: int, *, heads: int,
                         ) -> dict[str, float]:
     """What a pre-norm decoder's step keeps per token, in elements: the ``ModelShape``
     fields ``block_activations``, ``block_recomputed``, ``block_inputs``,
-    ``block_gradients``, ``activations`` and ``logits`` (``dataclasses.replace(shape,
-    blocks=..., **these)``).
+    ``block_matmul_outputs``, ``block_gradients``, ``activations`` and ``logits``
+    (``dataclasses.replace(shape, blocks=..., **these)``).
 
     The tensors XLA keeps from a block's forward for its backward, read from the compiled
     step's buffer assignment (transformers' Flax GPT-2 and Llama, the demo GPT), per token:
@@ -185,7 +191,13 @@ def decoder_activations(d_model: int, seq_len: int, vocab: int, *, heads: int,
     recomputed = 2 * d_model + (0 if gated else 2 * ffn / t)
     attention = heads if fused_attention else 2 * heads * seq_len + 2 * heads
     block = 4 * d_model + (4 * d_model + attention + mlp) / t + 4
+    # Matmul outputs alone (a scanned stack's layers, read from GPU-compiled 7B steps):
+    # query, key, value, the attention's output, its projection and the MLP's down
+    # projection (6 d_model), the scores (``attention``), the MLP's first matmuls (gate and
+    # up: 2 ffn; GELU: ffn).
+    matmuls = 2 * d_model + (4 * d_model + attention + (2 if gated else 1) * ffn) / t
     return {"block_activations": float(block), "block_recomputed": float(recomputed),
+            "block_matmul_outputs": float(matmuls),
             "block_inputs": float(d_model), "block_gradients": float(d_model + ffn / t),
             "activations": float(2 * d_model + 2), "logits": float(2 * vocab / t)}
 
@@ -194,9 +206,12 @@ def transformer_shape(layers: int, d_model: int, vocab: int, seq_len: int, *,
                       ffn: int | None = None, tied: bool = False, name: str = "",
                       heads: int | None = None, kv_heads: int | None = None,
                       gated: bool = False, itemsize: int = 0,
-                      fused_attention: bool = False, tensor_parallel: int = 1) -> ModelShape:
+                      fused_attention: bool = False, tensor_parallel: int = 1,
+                      scanned: bool = False) -> ModelShape:
     """A decoder: token embedding, ``layers`` blocks, a final norm and an output head
-    (shared with the embedding when ``tied``).
+    (shared with the embedding when ``tied``). ``scanned``: the blocks are an ``nn.scan``
+    stack (each layer its own unit; with remat ``"minimal"`` they keep their matmul
+    outputs only).
 
     GPT-style by default: attention (4 d^2) and an MLP (2 d ffn, ``ffn`` = 4 d by
     default) with biases and two LayerNorms. ``gated``: Llama-style, an MLP of three
@@ -257,6 +272,7 @@ def transformer_shape(layers: int, d_model: int, vocab: int, seq_len: int, *,
                       single_weight=frozenset({"wte", "head"}),
                       tensor_parallel=t, tp_allreduces=(4 * layers + 1) if t > 1 else 0,
                       tp_elems_per_token=float(d_model) if t > 1 else 0.0,
+                      scanned=scanned,
                       **({} if heads is None else decoder_activations(
                           d_model, seq_len, vocab, heads=heads, ffn=ffn, gated=gated,
                           fused_attention=fused_attention, tensor_parallel=t)))
@@ -312,7 +328,9 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
     # ``transformer_shape(tensor_parallel=T)`` counts a decoder's).
     tp = max((lay.tp for lay in engine.layouts.values()), default=1)
     return dataclasses.replace(shape, resident=resident_names, small_weights=small,
-                               single_weight=single, tensor_parallel=tp)
+                               single_weight=single, tensor_parallel=tp,
+                               scanned=any(lay.layer is not None
+                                           for lay in engine.layouts.values()))
 
 
 def shape_of_params(params: Mapping[str, Any], units: Any = None, model: Any = None, *,
@@ -675,6 +693,12 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # Activations kept from forward to backward.
     full_remat = config.remat == "full"
     saved = shape.block_activations - (shape.block_recomputed if cast else 0.0)
+    # A scanned stack's layers keep their matmul outputs only, and recompute the rest in
+    # backward (units.apply).
+    recomputed = shape.block_activations - saved
+    if shape.scanned and config.remat == "minimal":
+        saved, recomputed = shape.block_matmul_outputs, (shape.block_activations
+                                                         - shape.block_matmul_outputs)
 
     def kept_by(u: str) -> float:
         """What unit ``u`` keeps from its forward for its backward: a block its
@@ -749,8 +773,8 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
             own += tokens * m * shape.block_gradients
             if full_remat:  # recomputed on the regathered weights: all of them
                 own += tokens * m * shape.block_activations
-            elif cast and u not in holds:
-                own += tokens * m * shape.block_recomputed
+            elif u not in holds:
+                own += tokens * m * recomputed
         mine = held(u) if u in holds else full(u) + decoding(u)
         moments.append((f"backward {u} (start)", weights + mine, secs + sec.get(u, 0.0),
                         acts + own, 0.0, reduced))

@@ -168,6 +168,7 @@ def zero_unit(
       cotangent of ``full`` (the bucket reduce-scatters it); the regather is unchanged.
     """
     policy = remat_policy(config.remat)
+    stacked_layer = layout is not None and layout.layer is not None
     # Chosen once per run, by the plan: how the weights travel, and the gradient.
     weights, frozen_weights, grads = transports.weights, transports.frozen, transports.gradients
     # Frozen storage: as many buffers as its transport stores ((values, scales) when
@@ -251,8 +252,12 @@ def zero_unit(
             full, ffull = kept
         else:
             # The regather depends on the incoming cotangent, so it runs when backward
-            # reaches this unit, not at the start of the step (see ordering.py).
-            trainable, frozen = jax.tree_util.tree_map(lambda w: after(w, g), kept)
+            # reaches this unit, not at the start of the step (see ordering.py). A layer
+            # of a scanned stack needs no tie: the loop runs one layer's backward at a
+            # time, and the tie (on this iteration's cotangent) would stop XLA's GPU
+            # pipeliner from starting the next layer's regather during this one.
+            trainable, frozen = kept if stacked_layer else jax.tree_util.tree_map(
+                lambda w: after(w, g), kept)
             full = tuple(weights.regather((w,)) for w in trainable)
             ffull = (frozen_weights.regather(frozen),) if frozen else ()
         w, f = split(full, ffull)

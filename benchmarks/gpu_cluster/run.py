@@ -1,0 +1,211 @@
+"""ZeRO-3 and ZeRO++ on a GPU cluster, compiled for it from this host: the real multi-node
+program of a Llama-shaped model, its memory, and how much of its communication the
+compiled schedule hides.
+
+    make gpu-cluster                          # the whole grid, about 15 minutes
+    python -m benchmarks.gpu_cluster.run --models 1.3B --meshes 2x8 --configs zero3
+
+Needs JAX's CUDA plugin (``pip install 'jax[cuda12]'`` matching the installed jax), not a
+GPU: each program is compiled by XLA's GPU compiler for an H100 SXM cluster of ``nodes x 8``
+devices (``compat.gpu_cluster_devices``; one process per node, NCCL collectives), from an
+abstract train state (``TrainState.create`` on ``jax.eval_shape`` params), so nothing is
+allocated. For every model, mesh, config and set of XLA flags it reports:
+
+* memory: the compiled program's per-device bytes (arguments + outputs + temporaries -
+  aliased, the state donated) against the planner's memory model
+  (``plan.workload.memory_breakdown``), target within 10%;
+* overlap: the scheduled program replayed on two streams (``measure.schedule``; kernels at
+  roofline prices, collectives at NVLink 450 GB/s inside a node and 400 or 100 Gbit/s per
+  GPU across nodes): the share of the cross-node collectives' wire time hidden behind
+  compute, target >= 90% for the 7B at 16x8 and 400 Gbit/s;
+* the step's roofline compute and replayed time (not a measurement: no GPU ran).
+
+Writes ``gpu_cluster_<device>.json`` (``--out``): ``{"device", "rows": [{"model", "mesh",
+"config", "flags", "hidden_fraction_400g", "memory_compiled_bytes",
+"memory_predicted_bytes", "compute_ratio_vs_plain", ...}]}``; ``compute_ratio_vs_plain``
+is null (it needs the program to run on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+# The CUDA plugin must not look for a driver on a host without one; the programs are
+# compiled for the cluster's devices, never run here.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from benchmarks.cli import add_out_argument, write_json  # noqa: E402
+
+SEQ = 2048  # tokens per GPU: one sequence per device
+
+# XLA flags (per compile: ``Lowered.compile(compiler_options)``), by name.
+FLAGS = {
+    "default": {},
+    # Each scanned layer's all-gather moves into the previous iteration (and its gradient's
+    # reduce-scatter into the next): the next layer's weights arrive while this one computes.
+    "pipelined": {"xla_gpu_enable_pipelined_all_gather": True,
+                  "xla_gpu_enable_pipelined_reduce_scatter": True,
+                  "xla_gpu_enable_pipelined_all_reduce": True},
+    # Also unrolls each loop by two, so the scheduler sees two layers at once.
+    "pipelined_double_buffer": {"xla_gpu_enable_pipelined_all_gather": True,
+                                "xla_gpu_enable_pipelined_reduce_scatter": True,
+                                "xla_gpu_enable_pipelined_all_reduce": True,
+                                "xla_gpu_enable_while_loop_double_buffering": True},
+}
+
+
+def configs() -> dict:
+    import zeropp_jax as zpp
+
+    return {
+        "zero3": zpp.ZeroPPConfig.zero3(),
+        "zeropp": zpp.ZeroPPConfig.zeropp(),
+        "qwz_int4_hadamard": zpp.ZeroPPConfig(qwz=True, weight_format="int4",
+                                              qwz_hadamard=True),
+        "fp8_weights": zpp.ZeroPPConfig(qwz=True, weight_format="fp8"),
+    }
+
+
+def compile_step(shape, nodes: int, local: int, config, options: dict, seq: int = SEQ,
+                 scan: bool = True):
+    """``(compiled, state, seconds)``: the donated train step of ``shape`` with ``config``
+    on a ``nodes x local`` H100 cluster, one sequence of ``seq`` tokens per device."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zeropp_jax as zpp
+    from benchmarks.gpu_cluster.llama import Llama, loss
+    from benchmarks.gpu_cluster.target import cluster_mesh
+
+    model = Llama(shape, scan=scan)
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0),
+                            jnp.zeros((1, seq), jnp.int32))["params"]
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.adamw(3e-4),
+                                  mesh=cluster_mesh(nodes, local), config=config)
+
+    @zpp.train_step(donate_state=True)
+    def step(state, batch):
+        def loss_of(p):
+            return loss(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+        value, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": value}
+
+    batch = jax.ShapeDtypeStruct((nodes * local, seq + 1), jnp.int32)
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile(options)
+    return compiled, state, time.perf_counter() - start
+
+
+def predicted_memory(shape, config, nodes: int, local: int, scanned: bool = True) -> float:
+    """The planner's peak bytes per device for this step (``memory_breakdown``)."""
+    from zeropp_jax.plan.workload import memory_breakdown, transformer_shape
+
+    model = transformer_shape(shape.layers, shape.d_model, shape.vocab, SEQ, ffn=shape.ffn,
+                              heads=shape.heads, kv_heads=shape.kv_heads, gated=True,
+                              scanned=scanned)
+    return memory_breakdown(config, model, nodes, local, SEQ, backend="gpu",
+                            batch_bytes_per_device=(SEQ + 1) * 4).total
+
+
+def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Path | None,
+            experiment: str = "grid", scan: bool = True) -> dict:
+    from benchmarks.gpu_cluster.llama import SHAPES
+    from benchmarks.gpu_cluster.target import H100_ROOFLINE, MEMORY_BYTES, links
+    from zeropp_jax.measure.schedule import schedule_report
+
+    nodes, local = map(int, mesh.split("x"))
+    shape, cfg = SHAPES[model], configs()[config]
+    compiled, _, seconds = compile_step(shape, nodes, local, cfg, FLAGS[flags], scan=scan)
+    text = compiled.as_text()
+    layers = "scan" if scan else "unrolled"
+    if hlo_dir is not None:
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        (hlo_dir / f"{model}_{mesh}_{config}_{flags}_{layers}.hlo").write_text(text)
+    m = compiled.memory_analysis()
+    used = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+    predicted = predicted_memory(shape, cfg, nodes, local, scanned=scan)
+    row = {"experiment": experiment, "model": model, "mesh": mesh, "config": config,
+           "flags": flags, "layers": layers, "params": shape.params,
+           "compile_s": round(seconds, 2),
+           "memory_compiled_bytes": int(used), "memory_predicted_bytes": int(predicted),
+           "memory_error": (predicted - used) / used, "fits_80gb": used <= MEMORY_BYTES,
+           "argument_bytes": int(m.argument_size_in_bytes),
+           "temp_bytes": int(m.temp_size_in_bytes), "compute_ratio_vs_plain": None}
+    for gbit in (400, 100):
+        r = schedule_report(text, H100_ROOFLINE, links(nodes, local, gbit))
+        row[f"hidden_fraction_{gbit}g"] = r.hidden_fraction(spans_nodes=True)
+        row[f"hidden_fraction_all_{gbit}g"] = r.hidden_fraction()
+        row[f"wire_ms_{gbit}g"] = r.wire_s() * 1e3
+        row[f"exposed_ms_{gbit}g"] = r.exposed_s() * 1e3
+        row[f"step_ms_{gbit}g"] = r.step_s * 1e3
+        row["compute_ms"] = r.compute_s * 1e3
+        row[f"mfu_roofline_{gbit}g"] = (SEQ / r.step_s * shape.train_flops_per_token(SEQ)
+                                        / H100_ROOFLINE.flops_rate("bf16"))
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'model':<5} {'mesh':<5} {'config':<18} {'flags':<24} {'layers':<8} "
+            f"{'memory GB':>9} {'model GB':>8} {'err':>6} {'hidden 400G':>11} "
+            f"{'hidden 100G':>11} {'step ms 400G':>12} {'compute ms':>10}")
+    lines = [head]
+    for r in rows:
+        def pct(v):
+            return "-" if v is None else f"{v:.1%}"
+        lines.append(
+            f"{r['model']:<5} {r['mesh']:<5} {r['config']:<18} {r['flags']:<24} "
+            f"{r['layers']:<8} {r['memory_compiled_bytes'] / 1e9:9.2f} "
+            f"{r['memory_predicted_bytes'] / 1e9:8.2f} {r['memory_error']:+6.1%} "
+            f"{pct(r['hidden_fraction_400g']):>11} {pct(r['hidden_fraction_100g']):>11} "
+            f"{r['step_ms_400g']:12.1f} {r['compute_ms']:10.1f}")
+    return "\n".join(lines)
+
+
+def plan(args: argparse.Namespace) -> list[tuple]:
+    """The rows to measure: ``(model, mesh, config, flags, experiment, scan)``."""
+    rows = [(model, mesh, config, flags, "grid", True) for model in args.models
+            for mesh in args.meshes for config in args.configs for flags in args.flags]
+    if not args.quick:
+        # The same 7B at 16x8 with its blocks unrolled (no loop for XLA to pipeline).
+        rows += [("7B", "16x8", config, flags, "unrolled", False)
+                 for config in ("zero3", "zeropp") for flags in ("default", "pipelined")]
+        # The largest Llama shapes at 16x8: which fit 80 GB per H100.
+        rows += [(model, "16x8", config, "pipelined", "largest", True)
+                 for model in ("13B", "34B", "70B") for config in ("zero3", "zeropp")]
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["1.3B", "7B"])
+    p.add_argument("--meshes", nargs="+", default=["2x8", "4x8", "16x8"])
+    p.add_argument("--configs", nargs="+", default=list(configs()))
+    p.add_argument("--flags", nargs="+", default=list(FLAGS), choices=list(FLAGS))
+    p.add_argument("--quick", action="store_true",
+                   help="the grid only (no unrolled and no largest-model rows)")
+    p.add_argument("--hlo-dir", type=pathlib.Path, default=None,
+                   help="also write each compiled program's HLO text here")
+    add_out_argument(p)
+    args = p.parse_args()
+    from benchmarks.gpu_cluster.target import DEVICE
+
+    rows = []
+    for model, mesh, config, flags, experiment, scan in plan(args):
+        rows.append(measure(model, mesh, config, flags, args.hlo_dir, experiment, scan))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    write_json(args.out, "gpu_cluster_h100.json", {"device": DEVICE, "seq_len": SEQ,
+                                                   "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

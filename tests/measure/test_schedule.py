@@ -1,0 +1,215 @@
+"""The schedule replay (``measure.schedule``): exact arithmetic on hand-written scheduled
+HLO, and the programs XLA's GPU compiler scheduled for an H100 cluster (fixtures written by
+``benchmarks/gpu_cluster/fixtures.py``)."""
+
+import collections
+import gzip
+import pathlib
+import re
+
+import pytest
+
+from zeropp_jax.measure.comm_report import collectives
+from zeropp_jax.measure.schedule import Links, Roofline, parse_module, schedule_report
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+# Prices that make every time a small multiple of one second: memory 8192 B/s, matmuls
+# 2**20 FLOP/s; inside a node 1024 B/s per device, across 4096 B/s per node.
+ROOF = Roofline({"bf16": 2.0**20, "f32": 2.0**19}, 8192.0)
+LINKS = Links(nodes=2, local=2, intra_bytes_per_s=1024.0, inter_bytes_per_s=4096.0)
+
+# One all-gather of f32[256] shards into f32[1024] (4096 bytes) over all 4 devices (2 nodes
+# x 2): per ``comm.wire.count_bytes`` each node takes (4 - 2) / 4 * 4096 bytes across (4096
+# in all: 0.5 s over two nodes' links) and 2 * 1 / 4 * 4096 inside (4096 in all: 1 s over
+# four devices' links): 1.5 s of wire.
+AG_WIRE_S = 1.5
+
+MODULE = """HloModule test, is_scheduled=true
+
+%fused_mul (p0: f32[1024]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  ROOT %m = f32[1024]{0} multiply(%p0, %p0)
+}
+
+%fused_dus (q0: f32[8,1024], q1: s32[], q2: f32[1,1024]) -> f32[8,1024] {
+  %q0 = f32[8,1024]{1,0} parameter(0)
+  %q2 = f32[1,1024]{1,0} parameter(2)
+  %q1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %u = f32[8,1024]{1,0} dynamic-update-slice(%q0, %q2, %q1, %zero)
+}
+
+%gemm (g0: bf16[64,128], g1: bf16[128,32]) -> bf16[64,32] {
+  %g0 = bf16[64,128]{1,0} parameter(0)
+  %g1 = bf16[128,32]{1,0} parameter(1)
+  ROOT %d = bf16[64,32]{1,0} dot(%g0, %g1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[1024], b: f32[256], buf: f32[8,1024], i: s32[], x: bf16[64,128], w: bf16[128,32]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  %b = f32[256]{0} parameter(1)
+  %buf = f32[8,1024]{1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %x = bf16[64,128]{1,0} parameter(4)
+  %w = bf16[128,32]{1,0} parameter(5)
+  %ag-start = (f32[256]{0}, f32[1024]{0}) all-gather-start(%b), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="unit/all_gather"}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %f = f32[1024]{0} fusion(%a), kind=kLoop, calls=%fused_mul
+  %ag-done = f32[1024]{0} all-gather-done(%ag-start)
+  %r = f32[1024]{0} add(%f, %ag-done)
+  %row = f32[1,1024]{1,0} bitcast(%r)
+  %dus = f32[8,1024]{1,0} fusion(%buf, %i, %row), kind=kLoop, calls=%fused_dus
+  %mm = bf16[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm
+  ROOT %out = f32[1024]{0} copy(%r)
+}
+"""
+
+
+def _times() -> dict[str, float]:
+    """Each instruction's roofline time, from the prices above."""
+    return {
+        "f": (4096 + 4096) / 8192,  # reads and writes f32[1024]
+        "r": 3 * 4096 / 8192,  # two reads, one write
+        # In place: reads the f32[1,1024] update and the index, writes the update.
+        "dus": (4096 + 4 + 4096) / 8192,
+        # 2 * 64 * 32 * 128 FLOPs at 2**20 FLOP/s (0.5 s) against 24576 bytes (3 s).
+        "mm": max(2 * 64 * 32 * 128 / 2.0**20, (64 * 128 + 128 * 32 + 64 * 32) * 2 / 8192),
+        "out": 2 * 4096 / 8192,
+    }
+
+
+def test_replay_of_a_hand_written_schedule_is_exact():
+    r = schedule_report(MODULE, ROOF, LINKS)
+    t = _times()
+    (ag,) = r.collectives
+    assert (ag.kind, ag.bytes, ag.spans_nodes, ag.runs, ag.sync) == (
+        "all-gather", 4096, True, 1, False)
+    assert ag.op_name == "unit/all_gather"
+    assert ag.wire_s == pytest.approx(AG_WIRE_S, rel=1e-12)
+    # The gather runs beside the fusion, then the add waits for the rest of its wire time.
+    assert ag.exposed_s == pytest.approx(AG_WIRE_S - t["f"], rel=1e-12)
+    assert r.compute_s == pytest.approx(sum(t.values()), rel=1e-12)
+    assert r.step_s == pytest.approx(sum(t.values()) + AG_WIRE_S - t["f"], rel=1e-12)
+    assert r.hidden_fraction(True) == pytest.approx(t["f"] / AG_WIRE_S, rel=1e-12)
+    assert r.hidden_fraction(False) is None  # no collective stays inside a node
+
+
+def test_a_synchronous_collective_hides_nothing():
+    sync = MODULE.replace('"is_sync":false', '"is_sync":true')
+    r = schedule_report(sync, ROOF, LINKS)
+    (ag,) = r.collectives
+    assert ag.sync and ag.exposed_s == pytest.approx(AG_WIRE_S, rel=1e-12)
+    assert r.hidden_fraction() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_loop_runs_its_body_trip_count_times():
+    body = MODULE.split("ENTRY")[0] + """%body (p: (s32[], f32[1024], f32[256])) -> (s32[], f32[1024], f32[256]) {
+  %p = (s32[], f32[1024]{0}, f32[256]{0}) parameter(0)
+  %k = s32[] get-tuple-element(%p), index=0
+  %a = f32[1024]{0} get-tuple-element(%p), index=1
+  %b = f32[256]{0} get-tuple-element(%p), index=2
+  %ag-start = (f32[256]{0}, f32[1024]{0}) all-gather-start(%b), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %f = f32[1024]{0} fusion(%a), kind=kLoop, calls=%fused_mul
+  %ag-done = f32[1024]{0} all-gather-done(%ag-start)
+  ROOT %t = (s32[], f32[1024]{0}, f32[256]{0}) tuple(%k, %f, %b)
+}
+
+%cond (c: (s32[], f32[1024], f32[256])) -> pred[] {
+  %c = (s32[], f32[1024]{0}, f32[256]{0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[1024], b: f32[256]) -> (s32[], f32[1024], f32[256]) {
+  %a = f32[1024]{0} parameter(0)
+  %b = f32[256]{0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}, f32[256]{0}) tuple(%zero, %a, %b)
+  ROOT %loop = (s32[], f32[1024]{0}, f32[256]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+    r = schedule_report(body, ROOF, LINKS)
+    (ag,) = r.collectives
+    # Each group is one node's two devices: count_bytes gives 2 * (2 - 1) / 2 * 4096 bytes
+    # inside the node per group, 8192 in all, over four devices' 1024 B/s links: 2 s.
+    assert not ag.spans_nodes and ag.runs == 3
+    assert ag.wire_s == pytest.approx(2.0, rel=1e-12)
+    assert ag.exposed_s == pytest.approx(2.0 - 1.0, rel=1e-12)  # the fusion: 1 s
+    assert r.step_s == pytest.approx(3 * 2.0, rel=1e-12)
+    assert r.compute_s == pytest.approx(3 * 1.0, rel=1e-12)
+    assert r.hidden_fraction(False) == pytest.approx(0.5, rel=1e-12)
+
+
+def test_parse_module_reads_names_types_and_operands():
+    comps, entry = parse_module(MODULE)
+    assert entry == "main" and set(comps) == {"fused_mul", "fused_dus", "gemm", "main"}
+    by_name = {i.name: i for i in comps["main"]}
+    assert by_name["ag-start"].opcode == "all-gather-start"
+    assert by_name["ag-start"].operands == ("b",)
+    assert by_name["dus"].operands == ("buf", "i", "row")
+    assert by_name["dus"].attr("calls") == "fused_dus"
+    assert by_name["ag-start"].nbytes == 256 * 4 + 1024 * 4
+    with pytest.raises(ValueError, match="ENTRY"):
+        parse_module(MODULE.replace("ENTRY ", ""))
+
+
+FIXTURE_FILES = sorted(FIXTURES.glob("tiny_2x4_*.hlo.gz"))
+
+
+def _fixture(path: pathlib.Path) -> str:
+    return gzip.decompress(path.read_bytes()).decode()
+
+
+def test_fixtures_are_there():
+    names = {p.name.removesuffix(".hlo.gz") for p in FIXTURE_FILES}
+    assert {"tiny_2x4_zero3_default", "tiny_2x4_zero3_pipelined",
+            "tiny_2x4_zeropp_pipelined"} <= names
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.name.split(".")[0])
+def test_gpu_schedules_replay_every_collective(path):
+    text = _fixture(path)
+    comps, entry = parse_module(text)
+    starts = [i for body in comps.values() for i in body if i.opcode.endswith("-start")
+              and not i.opcode.startswith(("copy", "send", "recv"))]
+    done_of = {i.operands[0] for body in comps.values() for i in body
+               if i.opcode.endswith("-done")}
+    assert starts and all(s.name in done_of for s in starts)
+    r = schedule_report(text, ROOF, Links(2, 4, 1e9, 1e9))
+    # Every collective of the program, as the comm report reads it, is replayed, with the
+    # same kind and bytes...
+    replayed = collections.Counter((c.kind, c.bytes) for c in r.collectives)
+    listed = collections.Counter((c.kind, c.bytes) for c in collectives(text, 8))
+    assert replayed == listed
+    # ...and a loop's once per trip: the scanned layers' loops run 4 times, less the
+    # iterations XLA peeled off to pipeline their collectives.
+    runs = {c.name: c.runs for c in r.collectives}
+    loops = [(i.attr("body"), int(re.search(r'"n":"(\d+)"', i.line).group(1)))
+             for body in comps.values() for i in body if i.opcode == "while"]
+    assert loops and {n for _, n in loops} <= {2, 3, 4}
+    for body, n in loops:
+        for s in starts:
+            if s in comps[body]:
+                assert runs[s.name] == n
+    assert 0 < r.compute_s <= r.step_s
+    for c in r.collectives:
+        assert 0 <= c.exposed_s <= c.wire_s
+
+
+def test_pipelined_collectives_hide_more_of_the_layers_gathers():
+    by_name = {p.name.removesuffix(".hlo.gz"): p for p in FIXTURE_FILES}
+    links = Links(2, 4, 450e9, 4 * 50e9)
+    roof = Roofline({"bf16": 989e12, "f32": 494e12}, 3.35e12)
+    default = schedule_report(_fixture(by_name["tiny_2x4_zero3_default"]), roof, links)
+    pipelined = schedule_report(_fixture(by_name["tiny_2x4_zero3_pipelined"]), roof, links)
+    assert pipelined.hidden_fraction(True) > default.hidden_fraction(True) + 0.1
+
+
+def test_cluster_devices_without_the_cuda_plugin_name_the_package():
+    import importlib.util
+
+    from zeropp_jax.core import compat
+
+    if importlib.util.find_spec("jax_plugins") is not None:
+        pytest.skip("a JAX plugin (CUDA's) is installed here")
+    with pytest.raises(ImportError, match=r"jax\[cuda12\]"):
+        compat.gpu_cluster_devices('platform_name: "CUDA"', 2, 8)

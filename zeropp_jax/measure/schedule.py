@@ -1,0 +1,365 @@
+"""How much of a step's communication its compiled schedule hides behind compute.
+
+Reads a scheduled HLO module (``compiled.as_text()`` of a GPU program: XLA prints each
+computation's instructions in the order its scheduler chose, and splits every collective it
+runs asynchronously into a ``-start`` and a ``-done``) and replays it on two streams, as the
+GPU runs it:
+
+* the compute stream runs the instructions in order, each for its roofline time
+  (``Roofline``: its matmul FLOPs at the peak rate of its operand type, or the bytes it
+  reads and writes at the memory bandwidth, whichever is longer);
+* the communication stream runs the collectives one at a time in the order they start, each
+  for its wire time (``Links``: the bytes it moves inside a node over the per-device link,
+  the bytes it moves across nodes over the node's network, as ``zeropp_jax.comm.wire``
+  counts them);
+* a ``-done`` waits for its collective; a synchronous collective (``is_sync``, or one XLA
+  did not split) stops the compute stream for all of its wire time.
+
+A collective's exposed time is how long the compute stream waited for it; the rest of its
+wire time is hidden. A ``while`` loop (a scanned stack of layers) is replayed for two
+iterations, so a collective the scheduler started in one iteration for the next (pipelined)
+is found, and the second, steady iteration stands for all of them.
+
+The prices are a roofline, not a profile: kernels run at peak here, so the compute that can
+hide a collective is, if anything, underestimated, and the hidden fraction with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Mapping
+
+from zeropp_jax.comm.wire import count_bytes
+from zeropp_jax.measure.comm_report import ITEMSIZE, KINDS, hlo_collective, hlo_types
+
+# Instructions that move no data through a kernel of their own.
+_FREE = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+    "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
+    # Host transfers and point-to-point ops run on streams of their own.
+    "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
+})
+_SLICES = frozenset({"slice", "dynamic-slice", "gather", "bitcast"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: ``%name = type opcode(operands), attributes``."""
+
+    name: str
+    type: str
+    opcode: str
+    operands: tuple[str, ...]
+    line: str
+
+    @property
+    def nbytes(self) -> float:
+        return sum(ITEMSIZE.get(t, 4) * math.prod(s) for t, s in hlo_types(self.type))
+
+    def attr(self, key: str) -> str | None:
+        """The computation an attribute names (``calls=%f`` -> ``"f"``)."""
+        m = re.search(rf"\b{key}=%([\w.\-]+)", self.line)
+        return m.group(1) if m else None
+
+
+def _balanced(text: str, i: int) -> int:
+    """Index just past the bracket group opening at ``text[i]``."""
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] in "([{":
+            depth += 1
+        elif text[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    raise ValueError(f"unbalanced brackets in {text[:120]!r}")
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    """The instruction one line of HLO text defines, or None for any other line."""
+    m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    i = m.end()
+    end = _balanced(line, i) if line[i] == "(" else line.index(" ", i)
+    type_text = line[i:end]
+    op = re.match(r"\s*([\w\-]+)\(", line[end:])
+    if not op:
+        return None
+    args_at = end + op.end() - 1
+    args = line[args_at + 1:_balanced(line, args_at) - 1]
+    operands = tuple(re.findall(r"%([\w.\-]+)", args))
+    return Instruction(m.group(1), type_text, op.group(1), operands, line)
+
+
+def parse_module(text: str) -> tuple[dict[str, tuple[Instruction, ...]], str]:
+    """``(computations, entry)``: each computation's instructions in printed (for a
+    scheduled module: execution) order, by name, and the entry computation's name."""
+    comps: dict[str, tuple[Instruction, ...]] = {}
+    entry, name, body = "", None, []
+    for line in text.splitlines():
+        head = re.match(r"(ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name, body = head.group(2), []
+            if head.group(1):
+                entry = name
+        elif line.startswith("}") and name is not None:
+            comps[name], name = tuple(body), None
+        elif name is not None:
+            ins = parse_instruction(line)
+            if ins is not None:
+                body.append(ins)
+    if not entry:
+        raise ValueError("no ENTRY computation: pass the text of a compiled HLO module")
+    return comps, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """One device's prices: matmul FLOP/s by operand type (``"bf16"``, ``"f32"``, ...;
+    others take ``matmul_flops_per_s["bf16"]``) and memory bytes/s."""
+
+    matmul_flops_per_s: Mapping[str, float]
+    memory_bytes_per_s: float
+
+    def flops_rate(self, dtype: str) -> float:
+        return self.matmul_flops_per_s.get(dtype, self.matmul_flops_per_s["bf16"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """The wire: ``nodes`` x ``local`` devices; ``intra_bytes_per_s`` per device inside a
+    node, ``inter_bytes_per_s`` per node across nodes (all its NICs), ``latency_s`` a fixed
+    cost of every collective."""
+
+    nodes: int
+    local: int
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def wire_s(self, kind: str, nbytes: int, groups: Any) -> tuple[float, bool]:
+        """``(seconds, spans_nodes)`` of one collective (``comm.wire.count_bytes``)."""
+        intra, cross = count_bytes(kind, nbytes, groups, self.local)
+        seconds = (intra / (self.nodes * self.local) / self.intra_bytes_per_s
+                   + cross / self.nodes / self.inter_bytes_per_s + self.latency_s)
+        return seconds, cross > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledCollective:
+    """One collective of the schedule.
+
+    Attributes:
+      name: its (start) instruction; kind: one of ``comm_report.KINDS``.
+      op_name: the JAX name stack it came from (``.../layers/all_gather``).
+      bytes: result bytes per device; spans_nodes: whether any group crosses a node.
+      runs: how many times a step runs it (loop trip counts).
+      wire_s, exposed_s: per run; the compute stream waited ``exposed_s`` of ``wire_s``.
+      sync: XLA runs it synchronously (nothing can hide it).
+    """
+
+    name: str
+    kind: str
+    op_name: str
+    bytes: int
+    spans_nodes: bool
+    runs: int
+    wire_s: float
+    exposed_s: float
+    sync: bool
+
+    @property
+    def hidden_s(self) -> float:
+        return self.wire_s - self.exposed_s
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleReport:
+    """A step's replayed schedule: ``step_s`` (both streams), ``compute_s`` (the compute
+    stream's work alone) and every collective run."""
+
+    collectives: tuple[ScheduledCollective, ...]
+    compute_s: float
+    step_s: float
+
+    def wire_s(self, spans_nodes: bool | None = None) -> float:
+        return sum(c.wire_s * c.runs for c in self._of(spans_nodes))
+
+    def exposed_s(self, spans_nodes: bool | None = None) -> float:
+        return sum(c.exposed_s * c.runs for c in self._of(spans_nodes))
+
+    def hidden_fraction(self, spans_nodes: bool | None = None) -> float | None:
+        """Hidden share of the wire time (of the collectives that cross nodes, stay inside
+        them, or all: ``spans_nodes`` True, False, None); None if there is none."""
+        wire = self.wire_s(spans_nodes)
+        return None if wire == 0 else 1.0 - self.exposed_s(spans_nodes) / wire
+
+    def _of(self, spans_nodes: bool | None) -> list[ScheduledCollective]:
+        return [c for c in self.collectives
+                if spans_nodes is None or c.spans_nodes == spans_nodes]
+
+
+class _Replay:
+    """Replays the computations of one module (see the module docstring)."""
+
+    def __init__(self, comps: Mapping[str, tuple[Instruction, ...]], roofline: Roofline,
+                 links: Links):
+        self.comps, self.roofline, self.links = comps, roofline, links
+        self.memo: dict[str, tuple[float, float, list[ScheduledCollective]]] = {}
+        self.sizes = {i.name: i.nbytes for body in comps.values() for i in body}
+
+    def run(self, name: str, iterations: int = 1
+            ) -> tuple[float, float, list[ScheduledCollective]]:
+        """``(seconds, compute seconds, collectives)`` of the last of ``iterations`` runs
+        of computation ``name`` back to back (collectives may stay in flight between)."""
+        key = f"{name}/{iterations}"
+        if key in self.memo:
+            return self.memo[key]
+        t = comm_free = 0.0
+        in_flight: dict[str, tuple[float, float, Any]] = {}
+        for it in range(iterations):
+            last = it == iterations - 1
+            begin, compute, found = t, 0.0, []
+            for ins in self.comps[name]:
+                coll = hlo_collective(ins.line, self.links.nodes * self.links.local)
+                kind = ins.opcode.removesuffix("-start")
+                if coll is not None and kind in KINDS:
+                    wire, spans = self.links.wire_s(coll.kind, coll.bytes, coll.groups)
+                    start = max(t, comm_free)
+                    comm_free = start + wire
+                    sync = (not ins.opcode.endswith("-start")
+                            or '"is_sync":true' in ins.line)
+                    info = (coll, spans, _op_name(ins.line), sync)
+                    if sync:
+                        found.append(self._record(ins.name, info, wire, comm_free - t))
+                        t = comm_free
+                    else:
+                        in_flight[ins.name] = (comm_free, wire, info)
+                elif ins.opcode.endswith("-done") and ins.operands and \
+                        ins.operands[0] in in_flight:
+                    finish, wire, info = in_flight.pop(ins.operands[0])
+                    stall = max(0.0, finish - t)
+                    found.append(self._record(ins.operands[0], info, wire, stall))
+                    t += stall
+                else:
+                    seconds, work, inner = self._instruction(ins)
+                    t, compute = t + seconds, compute + work
+                    found.extend(inner)
+            if last:
+                self.memo[key] = (t - begin, compute, found)
+        return self.memo[key]
+
+    @staticmethod
+    def _record(name: str, info: Any, wire: float, exposed: float) -> ScheduledCollective:
+        coll, spans, op_name, sync = info
+        return ScheduledCollective(name, coll.kind, op_name, coll.bytes, spans, 1, wire,
+                                   min(wire, exposed), sync)
+
+    def _instruction(self, ins: Instruction
+                     ) -> tuple[float, float, list[ScheduledCollective]]:
+        """``(seconds, compute seconds, collectives inside)`` of one instruction."""
+        if ins.opcode == "while":
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.line)
+            n = int(trips.group(1)) if trips else 1
+            seconds, compute, inner = self.run(ins.attr("body"), min(n, 2))
+            cond = self._priced(ins.attr("condition"))
+            return (n * (seconds + cond), n * (compute + cond),
+                    [dataclasses.replace(c, runs=c.runs * n) for c in inner])
+        if ins.opcode in ("call", "async-start") and ins.attr("to_apply" if ins.opcode ==
+                                                             "call" else "calls"):
+            return self.run(ins.attr("to_apply" if ins.opcode == "call" else "calls"))
+        if ins.opcode == "conditional":
+            branches = re.findall(r"%([\w.\-]+)", re.search(
+                r"branch_computations=\{([^}]*)\}", ins.line).group(1))
+            runs = [self.run(b) for b in branches]
+            return max(runs, key=lambda r: r[0])
+        seconds = self._price(ins)
+        return seconds, seconds, []
+
+    def _priced(self, name: str | None) -> float:
+        return 0.0 if name is None else self.run(name)[0]
+
+    def _price(self, ins: Instruction) -> float:
+        if ins.opcode in _FREE or ins.opcode.endswith("-done"):
+            return 0.0
+        operand_bytes = [self.sizes.get(o, 0.0) for o in ins.operands]
+        if ins.opcode == "fusion":
+            fused = self.comps.get(ins.attr("calls") or "", ())
+            seconds = self._matmul_s(fused)
+            nbytes = _fusion_bytes(ins, fused, operand_bytes)
+        else:
+            seconds = self._matmul_s((ins,))
+            nbytes = ins.nbytes + sum(operand_bytes)
+        return max(seconds, nbytes / self.roofline.memory_bytes_per_s)
+
+    def _matmul_s(self, body: tuple[Instruction, ...]) -> float:
+        """Seconds of the dots in ``body`` (and in computations its fusions call) at the
+        peak rate of their left operand's type: ``2 * output elements * contracted size``
+        FLOPs each."""
+        shapes = {i.name: hlo_types(i.type) for i in body}
+        seconds = 0.0
+        for ins in body:
+            if ins.opcode == "fusion" and ins.attr("calls"):
+                seconds += self._matmul_s(self.comps.get(ins.attr("calls"), ()))
+            lhs = shapes.get(ins.operands[0]) if ins.operands else None
+            dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.line)
+            if ins.opcode != "dot" or not lhs or not dims:
+                continue
+            dtype, lhs_shape = lhs[0]
+            contract = math.prod(lhs_shape[int(d)] for d in dims.group(1).split(",") if d)
+            out = sum(math.prod(s) for _, s in hlo_types(ins.type))
+            seconds += 2.0 * out * contract / self.roofline.flops_rate(dtype)
+        return seconds
+
+
+def _op_name(line: str) -> str:
+    m = re.search(r'op_name="([^"]*)"', line)
+    return m.group(1) if m else ""
+
+
+def _fusion_bytes(ins: Instruction, fused: tuple[Instruction, ...],
+                  operand_bytes: list[float]) -> float:
+    """Bytes a fusion reads and writes: an operand only sliced inside counts its slices;
+    an output updated in place (``dynamic-update-slice`` of an operand) counts the update."""
+    if not fused:
+        return ins.nbytes + sum(operand_bytes)
+    params: dict[str, int] = {}
+    for i in fused:
+        if i.opcode == "parameter":
+            params[i.name] = int(re.search(r"parameter\((\d+)\)", i.line).group(1))
+    users: dict[str, list[Instruction]] = {}
+    for i in fused:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    read = list(operand_bytes)
+    written = ins.nbytes
+    root = fused[-1] if not any(i.line.lstrip().startswith("ROOT") for i in fused) else \
+        next(i for i in fused if i.line.lstrip().startswith("ROOT"))
+    roots = [next((i for i in fused if i.name == o), None) for o in root.operands] \
+        if root.opcode == "tuple" else [root]
+    for r in roots:
+        if r is not None and r.opcode == "dynamic-update-slice" and r.operands \
+                and r.operands[0] in params:
+            k = params[r.operands[0]]
+            if k < len(read):
+                update = next((i.nbytes for i in fused if i.name == r.operands[1]), 0.0)
+                written += update - r.nbytes
+                read[k] = 0.0
+    for name, k in params.items():
+        use = users.get(name, [])
+        if use and k < len(read) and all(u.opcode in _SLICES for u in use) and \
+                not all(u.opcode == "bitcast" for u in use):
+            read[k] = min(read[k], sum(u.nbytes for u in use))
+    return max(written, 0.0) + sum(read)
+
+
+def schedule_report(text: str, roofline: Roofline, links: Links) -> ScheduleReport:
+    """Replays the scheduled HLO module ``text`` (``compiled.as_text()``) on ``links``
+    priced by ``roofline``: every collective's wire and exposed time, the step's time."""
+    comps, entry = parse_module(text)
+    replay = _Replay(comps, roofline, links)
+    step_s, compute_s, found = replay.run(entry)
+    return ScheduleReport(tuple(found), compute_s, step_s)

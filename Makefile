@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all gpu-check venv clean docs lint-imports
+.PHONY: demo test test-all gpu-check gpu-cluster venv clean docs lint-imports
 
 venv: $(STAMP)
 
@@ -42,6 +42,24 @@ GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py $(ARGS)
 
+# ZeRO-3 and ZeRO++ compiled for an H100 cluster (2x8 to 16x8 GPUs) on this host, no GPU
+# needed: memory against the planner's model, and the compiled schedule's overlap
+# (benchmarks/gpu_cluster/run.py; about 20 minutes on 2 CPU cores). JAX's CUDA plugin goes
+# into a venv of its own (.venv-cuda, ~6 GB), so the test venv stays CPU-only.
+# Results go to benchmarks/out/; ARGS="--out benchmarks/results" updates the tracked ones.
+# Flags: make gpu-cluster ARGS="--experiments grid --models 1.3B --meshes 2x8"
+CUDA_VENV := .venv-cuda
+CUDA_STAMP := $(CUDA_VENV)/.installed
+
+$(CUDA_STAMP): pyproject.toml
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CUDA_VENV)/bin/python -m pip install --quiet -e '.[gpu,bench]'
+	touch $(CUDA_STAMP)
+
+gpu-cluster: $(CUDA_STAMP)
+	JAX_PLATFORMS=cpu $(CUDA_VENV)/bin/python -m benchmarks.gpu_cluster.run $(ARGS)
+
 # The documentation site (docs/, mkdocs.yml) into build/site. --strict: a broken link or
 # anchor, a result table docs/hooks.py cannot render from benchmarks/results/*.json, or an API
 # name the reference cannot find fails the build. The docs extra goes into the same .venv,
@@ -56,4 +74,4 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir build/site
 
 clean:
-	rm -rf $(VENV) demo_run.json demo_run.png
+	rm -rf $(VENV) $(CUDA_VENV) demo_run.json demo_run.png

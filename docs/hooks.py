@@ -999,6 +999,40 @@ def cluster_generate(data: dict, view: str | None) -> str:
     return table + "\n\n" + caption + "\n\n" + "\n".join(ratios)
 
 
+def gpu_cluster(data: dict, view: str | None) -> str:
+    """``benchmarks/gpu_cluster/run.py`` (``make gpu-cluster``). Views: ``grid`` (every
+    model, mesh, config and flag set), ``unrolled`` (the 7B at 16x8 with its blocks
+    unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB)."""
+    if view not in ("grid", "unrolled", "largest"):
+        raise TableError(f"gpu_cluster results need a view, one of grid, unrolled, largest; "
+                         f"got {view!r}")
+    rows = [r for r in data["rows"] if r["experiment"] == view]
+    if not rows:
+        raise TableError(f"gpu_cluster: this run has no {view} rows")
+
+    def gb(x: float) -> str:
+        return f"{x / 1e9:.1f}"
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else _pct(x)
+
+    if view == "largest":
+        return _table(
+            ["model", "parameters", "mesh", "config", "compiled GB per GPU", "model GB",
+             "error", "fits 80 GB"],
+            [[r["model"], f"{r['params'] / 1e9:.1f}B", r["mesh"], r["config"],
+              gb(r["memory_compiled_bytes"]), gb(r["memory_predicted_bytes"]),
+              f"{r['memory_error']:+.1%}", "yes" if r["fits_80gb"] else "no"]
+             for r in rows])
+    return _table(
+        ["model", "mesh", "config", "XLA flags", "compiled GB per GPU", "model GB", "error",
+         "hidden 400G", "hidden 100G", "step ms 400G", "compute ms"],
+        [[r["model"], r["mesh"], r["config"], r["flags"], gb(r["memory_compiled_bytes"]),
+          gb(r["memory_predicted_bytes"]), f"{r['memory_error']:+.1%}",
+          pct(r["hidden_fraction_400g"]), pct(r["hidden_fraction_100g"]),
+          f"{r['step_ms_400g']:.0f}", f"{r['compute_ms']:.0f}"] for r in rows])
+
+
 def _no_view(view: str | None, shape: str) -> None:
     if view is not None:
         raise TableError(f"{shape} results have one table; drop '/{view}'")
@@ -1018,6 +1052,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("generation", {"exactness", "bytes_per_token", "speed"}, generation),
     ("convergence", {"settings", "runs", "targets"}, convergence),
     ("gpu_check", {"versions", "kernels", "bandwidth", "train_step"}, gpu_check),
+    ("gpu_cluster", {"device", "seq_len", "rows"}, gpu_cluster),
     ("lora_finetune", {"args", "runs"}, lora),
     ("memory", {"modes", "paper_example", "depth"}, memory),
     ("models", {"models", "layers", "d_model", "devices"}, models),
@@ -1034,6 +1069,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("cluster_floor", {"args", "results"}, cluster_floor),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
+         "gpu_cluster": ["grid", "unrolled", "largest"],
          "cluster_predicted": ["measured", "predicted", "auto", "targets"],
          "generation": ["exactness", "bytes", "speed"],
          "qgz_accuracy": [None, "smoothing", "formats", "weights", "feedback"],

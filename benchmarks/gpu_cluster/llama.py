@@ -41,14 +41,16 @@ class LlamaShape:
         return 6.0 * self.params + 6.0 * self.layers * seq * self.d_model
 
 
-# ~1.3B (24 layers, d_model 2048), then Llama 2's 7B, 13B and 70B and Code Llama's 34B
-# (the last two with 8 key-value heads).
+# ~1.3B (24 layers, d_model 2048), then Llama 2's 7B, 13B and 70B, Code Llama's 34B and
+# Llama 3.1's 405B (the last three with 8 key-value heads).
 SHAPES = {
     "1.3B": LlamaShape("1.3B", layers=24, d_model=2048, heads=16, kv_heads=16, ffn=5504),
     "7B": LlamaShape("7B", layers=32, d_model=4096, heads=32, kv_heads=32, ffn=11008),
     "13B": LlamaShape("13B", layers=40, d_model=5120, heads=40, kv_heads=40, ffn=13824),
     "34B": LlamaShape("34B", layers=48, d_model=8192, heads=64, kv_heads=8, ffn=22016),
     "70B": LlamaShape("70B", layers=80, d_model=8192, heads=64, kv_heads=8, ffn=28672),
+    "405B": LlamaShape("405B", layers=126, d_model=16384, heads=128, kv_heads=8, ffn=53248,
+                       vocab=128256),
 }
 
 

@@ -336,18 +336,15 @@ def _fusion_bytes(ins: Instruction, fused: tuple[Instruction, ...],
             users.setdefault(o, []).append(i)
     read = list(operand_bytes)
     written = ins.nbytes
-    root = fused[-1] if not any(i.line.lstrip().startswith("ROOT") for i in fused) else \
-        next(i for i in fused if i.line.lstrip().startswith("ROOT"))
-    roots = [next((i for i in fused if i.name == o), None) for o in root.operands] \
-        if root.opcode == "tuple" else [root]
+    by_name = {i.name: i for i in fused}
+    root = next((i for i in fused if i.line.lstrip().startswith("ROOT")), fused[-1])
+    roots = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
     for r in roots:
-        if r is not None and r.opcode == "dynamic-update-slice" and r.operands \
-                and r.operands[0] in params:
-            k = params[r.operands[0]]
-            if k < len(read):
-                update = next((i.nbytes for i in fused if i.name == r.operands[1]), 0.0)
-                written += update - r.nbytes
-                read[k] = 0.0
+        if r is not None and r.opcode == "dynamic-update-slice" and len(r.operands) > 1 \
+                and params.get(r.operands[0], len(read)) < len(read):
+            update = by_name.get(r.operands[1])
+            written += (0.0 if update is None else update.nbytes) - r.nbytes
+            read[params[r.operands[0]]] = 0.0
     for name, k in params.items():
         use = users.get(name, [])
         if use and k < len(read) and all(u.opcode in _SLICES for u in use) and \

@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.cli import cpu_name, timed_gpt_parser, write_json  # noqa: E402
+from zeropp_jax.measure.comm_report import ITEMSIZE  # noqa: E402
 
 # name -> (preset, offload_optimizer, offload_params)
 VARIANTS = {
@@ -36,8 +37,6 @@ VARIANTS = {
     "zeropp + optimizer offload": ("zeropp", True, False),
     "zeropp + optimizer and params offload": ("zeropp", True, True),
 }
-_ITEMSIZE = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1,
-             "f64": 8, "s64": 8, "u64": 8}
 
 
 def argument_bytes(compiled_text: str) -> dict[str, int]:
@@ -50,7 +49,7 @@ def argument_bytes(compiled_text: str) -> dict[str, int]:
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        out["host" if "S(5)" in (lay or "") else "device"] += n * _ITEMSIZE[dtype]
+        out["host" if "S(5)" in (lay or "") else "device"] += int(n * ITEMSIZE[dtype])
     return out
 
 

@@ -137,11 +137,20 @@ def test_the_memory_model_by_hand():
     # Activations: per block and token 8 d + 2 heads x seq + 3 ffn + 2 heads + 4 elements
     # (8 x 64 + 32 + 768 + 6 = 1318), 2 bytes each; and 2 d + 2 outside the blocks.
     per_token = 2 * 1318 * 2 + 2 * 130
-    a, b = (memory_breakdown(zero3, shape, 2, 4, t) for t in (1000, 2000))
+    a, b = (memory_breakdown(zero3, shape, 2, 4, t) for t in (2000, 4000))
     assert a.moment == b.moment == "loss"
-    assert b.activations - a.activations == pytest.approx(1000 * per_token, rel=1e-12)
+    assert b.activations - a.activations == pytest.approx(2000 * per_token, rel=1e-12)
     # The loss holds two float32 [tokens, vocab] arrays.
-    assert b.loss == 2000 * 2 * 100 * 4
+    assert a.loss == 2000 * 2 * 100 * 4
+    # With fewer tokens the peak is the last block's backward, where the block before it
+    # has been regathered too (backward prefetch: one unit ahead), each block's bfloat16
+    # buffer padded to a multiple of 128 elements.
+    early = memory_breakdown(zero3, shape, 2, 4, 1000)
+    assert early.moment == "backward block_1 (start)"
+    assert early.gathered == 2 * 2 * (-(-block // 128) * 128)
+    # Without prefetch that moment holds one block's weights less, and the loss is the peak.
+    alone = memory_breakdown(dataclasses.replace(zero3, prefetch=0), shape, 2, 4, 1000)
+    assert alone.moment == "loss" and alone.total < early.total
     # hpZ: each block that regathers holds a bfloat16 secondary over the node's 4 devices
     # from its forward to its backward (the embedding regathers nothing, the head is kept).
     hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True), shape, 2, 4, 2000)

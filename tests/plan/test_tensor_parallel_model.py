@@ -68,13 +68,13 @@ def test_the_states_stay_a_devices_share_and_the_gathered_weights_shrink():
 
 
 def test_the_planner_ranks_tensor_parallel_degrees():
-    """A 70B-class model keeping every activation of a 4096-token sequence does not fit 80
+    """A 70B-class model keeping every activation of a 3584-token sequence does not fit 80
     GiB per GPU on 16 x 8 H100s without tensor parallelism; given the shapes of degrees 2,
     4 and 8 (each data-parallel rank one sequence) the planner picks a degree whose
     predicted peak fits, and says which mesh to build."""
     from zeropp_jax.plan import auto, presets
 
-    big = dict(layers=80, d_model=8192, vocab=32000, seq_len=4096, ffn=28672, heads=64,
+    big = dict(layers=80, d_model=8192, vocab=32000, seq_len=3584, ffn=28672, heads=64,
                kv_heads=8, gated=True)
     shapes = {t: transformer_shape(**big, tensor_parallel=t) for t in (2, 4, 8)}
     budget = 80 * 2**30
@@ -83,9 +83,9 @@ def test_the_planner_ranks_tensor_parallel_degrees():
     configs = [zpp.ZeroPPConfig.zero3(), zpp.ZeroPPConfig(qwz=True)]
     with pytest.raises(ValueError, match="no configuration fits"):
         auto.plan(transformer_shape(**big), hardware=no_host, memory_budget_bytes=budget,
-                  tokens_per_device=4096, configs=configs)
+                  tokens_per_device=3584, configs=configs)
     p = auto.plan(transformer_shape(**big), hardware=no_host, memory_budget_bytes=budget,
-                  tokens_per_device=4096, tensor_parallel=shapes, configs=configs)
+                  tokens_per_device=3584, tensor_parallel=shapes, configs=configs)
     assert p.chosen.fits and p.chosen.tensor_parallel > 1
     assert {c.tensor_parallel for c in p.candidates} == {1, 2, 4, 8}
     t = p.chosen.tensor_parallel

@@ -116,6 +116,47 @@ def test_backward_regathers_apart_from_forward_gathers(keep_last_unit):
     assert len(backward) == units - 2 - keep_last_unit
 
 
+def _scheduled(compiled):
+    """``(opcode, op_name)`` of each instruction of the compiled entry computation, in the
+    order XLA:CPU runs them."""
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY"):]
+    ops = []
+    for line in entry[:entry.index("\n}")].splitlines()[1:]:
+        op = re.search(r"= \S+ ([\w-]+)\(", line)
+        name = re.search(r'op_name="([^"]*)"', line)
+        ops.append((op.group(1) if op else "", name.group(1) if name else ""))
+    return ops
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_backward_regathers_run_prefetch_units_ahead(prefetch):
+    """Backward prefetch mirrors forward's: with ``prefetch=1`` a block's regather may start
+    when the next block's backward starts (XLA:CPU issues it then, before that block's
+    first weight-gradient matmul), and not before (the last block's waits for the head's
+    backward, not the step's start); with ``prefetch=0`` it waits for its own block's
+    cotangent, after every matmul of the next block's backward."""
+    _, compiled = _compiled("minimal", shape=(2, 4), compute_dtype="bfloat16",
+                            prefetch=prefetch)
+    ops = _scheduled(compiled)
+
+    def where(opcode, *parts):
+        return [i for i, (op, name) in enumerate(ops)
+                if op == opcode and all(p in name for p in parts)]
+
+    backward = "transpose(jvp(GPT))"
+    [regather_0] = where("all-gather", backward, "/block_0/")
+    [regather_1] = where("all-gather", backward, "/block_1/")
+    dots_1 = where("dot", "transpose(jvp(", "/block_1/")
+    assert len(dots_1) == 4  # the weight gradients of qkv, proj, fc, out
+    if prefetch:
+        assert regather_0 < min(dots_1)
+    else:
+        assert regather_0 > max(dots_1)
+    # Never at the step's start: after the last forward gather, the head's.
+    assert regather_1 > max(where("all-gather", "jvp(GPT)/head/"))
+
+
 BUCKET_MODES = {
     "zero3": {},
     "zero3 two-hop": dict(all_gather="hierarchical", reduce_scatter="hierarchical"),

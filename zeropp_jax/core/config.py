@@ -197,10 +197,13 @@ class ZeroPPConfig:
         recomputes the whole unit (least memory, one extra forward; activation
         checkpointing, an opt-in there too). A ``jax.checkpoint`` policy callable chooses
         itself.
-      prefetch: how many units' forward gathers may run ahead of the computation (stage 3).
-        Each unit's gather waits for the output of the unit ``prefetch + 1`` calls before
-        it, so about ``prefetch + 1`` units' full weights are live at once (DeepSpeed's
-        ``stage3_prefetch_bucket_size``, FSDP's ``limit_all_gathers`` / forward prefetch).
+      prefetch: how many units' gathers may run ahead of the computation (stage 3), in
+        forward and in backward. Each unit's gather waits for the output of the unit
+        ``prefetch + 1`` calls before it, and its backward regather for the backward of
+        the unit ``prefetch`` calls after it to start, so about ``prefetch + 1`` units' full
+        weights are live at once (DeepSpeed's ``stage3_prefetch_bucket_size``, FSDP's
+        ``limit_all_gathers`` and forward / backward prefetch). Layers of a scanned stack
+        are XLA's to prefetch (its collective pipeliner on GPUs).
       keep_last_unit: True (default): the unit called last in forward (among units called
         once; only smaller units, such as a tied head's embedding, may be called after it)
         keeps its gathered weights for its backward, which runs next, instead of

@@ -760,14 +760,18 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # activations (with remat "full", recomputed; when the weights are cast, the ones
     # recomputed from them) and the gradients flowing through it. At its end: the gathered
     # buffer (its norms read it to the last), its weights' gradients and the flat
-    # gradient made of them to be reduced.
+    # gradient made of them to be reduced. The next `prefetch` units to be regathered
+    # (backward prefetch, ``units.ordering``) have their weights already.
     reduced = shared_grads
     reduced_here = set()  # units reduced in the loop (the others, at the step's end)
+    regathering = set(regathered)
     for i in reversed(range(len(order))):
         u = order[i]
         if u in shape.no_regather:
             continue
         acts, weights, secs = until(i)
+        weights += sum(full(v) for v in order[max(0, i - config.prefetch):i]
+                       if v in regathering)
         own = kept_by(u)
         if u in shape.blocks:
             own += tokens * m * shape.block_gradients

@@ -103,8 +103,8 @@ def apply_units(
                 # Offloaded primary shards come to the device after the tie: no earlier
                 # than the gather they feed.
                 out = unit(compat.on_device(order.tie(shard)) if shard is not None else None,
-                           stored, *arrays,
-                           qgz_on=qgz_on, step=step, arrived=arrived, feedback=kept)
+                           stored, *arrays, qgz_on=qgz_on, step=step, arrived=arrived,
+                           feedback=kept, order=order)
                 if not kept:
                     return out
                 out, tokens[name] = out

@@ -10,6 +10,7 @@ may remove: the value comes back unchanged, but computed from ``dep`` too.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -43,25 +44,67 @@ def after(x: jax.Array, dep: Any) -> jax.Array:
     return x + (s * 0.0).astype(jnp.int32).astype(x.dtype)
 
 
-class GatherOrder:
-    """Orders the units' forward gathers after earlier units' outputs (bounded live weights).
+@dataclasses.dataclass
+class HandedOn:
+    """Whether a later unit took this unit's backward token (``GatherOrder.take``): set
+    while the forward is traced, read when the unit's backward is."""
 
-    Unit ``i``'s primary shard is made to depend on the output of the unit called
+    taken: bool = False
+
+
+class GatherOrder:
+    """Orders the units' gathers: forward gathers after earlier units' outputs, backward
+    regathers after later units' cotangents (bounded live weights, prefetch both ways).
+
+    Forward: unit ``i``'s primary shard is made to depend on the output of the unit called
     ``prefetch + 1`` calls before it (``ordering.after``), so XLA cannot start that gather
     earlier: at most ``prefetch`` units' gathers run ahead of the computation, and
     only about ``prefetch + 1`` units' full weights are live at once. (A data dependency,
     not a scheduling hint: the CPU scheduler otherwise issues every gather at the start.)
+
+    Backward, the mirror image: each unit call hands on a token (a scalar zero) that the
+    unit called ``prefetch`` calls later takes as an input. That unit's backward returns, as
+    the token's cotangent, a scalar made from its own incoming cotangent, and the first
+    unit ties its regather to it: the regather may start when the later unit's backward
+    starts, ``prefetch`` units ahead, and no earlier. With ``prefetch=0`` no token is
+    taken and each regather waits for its own unit's cotangent.
+
     One instance per traced ``apply``; it holds tracers of that trace only.
     """
 
     def __init__(self, prefetch: int):
         self.prefetch = prefetch
         self.outputs: list[jax.Array] = []
+        self.tokens: list[tuple[jax.Array, HandedOn]] = []
+        # The call under way: the token it took and the one it hands on, committed by
+        # ``record`` (a call whose output is recorded is one the model's result uses).
+        self._taking: tuple[jax.Array, HandedOn] | None = None
+        self._pending: tuple[jax.Array, HandedOn] | None = None
+
+    def take(self) -> tuple:
+        """``(token,)``: the backward token of the unit called ``prefetch`` calls before the
+        one being called, or ``()`` if there is none. Marked taken once ``record`` sees
+        this call's output."""
+        self._taking = (self.tokens[-self.prefetch]
+                        if self.prefetch >= 1 and len(self.tokens) >= self.prefetch else None)
+        return () if self._taking is None else (self._taking[0],)
+
+    def hand_on(self, token: jax.Array, handed: HandedOn) -> None:
+        """The backward token of the unit being called, for a later unit to take."""
+        self._pending = (token, handed)
 
     def record(self, out: Any) -> None:
+        """Records a unit call's output. A call with no array output (flax runs a unit's
+        ``setup`` through it too; nothing uses its result) neither orders later gathers
+        nor takes or hands on a token: taking one would keep its dead backward alive."""
         leaves = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
         if leaves:
             self.outputs.append(leaves[0])
+            if self._pending is not None:
+                self.tokens.append(self._pending)
+            if self._taking is not None:
+                self._taking[1].taken = True
+        self._taking = self._pending = None
 
     def tie(self, shard: Any) -> Any:
         """``shard`` unchanged, but available only once the output it waits for is."""

@@ -33,7 +33,7 @@ from zeropp_jax.core import compat, scopes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.comm.frozen import merge_trees
 from zeropp_jax.core.mesh import AXES
-from zeropp_jax.units.ordering import after
+from zeropp_jax.units.ordering import GatherOrder, HandedOn, after
 from zeropp_jax.comm.partition import UnitLayout
 from zeropp_jax.comm.transports import UnitTransports, reduce_gradient
 
@@ -110,6 +110,11 @@ class _Pullback:
     def restore(self, weights: tuple) -> Callable[..., Any]:
         leaves = [self.kept[j] if kind == "kept" else weights[j] for kind, j in self.slots]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _token() -> jax.Array:
+    """A unit's backward token (``GatherOrder.take``): a float32 zero, device-varying."""
+    return varying(jnp.zeros((), jnp.float32))
 
 
 def varying(x: Any) -> Any:
@@ -222,14 +227,21 @@ def zero_unit(
         ffull, moved = frozen_weights.gather(frozen)
         return full, (ffull,), (kept, (ffull,) if keep else frozen_weights.keep(frozen, moved))
 
+    # Backward prefetch (``ordering.GatherOrder``): the unit hands a token on to the unit
+    # called ``prefetch`` calls after it, whose backward hands a scalar made from its own
+    # incoming cotangent back as the token's cotangent. Tying the regather to that scalar
+    # lets it start when the later unit's backward starts; a token nobody took (the last
+    # units called) leaves the regather tied to this unit's own cotangent.
+    handed_on = HandedOn()
+
     @jax.custom_vjp
     def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: dict, arrived: tuple,
-             feedback: tuple) -> Any:
+             feedback: tuple, prev: tuple) -> Any:
         full, ffull, _ = gather(shard, frozen, arrived)
-        return run(*split(full, ffull), arrays), feedback
+        return run(*split(full, ffull), arrays), feedback, _token()
 
     def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: dict,
-                 arrived: tuple, feedback: tuple) -> tuple[Any, tuple]:
+                 arrived: tuple, feedback: tuple, prev: tuple) -> tuple[Any, tuple]:
         full, ffull, kept = gather(shard, frozen, arrived)
         w, f = split(full, ffull)
         # The pullback's residuals: what backward needs (all of it with "minimal", what the
@@ -242,22 +254,27 @@ def zero_unit(
             # ``embedding.T``): keep only matmul outputs and collectives instead, which
             # never holds weights, and recompute the elementwise rest.
             out, pullback = pullback_of(_minimal, w, f, arrays)
-        return (out, feedback), (pullback, kept, flags, len(arrived), feedback)
+        return (out, feedback, _token()), (pullback, kept, flags, len(arrived), feedback,
+                                           len(prev))
 
-    def unit_bwd(res: tuple, g_and_token: Any) -> tuple:
-        pullback, kept, flags, n_arrived, feedback = res
-        g, token = g_and_token
+    def unit_bwd(res: tuple, cotangents: Any) -> tuple:
+        pullback, kept, flags, n_arrived, feedback, n_prev = res
+        g, token, handed = cotangents
         no_flags = {k: None for k in flags}
+        # The cotangent of the token this unit took: ready as soon as this backward starts.
+        prev_ct = (after(_token(), g),) if n_prev else ()
         if keep:  # the forward's full weights, held since: nothing to gather
             full, ffull = kept
         else:
-            # The regather depends on the incoming cotangent, so it runs when backward
-            # reaches this unit, not at the start of the step (see ordering.py). A layer
-            # of a scanned stack needs no tie: the loop runs one layer's backward at a
-            # time, and the tie (on this iteration's cotangent) would stop XLA's GPU
-            # pipeliner from starting the next layer's regather during this one.
+            # The regather depends on a cotangent, so it runs when backward reaches the
+            # unit ``prefetch`` calls later (or this one), not at the start of the step
+            # (see ordering.py). A layer of a scanned stack needs no tie: the loop runs
+            # one layer's backward at a time, and the tie (on this iteration's cotangent)
+            # would stop XLA's GPU pipeliner from starting the next layer's regather
+            # during this one.
+            start = handed if handed_on.taken else g
             trainable, frozen = kept if stacked_layer else jax.tree_util.tree_map(
-                lambda w: after(w, g), kept)
+                lambda w: after(w, start), kept)
             full = tuple(weights.regather((w,)) for w in trainable)
             ffull = (frozen_weights.regather(frozen),) if frozen else ()
         w, f = split(full, ffull)
@@ -265,7 +282,7 @@ def zero_unit(
         g_full = flat(g_w)
         if n_arrived:  # the bucket reduce-scatters this gradient with its other members'
             return ((None,), (None,) * n_stored, g_arrays,
-                    no_flags, g_full + (None,) * (n_arrived - 1), ())
+                    no_flags, g_full + (None,) * (n_arrived - 1), (), prev_ct)
         on, step = flags.get("on"), flags.get("step")
         with jax.named_scope(scopes.REDUCED):  # marks the shards for train.axes' check
             if feedback:
@@ -281,16 +298,17 @@ def zero_unit(
                 shard, new_kept = reduce_gradient(grads, g_full[0], config.param_jnp_dtype,
                                                   on, step, incoming)
                 return ((shard,), (None,) * n_stored, g_arrays, no_flags, (),
-                        tuple(new_kept))
+                        tuple(new_kept), prev_ct)
             g_shard = tuple(reduce_gradient(grads, gf, config.param_jnp_dtype, on, step)
                             for gf in g_full)
-        return g_shard, (None,) * n_stored, g_arrays, no_flags, (), ()
+        return g_shard, (None,) * n_stored, g_arrays, no_flags, (), (), prev_ct
 
     unit.defvjp(unit_fwd, unit_bwd)
 
     def call(shard: jax.Array | None, frozen: tuple, *arrays: Any,
              qgz_on: jax.Array | None = None, step: jax.Array | None = None,
-             arrived: tuple = (), feedback: tuple = ()) -> Any:
+             arrived: tuple = (), feedback: tuple = (),
+             order: GatherOrder | None = None) -> Any:
         expected = None if layout is None else layout.global_shape[:-1] + (layout.shard_len,)
         if layout is not None and shard.shape != expected:
             raise ValueError(
@@ -302,8 +320,11 @@ def zero_unit(
                              "a trainable unit that reduce-scatters its own gradient")
         shard_t = () if shard is None else (shard,)
         flags = {k: v for k, v in (("on", qgz_on), ("step", step)) if v is not None}
-        out, token = unit(shard_t, tuple(frozen), tuple(varying(a) for a in arrays), flags,
-                          tuple(arrived), tuple(feedback))
+        prev = order.take() if order is not None else ()
+        out, token, handed = unit(shard_t, tuple(frozen), tuple(varying(a) for a in arrays),
+                                  flags, tuple(arrived), tuple(feedback), prev)
+        if order is not None:
+            order.hand_on(handed, handed_on)
         return (out, token) if feedback else out
 
     return call

@@ -135,22 +135,23 @@ def test_the_memory_model_by_hand():
     # The state: fp32 primary shards and Adam's two moments over 8 devices, 3 scalars.
     assert memory_breakdown(zero3, shape, 2, 4).states == shape.params * 12 / 8 + 12
     # Activations: per block and token 8 d + 2 heads x seq + 3 ffn + 2 heads + 4 elements
-    # (8 x 64 + 32 + 768 + 6 = 1318), 2 bytes each; and 2 d + 2 outside the blocks.
-    per_token = 2 * 1318 * 2 + 2 * 130
-    a, b = (memory_breakdown(zero3, shape, 2, 4, t) for t in (2000, 4000))
-    assert a.moment == b.moment == "loss"
-    assert b.activations - a.activations == pytest.approx(2000 * per_token, rel=1e-12)
-    # The loss holds two float32 [tokens, vocab] arrays.
-    assert a.loss == 2000 * 2 * 100 * 4
-    # With fewer tokens the peak is the last block's backward, where the block before it
-    # has been regathered too (backward prefetch: one unit ahead), each block's bfloat16
-    # buffer padded to a multiple of 128 elements.
-    early = memory_breakdown(zero3, shape, 2, 4, 1000)
-    assert early.moment == "backward block_1 (start)"
-    assert early.gathered == 2 * 2 * (-(-block // 128) * 128)
-    # Without prefetch that moment holds one block's weights less, and the loss is the peak.
-    alone = memory_breakdown(dataclasses.replace(zero3, prefetch=0), shape, 2, 4, 1000)
-    assert alone.moment == "loss" and alone.total < early.total
+    # (8 x 64 + 32 + 768 + 6 = 1318), 2 bytes each; and 2 d + 2 outside the blocks. The
+    # peak is the start of the last block's backward, which adds the gradient flowing
+    # through it (d + ffn, bfloat16) and, the softmax materialized, three float32
+    # heads x seq arrays (its probabilities, their gradient and the scores').
+    per_token = 2 * 1318 * 2 + 2 * 130 + (64 + 256) * 2 + 3 * 16 * 4
+    a, b = (memory_breakdown(zero3, shape, 2, 4, t) for t in (1000, 2000))
+    assert a.moment == b.moment == "backward block_1 (start)"
+    assert b.activations - a.activations == pytest.approx(1000 * per_token, rel=1e-12)
+    # Its weights: the rest unit's (all step) and the block's, and with backward prefetch
+    # (one unit ahead) the block before it, regathered already.
+    rest = dict(shape.units)["<rest>"]
+    assert b.gathered == 2 * (rest + 2 * block)
+    alone = memory_breakdown(dataclasses.replace(zero3, prefetch=0), shape, 2, 4, 2000)
+    assert alone.gathered == 2 * (rest + block)
+    # A larger vocabulary makes the loss the peak: two float32 [tokens, vocab] arrays.
+    wide = memory_breakdown(zero3, transformer_shape(2, 64, 1000, 16, heads=1), 2, 4, 2000)
+    assert wide.moment == "loss" and wide.loss == 2000 * 2 * 1000 * 4
     # hpZ: each block that regathers holds a bfloat16 secondary over the node's 4 devices
     # from its forward to its backward (the embedding regathers nothing, the head is kept).
     hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True), shape, 2, 4, 2000)
@@ -160,7 +161,7 @@ def test_the_memory_model_by_hand():
     # and the gradients flowing through it (d + ffn), beside the 2 d + 2 outside.
     full = memory_breakdown(zpp.ZeroPPConfig(remat="full"), shape, 2, 4, 2000)
     assert full.moment == "backward block_1 (start)"
-    assert full.activations == 2000 * 2 * (2 * 64 + 1318 + 320 + 130)
+    assert full.activations == 2000 * (2 * (2 * 64 + 1318 + 320 + 130) + 3 * 16 * 4)
 
 
 def test_a_7b_llama_on_128_gpus_is_its_activations():
@@ -171,11 +172,18 @@ def test_a_7b_llama_on_128_gpus_is_its_activations():
     assert 6.7e9 < shape.params < 6.8e9
     m = memory_breakdown(zpp.ZeroPPConfig(), shape, 16, 8, 4096)
     assert m.states == pytest.approx(shape.params * 12 / 128, rel=0.01)  # 0.59 GiB
-    attention = 32 * 4096 * 2 * 32 * 4096 * 2
+    # With the last layer's softmax backward: three float32 32 x 4096 arrays a token.
+    attention = 32 * 4096 * 2 * 32 * 4096 * 2 + 3 * 32 * 4096 * 4096 * 4
     assert attention / m.total > 0.7
-    # remat "full" keeps a layer's input (4096 x 2 bytes a token) and recomputes one layer.
+    # remat "full" keeps each layer's input (4096 bfloat16 a token) and recomputes one
+    # layer at a time: at the last layer's backward, 32 inputs, 2 d + 2 outside the layers,
+    # the recomputed layer's 4 d + (4 d + 2 x 32 heads x 4096 + 2 x 32 + 5 ffn) + 4 =
+    # 350020 and its gradients d + ffn = 15104, in bfloat16; and its softmax's backward,
+    # three float32 32 x 4096 arrays. A tenth of the activations without remat, roughly.
     full = memory_breakdown(zpp.ZeroPPConfig(remat="full"), shape, 16, 8, 4096)
-    assert full.total < m.total / 10
+    per_token = 2 * (32 * 4096 + 8194 + 350020 + 15104) + 3 * 32 * 4096 * 4
+    assert full.activations == 4096 * per_token
+    assert full.activations < m.activations / 9
     # hpZ's secondary over a node's 8 GPUs: 2 bytes x the 32 layers / 8 (1.5 GiB).
     hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True, remat="full"), shape, 16, 8, 4096)
     assert hpz.secondary == pytest.approx(2 * 32 * dict(shape.units)["block_0"] / 8,

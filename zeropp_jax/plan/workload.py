@@ -96,6 +96,9 @@ class ModelShape:
       scanned: the blocks are the layers of an ``nn.scan`` / ``nnx.scan`` stack.
       block_gradients: elements per token of the gradients live while a block's backward
         runs (the one flowing in, the widest one inside), in ``itemsize``.
+      softmax_gradients: float32 elements per token a block's backward holds for a
+        materialized softmax on a GPU (the probabilities, their gradient and the scores'
+        gradient, ``heads x seq_len`` each); 0 with fused attention.
       activations: elements per token kept outside the blocks, in ``itemsize`` (the
         embedding's output, the final norm's input and output).
       logits: float32 elements per token the loss holds at once (the logits, their
@@ -131,6 +134,7 @@ class ModelShape:
     block_matmul_outputs: float = 0.0
     scanned: bool = False
     block_gradients: float = 0.0
+    softmax_gradients: float = 0.0
     activations: float = 0.0
     logits: float = 0.0
     small_weights: frozenset[str] = frozenset()
@@ -151,7 +155,8 @@ def decoder_activations(d_model: int, seq_len: int, vocab: int, *, heads: int,
                         ) -> dict[str, float]:
     """What a pre-norm decoder's step keeps per token, in elements: the ``ModelShape``
     fields ``block_activations``, ``block_recomputed``, ``block_inputs``,
-    ``block_matmul_outputs``, ``block_gradients``, ``activations`` and ``logits``
+    ``block_matmul_outputs``, ``block_gradients``, ``softmax_gradients``, ``activations``
+    and ``logits``
     (``dataclasses.replace(shape, blocks=..., **these)``).
 
     The tensors XLA keeps from a block's forward for its backward, read from the compiled
@@ -174,7 +179,10 @@ def decoder_activations(d_model: int, seq_len: int, vocab: int, *, heads: int,
     intermediates (2 ``d_model`` + 2 ``ffn``; 2 ``d_model`` for a gated MLP, whose SiLU
     terms XLA keeps anyway). ``block_inputs``: a block's input, ``d_model`` (remat
     ``"full"``). ``block_gradients``: while a block's backward runs, the gradient flowing
-    in (``d_model``) and the widest one inside (``ffn``). Outside the blocks: the
+    in (``d_model``) and the widest one inside (``ffn``); ``softmax_gradients``: with the
+    softmax materialized, three float32 ``heads x seq_len`` arrays besides (the
+    probabilities, their gradient and the scores', read from GPU-compiled 1.3B and 7B Llama
+    steps). Outside the blocks: the
     embedding's output, the final norm's output and statistics. ``logits``: the loss holds
     two float32 ``[tokens, vocab]`` arrays at once (the logits and their softmax in
     forward; in backward the logits' gradient and the transposed copy the head's weight
@@ -199,6 +207,7 @@ def decoder_activations(d_model: int, seq_len: int, vocab: int, *, heads: int,
     return {"block_activations": float(block), "block_recomputed": float(recomputed),
             "block_matmul_outputs": float(matmuls),
             "block_inputs": float(d_model), "block_gradients": float(d_model + ffn / t),
+            "softmax_gradients": 0.0 if fused_attention else float(3 * heads * seq_len / t),
             "activations": float(2 * d_model + 2), "logits": float(2 * vocab / t)}
 
 
@@ -775,6 +784,10 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         own = kept_by(u)
         if u in shape.blocks:
             own += tokens * m * shape.block_gradients
+            if backend != "cpu":
+                # XLA:CPU fuses the softmax's backward instead: with these arrays the
+                # model reads 12% over a compiled CPU step of the demo GPT.
+                own += tokens * 4 * shape.softmax_gradients
             if full_remat:  # recomputed on the regathered weights: all of them
                 own += tokens * m * shape.block_activations
             elif u not in holds:

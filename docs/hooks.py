@@ -1002,10 +1002,22 @@ def cluster_generate(data: dict, view: str | None) -> str:
 def gpu_cluster(data: dict, view: str | None) -> str:
     """``benchmarks/gpu_cluster/run.py`` (``make gpu-cluster``). Views: ``grid`` (every
     model, mesh, config and flag set), ``unrolled`` (the 7B at 16x8 with its blocks
-    unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB)."""
-    if view not in ("grid", "unrolled", "largest"):
-        raise TableError(f"gpu_cluster results need a view, one of grid, unrolled, largest; "
+    unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB), ``memory``
+    (per config, how many rows the memory model predicts within 10%)."""
+    views = ("grid", "unrolled", "largest", "memory", "units")
+    if view not in views:
+        raise TableError(f"gpu_cluster results need a view, one of {', '.join(views)}; "
                          f"got {view!r}")
+    if view == "memory":
+        configs: dict[str, list[float]] = {}
+        for r in data["rows"]:
+            configs.setdefault(r["config"], []).append(r["memory_error"])
+        return _table(
+            ["config", "rows", "within 10%", "model / compiled - 1: lowest", "highest"],
+            [[c, str(len(e)), str(sum(abs(x) <= 0.10 for x in e)), f"{min(e):+.1%}",
+              f"{max(e):+.1%}"] for c, e in configs.items()])
+    if view == "units":
+        return _gpu_cluster_units(data)
     rows = [r for r in data["rows"] if r["experiment"] == view]
     if not rows:
         raise TableError(f"gpu_cluster: this run has no {view} rows")
@@ -1031,6 +1043,37 @@ def gpu_cluster(data: dict, view: str | None) -> str:
           gb(r["memory_predicted_bytes"]), f"{r['memory_error']:+.1%}",
           pct(r["hidden_fraction_400g"]), pct(r["hidden_fraction_100g"]),
           f"{r['step_ms_400g']:.0f}", f"{r['compute_ms']:.0f}"] for r in rows])
+
+
+def _gpu_cluster_units(data: dict) -> str:
+    """The 7B at 16x8, 400 Gbit/s, pipelined flags (scanned) and unrolled: each unit's
+    collectives by role, inside and across nodes (unrolled layers summed as ``layers_*``)."""
+    import re
+
+    out = []
+    for r in data["rows"]:
+        if (r["model"], r["mesh"]) != ("7B", "16x8") or "units_400g" not in r or not (
+                (r["experiment"] == "grid" and r["flags"] == "pipelined"
+                 and r["config"] in ("zero3", "zeropp")) or r["experiment"] == "unrolled"):
+            continue
+        sums: dict[tuple, list[float]] = {}
+        for u in r["units_400g"]:
+            if u["role"] == "other":
+                continue
+            unit = re.sub(r"layers_\d+", "layers_*", u["unit"])
+            key = (unit, u["role"], u["spans_nodes"])
+            total = sums.setdefault(key, [0, 0.0, 0.0])
+            total[0] += u["runs"]
+            total[1] += u["wire_ms"]
+            total[2] += u["exposed_ms"]
+        for (unit, role, spans), (runs, wire, exposed) in sums.items():
+            out.append([r["config"], r["layers"], unit, role,
+                        "across" if spans else "inside", str(int(runs)), f"{wire:.1f}",
+                        _pct(1 - exposed / wire) if wire else "-"])
+    if not out:
+        raise TableError("gpu_cluster: this run has no per-unit rows for the 7B at 16x8")
+    return _table(["config", "layers", "unit", "role", "nodes", "runs", "wire ms",
+                   "hidden"], out)
 
 
 def _no_view(view: str | None, shape: str) -> None:

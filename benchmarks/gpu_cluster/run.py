@@ -18,7 +18,9 @@ allocated. For every model, mesh, config and set of XLA flags it reports:
   roofline prices, collectives at NVLink 450 GB/s inside a node and 400 or 100 Gbit/s per
   GPU across nodes): the share of the cross-node collectives' wire time hidden behind
   compute, target >= 90% for the 7B at 16x8 and 400 Gbit/s;
-* the step's roofline compute and replayed time (not a measurement: no GPU ran).
+* the step's roofline compute and replayed time (not a measurement: no GPU ran);
+* per unit and role (gather, regather, gradient), inside and across nodes, the wire time
+  and how much of it the compute stream waited for (``units_400g``).
 
 Writes ``gpu_cluster_<device>.json`` (``--out``): ``{"device", "rows": [{"model", "mesh",
 "config", "flags", "hidden_fraction_400g", "memory_compiled_bytes",
@@ -152,6 +154,12 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
         row["compute_ms"] = r.compute_s * 1e3
         row[f"mfu_roofline_{gbit}g"] = (SEQ / r.step_s * shape.train_flops_per_token(SEQ)
                                         / H100_ROOFLINE.flops_rate("bf16"))
+        if gbit == 400:
+            # Each unit's gathers, regathers and gradient reductions: wire and exposed time.
+            row["units_400g"] = [
+                {"unit": u.unit, "role": u.role, "spans_nodes": u.spans_nodes,
+                 "runs": u.runs, "wire_ms": u.wire_s * 1e3, "exposed_ms": u.exposed_s * 1e3}
+                for u in r.by_unit()]
     return row
 
 

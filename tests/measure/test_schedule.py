@@ -10,7 +10,8 @@ import re
 import pytest
 
 from zeropp_jax.measure.comm_report import collectives
-from zeropp_jax.measure.schedule import Links, Roofline, parse_module, schedule_report
+from zeropp_jax.measure.schedule import (Links, Roofline, parse_module, schedule_report,
+                                         unit_of)
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 
@@ -213,3 +214,41 @@ def test_cluster_devices_without_the_cuda_plugin_name_the_package():
         pytest.skip("a JAX plugin (CUDA's) is installed here")
     with pytest.raises(ImportError, match=r"jax\[cuda12\]"):
         compat.gpu_cluster_devices('platform_name: "CUDA"', 2, 8)
+
+
+def test_collectives_are_named_by_unit_and_role():
+    stack = "jit(run)/shard_map/{}(Llama){}/while/body/closed_call/layers/{}"
+    assert unit_of(stack.format("jvp", "", "all_gather")) == ("layers", "gather")
+    assert unit_of(stack.format("transpose(jvp", ")", "all_gather")) == ("layers", "regather")
+    assert unit_of(stack.format("transpose(jvp", ")", "zeropp_reduced_gradient/all_to_all")
+                   ) == ("layers", "gradient")
+    # XLA's combined collectives list every part; the rest unit rides with the first.
+    combined = ("jit(run)/shard_map/(transpose(jvp(Llama))/layers_1/zeropp_reduced_gradient/"
+                "reduce_scatter:transpose(jvp(zeropp_reduced_gradient))/reduce_scatter)")
+    assert unit_of(combined) == ("layers_1+<rest>", "gradient")
+    common = ("jit(run)/shard_map/transpose(jvp(Llama))/(embed/zeropp_reduced_gradient/"
+              "reduce_scatter:while/body/closed_call/layers/zeropp_reduced_gradient/"
+              "reduce_scatter)")
+    assert unit_of(common) == ("embed+layers", "gradient")
+    assert unit_of("jit(run)/shard_map/jvp()/all_gather") == ("<rest>", "gather")
+    assert unit_of("jit(run)/shard_map/zeropp_own/psum")[1] == "other"
+    assert unit_of("jit(run)/shard_map/psum")[1] == "other"
+
+
+def test_by_unit_adds_up_to_the_step():
+    by_name = {p.name.removesuffix(".hlo.gz"): p for p in FIXTURE_FILES}
+    links = Links(2, 4, 450e9, 4 * 50e9)
+    roof = Roofline({"bf16": 989e12, "f32": 494e12}, 3.35e12)
+    r = schedule_report(_fixture(by_name["tiny_2x4_zeropp_pipelined"]), roof, links)
+    units = r.by_unit()
+    for spans in (True, False):
+        part = [u for u in units if u.spans_nodes == spans]
+        assert sum(u.wire_s for u in part) == pytest.approx(r.wire_s(spans), rel=1e-12)
+        assert sum(u.exposed_s for u in part) == pytest.approx(r.exposed_s(spans), rel=1e-12)
+    roles = {(u.unit, u.role, u.spans_nodes): u.runs for u in units}
+    # zeropp on the 4-layer scanned stack: each layer's gather crosses nodes, its regather
+    # (hpZ) stays inside the node, its qgZ gradient has a hop of each.
+    assert roles[("layers", "gather", True)] == 4
+    assert roles[("layers", "regather", False)] == 4
+    assert ("layers", "regather", True) not in roles
+    assert roles[("layers", "gradient", True)] == roles[("layers", "gradient", False)] == 4

@@ -32,6 +32,7 @@ import re
 from typing import Any, Mapping
 
 from zeropp_jax.comm.wire import count_bytes
+from zeropp_jax.core import scopes
 from zeropp_jax.measure.comm_report import ITEMSIZE, KINDS, hlo_collective, hlo_types
 
 # Instructions that move no data through a kernel of their own.
@@ -176,6 +177,53 @@ class ScheduledCollective:
         return self.wire_s - self.exposed_s
 
 
+# Name-stack segments that are transformations or the library's scopes, not module paths.
+_WRAPPERS = re.compile(r"^(jit\(|shard_map$|jvp\(|transpose\(|\(|while$|body$|closed_call$|"
+                       rf"checkpoint$|rematted_computation$|{scopes.REDUCED}$|{scopes.OWN}$)")
+
+
+def unit_of(op_name: str) -> tuple[str, str]:
+    """``(unit, role)`` of a collective from its JAX name stack (``op_name``).
+
+    ``unit``: the module path the collective ran for (``layers_3``, ``embed``; a scanned
+    stack's ``layers`` for all its layers; ``<rest>`` where the name stack has no module,
+    the rest unit riding in a bucket), several joined by ``+`` where XLA combined
+    collectives. ``role``: ``gather`` (forward), ``regather`` (backward), ``gradient``
+    (the reduction making a gradient shard) or ``other`` (the step's own: loss and norms).
+    """
+    units, roles = [], []
+    # XLA names a combined collective "<common prefix>/(<part>:<part>...)".
+    combined = re.fullmatch(r"(.*?/)?\((.*)\)", op_name)
+    prefix, inner = (combined.group(1) or "", combined.group(2)) if combined else ("", op_name)
+    for part in (prefix + p for p in inner.split(":")):
+        segments = [s for s in part.split("/") if s]
+        path = [s for s in segments[:-1] if not _WRAPPERS.match(s)]
+        op = segments[-1] if segments else ""
+        role = ("gradient" if scopes.REDUCED in part
+                else "other" if (scopes.OWN in part or op.startswith(("psum", "pm"))
+                                 or (not path and "jvp(" not in part))
+                else "regather" if "transpose(" in part else "gather")
+        unit = "/".join(path) or ("<rest>" if role != "other" else "")
+        if unit not in units:
+            units.append(unit)
+        if role not in roles:
+            roles.append(role)
+    return "+".join(units), "+".join(roles)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitTraffic:
+    """One unit's collectives of one role, summed over a step (``ScheduleReport.by_unit``):
+    ``runs``, their wire and exposed seconds in all (``wire_s``, ``exposed_s``)."""
+
+    unit: str
+    role: str
+    spans_nodes: bool
+    runs: int
+    wire_s: float
+    exposed_s: float
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleReport:
     """A step's replayed schedule: ``step_s`` (both streams), ``compute_s`` (the compute
@@ -196,6 +244,17 @@ class ScheduleReport:
         them, or all: ``spans_nodes`` True, False, None); None if there is none."""
         wire = self.wire_s(spans_nodes)
         return None if wire == 0 else 1.0 - self.exposed_s(spans_nodes) / wire
+
+    def by_unit(self, spans_nodes: bool | None = None) -> list[UnitTraffic]:
+        """The collectives summed per unit, role and whether they cross nodes
+        (``unit_of``), in the order the step first runs them."""
+        sums: dict[tuple[str, str, bool], list[float]] = {}
+        for c in self._of(spans_nodes):
+            total = sums.setdefault((*unit_of(c.op_name), c.spans_nodes), [0, 0.0, 0.0])
+            total[0] += c.runs
+            total[1] += c.wire_s * c.runs
+            total[2] += c.exposed_s * c.runs
+        return [UnitTraffic(u, r, x, int(n), w, e) for (u, r, x), (n, w, e) in sums.items()]
 
     def _of(self, spans_nodes: bool | None) -> list[ScheduledCollective]:
         return [c for c in self.collectives

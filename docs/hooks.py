@@ -1060,14 +1060,16 @@ def _gpu_cluster_units(data: dict) -> str:
         for u in r["units_400g"]:
             if u["role"] == "other":
                 continue
-            unit = re.sub(r"layers_\d+", "layers_*", u["unit"])
+            # Unrolled layers summed; a combined collective's parts named once.
+            unit = "+".join(dict.fromkeys(re.sub(r"layers_\d+", "layers_*", u["unit"])
+                                          .split("+")))
             key = (unit, u["role"], u["spans_nodes"])
             total = sums.setdefault(key, [0, 0.0, 0.0])
             total[0] += u["runs"]
             total[1] += u["wire_ms"]
             total[2] += u["exposed_ms"]
         for (unit, role, spans), (runs, wire, exposed) in sums.items():
-            out.append([r["config"], r["layers"], unit, role,
+            out.append([r["config"], r["layers"], f"`{unit}`", role,
                         "across" if spans else "inside", str(int(runs)), f"{wire:.1f}",
                         _pct(1 - exposed / wire) if wire else "-"])
     if not out:

@@ -42,9 +42,18 @@ def _run(mesh, x_dev, **kwargs):
     return _runner(mesh, **kwargs)(x_dev)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "block"))
+def _q_dq_program(v, signs=None, *, bits: int, block: int):
+    """Q then Q^-1 (``signs``: rotated blocks, left rotated) -> (fp32 values, block scales):
+    one program per shape instead of the references' ops one by one (each a small compile;
+    the step runs the same references jitted, and they round alike either way)."""
+    vals, scales = quantize_reference(v, bits=bits, block_size=block, signs=signs)
+    return dequantize_reference(vals, scales, bits=bits, block_size=block,
+                                dtype=jnp.float32), scales
+
+
 def _q_dq(v: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    vals, scales = quantize_reference(jnp.asarray(v, jnp.float32), bits=bits, block_size=block)
-    deq = dequantize_reference(vals, scales, bits=bits, block_size=block, dtype=jnp.float32)
+    deq, scales = _q_dq_program(jnp.asarray(v, jnp.float32), bits=bits, block=block)
     return np.asarray(deq, np.float64), np.repeat(np.asarray(scales, np.float64), block)
 
 
@@ -126,18 +135,25 @@ def test_single_node_falls_back_to_exact_reduce_scatter():
     np.testing.assert_array_equal(out.reshape(-1), np.asarray(ref))
 
 
-@pytest.mark.parametrize("nodes,local", [(2, 4), (3, 2)])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+# Meshes x dtypes x the stage count compared with one stage (each a program of its own):
+# an all-pairs cover runs in `make test` (every mesh and every dtype against both stage
+# counts, every mesh with every dtype), the rest in test-all.
+STAGES = [[(2, 4), (3, 2)], ["bfloat16", "float16", "float32"], [2, 4]]
+STAGES_CASES = all_pairs(*STAGES)
+assert pairs_covered(STAGES_CASES, STAGES)
+
+
+@pytest.mark.parametrize("mesh_shape,dtype,stages", STAGES_CASES)
 @pytest.mark.bitwise_programs
-def test_stages_give_identical_results(nodes, local, dtype):
+def test_stages_give_identical_results(mesh_shape, dtype, stages):
+    nodes, local = mesh_shape
     num = nodes * local
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:num])
     x = np.random.default_rng(7).standard_normal((num, num * 4 * 40)).astype(np.float32)
     x = np.asarray(jnp.asarray(x, dtype))
     results = [_run(mesh, jnp.asarray(x, dtype), bits=4, block_size=16, stages=s)
-               for s in (1, 2, 4)]
+               for s in (1, stages)]
     np.testing.assert_array_equal(results[0], results[1])
-    np.testing.assert_array_equal(results[0], results[2])
 
 
 def test_bad_input():
@@ -172,26 +188,56 @@ def test_lowered_step_has_two_hops_per_unit_and_stage(stages):
         assert [t for _, t in hop] == ["ui8"] * units * stages
 
 
+# The fp32 ZeRO-3 step (returning its gradients) on the 2x4 mesh, built once per module:
+# test_qgz_until_switches_without_recompiling and
+# test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups (both
+# bitwise_programs: compiled with the same emitters) share its compiled program. A step
+# compiles once per engine (compared by identity) and step function, and steps do not
+# donate the state, so the same start serves both.
+_BUILT: dict = {}
+_FP32 = dict(compute_dtype="float32", block_size=32)
+_SHARED_SEED = 61  # the shared state's parameters: init_params(seed=61)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_built():
+    yield
+    _BUILT.clear()
+
+
+def _fp32_zero3():
+    """(untrained state, step) of the shared fp32 ZeRO-3 program."""
+    if "zero3" not in _BUILT:
+        state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=_SHARED_SEED),
+                                      tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+                                      config=zpp.ZeroPPConfig(**_FP32))
+        _BUILT["zero3"] = (state, make_step(with_grads=True))
+    return _BUILT["zero3"]
+
+
 @pytest.mark.bitwise_programs
 def test_qgz_until_switches_without_recompiling():
     """qgz_until=0: never quantized -> identical to ZeRO-3; qgz_until=2: quantized for
     steps 0 and 1 only, by one compiled program."""
-    params = init_params(seed=61)
+    params = init_params(seed=_SHARED_SEED)
     batches = [tokens(16, seed=62 + i) for i in range(4)]
     mesh = zpp.make_mesh(2, 4)
 
     def run(cfg, steps=4):
-        state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
-                                      mesh=mesh, config=cfg)
-        step = make_step(with_grads=True)
+        if cfg is None:  # ZeRO-3
+            state, step = _fp32_zero3()
+        else:
+            state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
+                                          mesh=mesh, config=cfg)
+            step = make_step(with_grads=True)
         grads = []
         for b in batches[:steps]:
             state, out = step(state, b)
             grads.append(state.engine.consolidate(out["grads"]))
         return grads, step
 
-    fp32 = dict(compute_dtype="float32", block_size=32)
-    z3, _ = run(zpp.ZeroPPConfig(**fp32))
+    fp32 = _FP32
+    z3, _ = run(None)  # zpp.ZeroPPConfig(**fp32), the shared program
     never, _ = run(zpp.ZeroPPConfig(qgz=True, qgz_until=0, **fp32))
     always, _ = run(zpp.ZeroPPConfig(qgz=True, **fp32), steps=1)  # only its step 0 is used
     half, step = run(zpp.ZeroPPConfig(qgz=True, qgz_until=0.5, planned_steps=4, **fp32))
@@ -294,15 +340,22 @@ def test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups():
     node_groups = {(0, 4), (1, 5), (2, 6), (3, 7)}
     local_groups = {(0, 1, 2, 3), (4, 5, 6, 7)}
     grads = []
-    params, batch = init_params(seed=73), tokens(16, seed=74)
+    # The shared fp32 ZeRO-3 state's parameters: its step is the flat configuration's.
+    params, batch = init_params(seed=_SHARED_SEED), tokens(16, seed=74)
     for ag, qwz in (("hierarchical", False), ("hierarchical", True), ("flat", False)):
-        cfg = zpp.ZeroPPConfig(all_gather=ag, qwz=qwz, compute_dtype="float32")
-        st = zpp.TrainState.create(model=GPT(SMALL), params=params,
-                                   tx=optax.sgd(0.1), mesh=mesh, config=cfg)
+        # block_size=32 as the shared program's (the same for all three: a block size
+        # decides no gather's groups).
+        cfg = zpp.ZeroPPConfig(all_gather=ag, qwz=qwz, **_FP32)
+        if cfg == zpp.ZeroPPConfig(**_FP32):  # flat, no qwZ: the shared program
+            st, step = _fp32_zero3()
+        else:
+            st = zpp.TrainState.create(model=GPT(SMALL), params=params,
+                                       tx=optax.sgd(0.1), mesh=mesh, config=cfg)
+            step = make_step(with_grads=True)
         # One program per configuration: the step that also returns the gradients is the
         # one inspected and the one run (the gradients leave it as sharded as they are
         # reduce-scattered, so returning them adds no gather).
-        compiled = make_step(with_grads=True).lower(st, batch).compile()
+        compiled = step.lower(st, batch).compile()
         rows = comm_report(compiled, mesh).rows
         gathers = [set(r.groups) for r in rows if r.kind == "all-gather"]
         assert gathers
@@ -356,7 +409,7 @@ def _hadamard_bound(x_dev: np.ndarray, nodes: int, local: int, bits: int, block:
     qm, root = 2 ** (bits - 1) - 1, np.sqrt(block)
     eps = (1 + U) ** (block.bit_length() + 1) - 1
     gamma = lambda k: k * U / (1 - k * U)  # noqa: E731
-    kw = dict(bits=bits, block_size=block)
+    kw = dict(bits=bits, block=block)
 
     def norms(v):
         return np.linalg.norm(np.asarray(v, np.float64).reshape(-1, block), axis=1)
@@ -369,14 +422,13 @@ def _hadamard_bound(x_dev: np.ndarray, nodes: int, local: int, bits: int, block:
             deqs = []
             for l in range(local):
                 x = jnp.asarray(slices[a * local + l, d])
-                v, s1 = quantize_reference(x, signs=signs, **kw)
-                deqs.append(dequantize_reference(v, s1, dtype=jnp.float32, **kw))  # rotated
+                deq, s1 = _q_dq_program(x, signs, **kw)
+                deqs.append(deq)  # rotated
                 bound[d] += root * np.asarray(s1) * (0.5 + 2.0**-22 * qm) + eps * norms(x)
             partial = functools.reduce(lambda p, q: p + q, deqs)
             bound[d] += gamma(local - 1) * sum(norms(q) for q in deqs)
             if nodes > 1 and local > 1:  # the middle requantization
-                v, s2 = quantize_reference(partial, **kw)
-                partial = dequantize_reference(v, s2, dtype=jnp.float32, **kw)
+                partial, s2 = _q_dq_program(partial, **kw)
                 bound[d] += root * np.asarray(s2) * (0.5 + 2.0**-22 * qm)
             partial_norms += norms(partial)
             final = final + np.asarray(partial, np.float64)

@@ -28,7 +28,7 @@ from zeropp_jax.parallel.ulysses import (dot_product_attention, head_plan, pad_s
 
 from helpers import (SMALL, adam_sensitivity, assert_leaves_rel_close, assert_rounding_close,
                      assert_training_close, dequantized_params, fp32_gradient_rounding,
-                     init_params, jitted, reference_train, rounding_of,
+                     init_params, jitted, reference_loss_and_grads, rounding_of,
                      trajectory_tolerances)
 
 SEQ = P(None, "local")  # [batch, seq, heads, head_dim]: sequence over "local"
@@ -55,8 +55,9 @@ def _sp_attention(mesh, attention_fn, **kw):
 def _random_mask(seq, seed):
     # A user's own mask on global positions (keys allowed at random, the diagonal always, so
     # no query row is empty).
+    # Built in numpy: as jnp ops, each would compile a program of its own.
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.random((seq, seq)) < 0.5) | jnp.eye(seq, dtype=bool)
+    return jnp.asarray((rng.random((seq, seq)) < 0.5) | np.eye(seq, dtype=bool))
 
 
 # (batch, P_sp, Hq, Hkv, kind). Heads: MHA even; GQA with Hkv % P == 0; GQA and MQA with
@@ -92,11 +93,16 @@ def test_attention_matches_single_device(batch, sp, hq, hkv, kind):
     sp_attn = _sp_attention(mesh, attn)
     args = [_put(mesh, a) for a in (q, k, v)]
 
-    out = sp_attn(*args)
     # Gradients by autodiff through both all-to-alls, for a loss that weighs every output
-    # element differently (a plain sum would hide a permutation of tokens or heads).
+    # element differently (a plain sum would hide a permutation of tokens or heads). The
+    # output comes from the same program (one compile, not two).
     w = np.random.default_rng(seed + 1).standard_normal(q.shape).astype(np.float32)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(sp_attn(*a) * w), argnums=(0, 1, 2)))(*args)
+
+    def weighted(*a):
+        out = sp_attn(*a)
+        return jnp.sum(out * w), out
+
+    grads, out = jax.jit(jax.grad(weighted, argnums=(0, 1, 2), has_aux=True))(*args)
     # The single-device reference, output and gradients, as one jitted program on device 0:
     # the very evaluation ``rounding_of`` measures against float64 below (``jitted`` keeps
     # one compiled program per function), instead of op by op.
@@ -246,6 +252,25 @@ def _windows(batch):
     return np.concatenate([batch["x"], batch["y"][:, -1:]], axis=1)
 
 
+def _reference_grads(model, params, tx, windows):
+    """Each step's gradients along plain one-device training, as ``helpers.reference_train
+    (..., with_grads=True)`` computes them, with the optimizer's init and update jitted: op
+    by op, Adam compiles ~110 small programs (~2 s) the first time a process sees the
+    shapes."""
+    def update(grads, opt_state, params):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    update, grads = jax.jit(update), []
+    with jax.default_device(jax.devices()[0]):
+        opt_state = jax.jit(tx.init)(params)
+        for w in windows:
+            _, g = reference_loss_and_grads(model, params, w)
+            params, opt_state = update(g, opt_state, params)
+            grads.append(g)
+    return grads
+
+
 def test_gpt_sequence_parallel_zero3_equals_data_parallel(runs):
     dp, _, dp_losses, _ = runs["zero3", False]
     sp, _, sp_losses, _ = runs["zero3", True]
@@ -253,7 +278,7 @@ def test_gpt_sequence_parallel_zero3_equals_data_parallel(runs):
     # partial means over different token sets, attention per head group): each within this
     # CPU's measured fp32 rounding, carried through 3 Adam steps as in test_engine.
     params, windows = runs["params"], [_windows(b) for b in runs["batches"]]
-    _, _, ref_grads = reference_train(GPT(CFG), params, TX, windows, with_grads=True)
+    ref_grads = _reference_grads(GPT(CFG), params, TX, windows)
     rho, (_, g) = fp32_gradient_rounding(GPT(CFG), params, windows[0])
     tols = trajectory_tolerances(params, g, rho=rho, lr=1e-2, steps=3,
                                  sensitivity=adam_sensitivity(1e-3))

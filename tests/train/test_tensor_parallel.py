@@ -9,6 +9,8 @@ the wrong place or a gradient summed over the wrong devices is off by the gradie
 
 import contextlib
 import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -311,18 +313,29 @@ def _patched(module, attr, value, fn):
     return run
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)])
-@pytest.mark.parametrize("name", ["nnx", "hf_llama"])
-def test_models_we_did_not_write(name, shape):
-    """An NNX model annotated with ``nnx.with_partitioning`` and transformers' Flax Llama
-    named through ``param_axes`` with MaxText's rules: one step on ``shape`` gives the
-    one-device loss and gradients within their measured fp32 rounding."""
-    import zoo
-    from helpers import assert_rounding_close, loss_and_grads_rounding
+class _Foreign(NamedTuple):
+    """A model we did not write, set up for ``test_models_we_did_not_write``."""
 
-    seed = int(np.random.default_rng().integers(1 << 16))
-    rng = np.random.default_rng(seed)
+    model: Any
+    params: Any
+    make_batch: Any
+    loss: Any
+    kwargs: dict
+    loss32: Any  # (params, batch) -> loss, one device, fp32
+    loss64: Any  # the same in float64 (the exact reference)
+    widen: tuple
+    exact: tuple
+
+
+@functools.lru_cache(maxsize=None)
+def _foreign(name):
+    """The model ``name`` (its weights at a fresh seed, drawn once per process), its loss
+    and the loss's float64 twin, built once: both meshes' tests reuse the model and the
+    compiled one-device references (each test draws its own fresh batch)."""
+    import zoo
+
     if name == "nnx":
+        seed = int(np.random.default_rng().integers(1 << 16))
         model = _nnx_model(seed)
         apply, kwargs = zoo.nnx_apply(model), {}
         with jax.enable_x64(True):  # the float64 twin computes the exact reference
@@ -332,9 +345,6 @@ def test_models_we_did_not_write(name, shape):
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         widen, exact = (), ()
     else:
-        transformers = pytest.importorskip("transformers")
-        if not hasattr(transformers, "FlaxPreTrainedModel"):
-            pytest.skip("this transformers has no Flax models")
         with zoo.hf_compat():
             entry = zoo.get(name)
         model, params, apply = entry.model, entry.params, entry.apply
@@ -350,7 +360,27 @@ def test_models_we_did_not_write(name, shape):
                  "(tensor<f32>) -> tensor<", "compare GT")
         # Its RoPE table is built in numpy float32: the float64 twin takes the same values.
         apply64 = _patched(llama, "create_sinusoidal_positions", _rope64, apply64)
-    batch = make_batch(rng, 16)
+    return _Foreign(model, params, make_batch, loss, kwargs,
+                    lambda p, b: loss(apply, p, b, False),
+                    lambda p, b: loss(apply64, p, b, False), widen, exact)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize("name", ["nnx", "hf_llama"])
+def test_models_we_did_not_write(name, shape):
+    """An NNX model annotated with ``nnx.with_partitioning`` and transformers' Flax Llama
+    named through ``param_axes`` with MaxText's rules: one step on ``shape`` gives the
+    one-device loss and gradients within their measured fp32 rounding."""
+    import zoo
+    from helpers import assert_rounding_close, loss_and_grads_rounding
+
+    if name.startswith("hf_"):
+        transformers = pytest.importorskip("transformers")
+        if not hasattr(transformers, "FlaxPreTrainedModel"):
+            pytest.skip("this transformers has no Flax models")
+    foreign = _foreign(name)
+    model, params, loss = foreign.model, foreign.params, foreign.loss
+    batch = foreign.make_batch(np.random.default_rng(), 16)
 
     @zpp.train_step
     def step(state, batch):
@@ -364,16 +394,15 @@ def test_models_we_did_not_write(name, shape):
             model=model, params=None if name == "nnx" else params, tx=optax.sgd(0.1),
             mesh=zpp.make_mesh(*shape[:2], model=shape[2]),
             config=zpp.ZeroPPConfig.zero3(**FP32),
-            logical_axis_rules=MAXTEXT_RULES, **kwargs)
+            logical_axis_rules=MAXTEXT_RULES, **foreign.kwargs)
         split = [lay for lay in state.engine.layouts.values() if max(lay.tp_dims) >= 0]
         assert split, "no parameter was split over 'model'"
         _, out = step(state, batch)
         grads = zoo.flat(state.engine.adapter.to_pure_dict(
             state.engine.consolidate(out["grads"])))
         rounding = loss_and_grads_rounding(
-            lambda p, b: loss(apply, p, b, False), params, batch,
-            shards=(shape[0] * shape[1],),
-            loss_of64=lambda p, b: loss(apply64, p, b, False), widen=widen, exact_f32=exact)
+            foreign.loss32, params, batch, shards=(shape[0] * shape[1],),
+            loss_of64=foreign.loss64, widen=foreign.widen, exact_f32=foreign.exact)
     ref_loss, ref_grads = rounding.exact
     ref_grads = zoo.flat(ref_grads)
     assert_rounding_close((out["loss"], [grads[k] for k in sorted(grads)]),
@@ -381,15 +410,16 @@ def test_models_we_did_not_write(name, shape):
                           rounding.rho)
 
 
-def test_comm_report_separates_tensor_parallel_collectives():
+def test_comm_report_separates_tensor_parallel_collectives(zeropp_state, step):
     """On (2, 2, 2) the report splits the step's collectives by the axes they span: ZeRO's
     (over the data axes) move across nodes exactly the bytes the plan's transports count
     for every slice (``Engine.wire_bytes``); tensor parallelism's (XLA's, over "model")
-    stay inside the node."""
+    stay inside the node. The shared ZeRO++ state and step: the program the training tests
+    compiled (its gradients come back sharded, as ``ShardedParams``: no collective)."""
     from zeropp_jax.measure.comm_report import CommReport, comm_report
 
-    state = _state((2, 2, 2), zpp.ZeroPPConfig.zeropp(hpz_group_size=2))
-    program = make_step().lower(state, tokens(16, seed=0)).compile()
+    state = zeropp_state
+    program = step.lower(state, tokens(16, seed=0)).compile()
     report = comm_report(program, state.engine.mesh)
     assert report.model == 2 and report.per_node == 4
     axes = report.by_axis()
@@ -467,7 +497,8 @@ def test_qwz_and_hpz_under_tensor_parallelism_are_exact_at_dequantized_weights()
                                    dtype=jnp.float32, **kw)
         return deq.reshape(flat.shape)
 
-    deq = dequantized_params(state, block, 8, roundtrip)
+    # As numpy: the units are cut into their leaves on the host (views, no device programs).
+    deq = dequantized_params(state, block, 8, lambda flat: np.asarray(roundtrip(flat)))
     ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL), deq, batch)
     rho = fp32_gradient_rounding(GPT(SMALL), deq, batch, shards=(4,)).rho
     assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),

@@ -3,6 +3,7 @@ array arguments of every kind (constants, RNG keys)."""
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 
@@ -33,11 +34,20 @@ _DOT = re.compile(r"= \S+ dot\(")
 
 
 def _compiled(remat, shape=(1, 1), compute_dtype="float32", **config):
+    """A state and its compiled step (only read, never run) for the configuration, built
+    once per distinct ``ZeroPPConfig`` and mesh shape: the defaults spelled out or left
+    out give the same program (``keep_last_unit=True`` and ``prefetch=1`` are both the
+    default step on 2x4)."""
+    return _compiled_for(zpp.ZeroPPConfig(compute_dtype=compute_dtype, remat=remat, **config),
+                         shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_for(config, shape):
     n = shape[0] * shape[1]
     state = zpp.TrainState.create(
         model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
-        mesh=zpp.make_mesh(*shape, devices=jax.devices()[:n]),
-        config=zpp.ZeroPPConfig(compute_dtype=compute_dtype, remat=remat, **config),
+        mesh=zpp.make_mesh(*shape, devices=jax.devices()[:n]), config=config,
     )
     return state, make_step().lower(state, tokens(8, seed=0)).compile()
 
@@ -284,7 +294,7 @@ def test_constant_float_arguments_work_and_match_single_device():
     rng = np.random.default_rng(11)
     x = rng.standard_normal((16, 8)).astype(np.float32)
     model = _RotaryModel()
-    params = model.init(jax.random.PRNGKey(0), x[:2])["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), x[:2])["params"]  # one program
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig.zero3(**FP32))
 
@@ -327,9 +337,14 @@ def test_live_weights_bounded_in_depth():
         stats = make_step().lower(state, np.zeros((8, 9), np.int32)).compile().memory_analysis()
         return stats.temp_size_in_bytes, state.engine.layouts["block_0"].n * 2
 
-    t4, layer_bytes = temp_and_layer(4)
-    t8, _ = temp_and_layer(8)
-    assert (t8 - t4) / 4 <= 0.5 * layer_bytes, ((t8 - t4) / 4, layer_bytes)
+    # 2 and 4 layers (the fewest that keep the blocks as units), not 4 and 8: tracing and
+    # compiling grow with depth, and the growth per added layer tells the bounded schedule
+    # from an unbounded one here too (measured: 0.29 of a layer's weights per layer from 2
+    # to 4, 0.15 from 4 to 8; every gather at the start, or every layer's weights kept for
+    # backward, adds at least a whole layer's per layer).
+    t_short, layer_bytes = temp_and_layer(2)
+    t_deep, _ = temp_and_layer(4)
+    assert (t_deep - t_short) / 2 <= 0.5 * layer_bytes, ((t_deep - t_short) / 2, layer_bytes)
 
 
 class _TiedBlock(nn.Module):

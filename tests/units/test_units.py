@@ -16,10 +16,11 @@ import pytest
 
 import zeropp_jax as zpp
 from zeropp_jax.measure.comm_report import collectives
-from zeropp_demo.gpt import GPT, loss_fn
+from zeropp_demo.gpt import GPT
 
 from helpers import (
     SMALL,
+    _loss_and_grads,
     assert_loss_and_grads_close,
     fp32_gradient_rounding,
     init_params,
@@ -81,27 +82,35 @@ def remat_steps():
 
 @pytest.fixture(scope="module")
 def plain_dots():
-    model, params = GPT(SMALL), init_params()
-
-    def step(p, b):
-        loss, g = jax.value_and_grad(
-            lambda p: loss_fn(model.apply({"params": p}, b[:, :-1]), b[:, 1:]))(p)
-        return jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, p, g), loss
-
+    """The matmuls of the compiled single-device loss and gradients of the remat steps'
+    shapes: the program ``reference_loss_and_grads`` compiles (a plain step's update adds
+    no matmul), so ``test_remat_choices_equal_single_device``'s reference (and other
+    files' references of these shapes) reuses this compile."""
     with jax.default_device(jax.devices()[0]):
-        text = jax.jit(step).lower(params, tokens(8, seed=0)).compile().as_text()
+        text = _loss_and_grads.lower(GPT(SMALL), init_params(),
+                                     tokens(REMAT_BATCH, seed=0)).compile().as_text()
     return len(_DOT.findall(text))
 
 
 def test_minimal_remat_runs_no_forward_matmul_twice(plain_dots, remat_steps):
     """The compiled ZeRO-3 step with remat="minimal" has exactly the plain single-device
-    step's matmuls; "full" recomputes the forward ones (more). (The 2x4 fp32 steps of
-    ``test_remat_choices_equal_single_device``: sharding and returning the gradients add
-    collectives, no matmul.)"""
+    loss and gradients' matmuls; "full" recomputes the forward ones (more). (The 2x4 fp32
+    steps of ``test_remat_choices_equal_single_device``: sharding and returning the
+    gradients add collectives, no matmul.)"""
     minimal = remat_steps("minimal")[2]
     full = remat_steps("full")[2]
     assert len(_DOT.findall(minimal.as_text())) == plain_dots
     assert len(_DOT.findall(full.as_text())) > plain_dots
+
+
+def _regather_step(keep_last_unit, prefetch):
+    """The bf16 2x4 "minimal" step the two tests below read: the default one (the head
+    kept, prefetch 1) or one with both off, two compiles for their four cases. Neither
+    setting moves what the other's test reads: keeping decides whether the head
+    regathers (prefetch orders the blocks' regathers, and changes no count), prefetch
+    when the blocks' regathers run (after the head's backward either way)."""
+    return _compiled("minimal", shape=(2, 4), compute_dtype="bfloat16",
+                     keep_last_unit=bool(keep_last_unit), prefetch=int(prefetch))
 
 
 @pytest.mark.parametrize("keep_last_unit", [True, False])
@@ -111,8 +120,7 @@ def test_backward_regathers_apart_from_forward_gathers(keep_last_unit):
     backward). Forward gathers move bf16 bits as u16, backward regathers as s16. With
     ``keep_last_unit`` the unit called last in forward (the head) keeps its weights
     instead: one regather less."""
-    state, compiled = _compiled("minimal", shape=(2, 4), compute_dtype="bfloat16",
-                                keep_last_unit=keep_last_unit)
+    state, compiled = _regather_step(keep_last_unit=keep_last_unit, prefetch=keep_last_unit)
     gathers = [c.dtype for c in collectives(compiled.as_text()) if c.kind == "all-gather"]
     units = len(state.engine.layouts)
     forward = [t for t in gathers if t in ("u16", "ui16")]
@@ -146,8 +154,7 @@ def test_backward_regathers_run_prefetch_units_ahead(prefetch):
     first weight-gradient matmul), and not before (the last block's waits for the head's
     backward, not the step's start); with ``prefetch=0`` it waits for its own block's
     cotangent, after every matmul of the next block's backward."""
-    _, compiled = _compiled("minimal", shape=(2, 4), compute_dtype="bfloat16",
-                            prefetch=prefetch)
+    _, compiled = _regather_step(keep_last_unit=bool(prefetch), prefetch=prefetch)
     ops = _scheduled(compiled)
 
     def where(opcode, *parts):
@@ -181,6 +188,10 @@ BUCKET_MODES = {
 # .zeropp, are these configurations).
 KEEP_LAST_MODES = ("zero3", "zeropp")
 
+# A backward gather of the head's weights (the unit keep_last_unit keeps) in compiled HLO.
+_HEAD_REGATHER = re.compile(
+    r'= [^\n]* all-gather(?:-start)?\([^\n]*op_name="[^"]*transpose\(jvp\(GPT\)\)/head/')
+
 
 @pytest.mark.parametrize("mode", list(BUCKET_MODES))
 @pytest.mark.bitwise_programs
@@ -194,36 +205,53 @@ def test_bucketing_and_keeping_the_last_unit_change_no_bit(mode):
     For ZeRO-3 and ZeRO++ (``KEEP_LAST_MODES``) also: the last unit's kept forward weights
     (``keep_last_unit``, on by default) equal what backward would regather (qwZ's
     quantization is deterministic, hpZ's secondary is a slice of the forward's gather):
-    loss and gradients are bit for bit those of a step that regathers every unit. Both
-    comparisons share the default step (bucket and keep_last_unit on), compiled once."""
+    loss and gradients are bit for bit those of a step that regathers every unit. There
+    the default step is compared with one that turns both off (two compiles, not three).
+    Neither feature's bug hides behind the other's: they move different units' weights
+    (the bucket the rest unit's and wte's; keeping the head's, never the bucket's partner),
+    so a bug of one cannot restore the bits a bug of the other changed; their collectives
+    are counted apart (the bucket's also in a lowered bucket=False step that keeps the
+    head, keeping's as the head's backward gathers); and the other modes compare a
+    bucket=False step that keeps the head bit for bit."""
     model, params = GPT(SMALL), init_params(seed=int(np.random.default_rng().integers(1000)))
     batch = tokens(8, seed=int(np.random.default_rng().integers(1000)))
-    changes = [{}, dict(bucket=False)]  # the default step first
-    if mode in KEEP_LAST_MODES:
-        changes.append(dict(keep_last_unit=False))
-    outs, counts, asked = [], [], []
-    for change in changes:
+
+    def lowered(**change):
         config = zpp.ZeroPPConfig(block_size=16, **BUCKET_MODES[mode], **change)
         state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                       mesh=zpp.make_mesh(2, 2, devices=jax.devices()[:4]),
                                       config=config)
         step = make_step(with_grads=True)
-        if "keep_last_unit" not in change:
-            lowered = step.lower(state, batch)
-            asked.append(len(collectives(lowered)))
-            # The call below reuses this compiled program.
-            counts.append(len(collectives(lowered.compile().as_text())))
+        return state, step, step.lower(state, batch)
+
+    keep = mode in KEEP_LAST_MODES
+    changes = [{}, dict(bucket=False, keep_last_unit=False) if keep else dict(bucket=False)]
+    outs, counts, asked, regathers = [], [], [], []
+    for change in changes:  # the default step first
+        state, step, low = lowered(**change)
+        asked.append(len(collectives(low)))
+        text = low.compile().as_text()  # the call below reuses this compiled program
+        counts.append(len(collectives(text)))
+        regathers.append(len(_HEAD_REGATHER.findall(text)))
         outs.append(step(state, batch)[1])
-    for out in outs[1:]:
-        assert float(outs[0]["loss"]) == float(out["loss"])
-        for a, b in zip(jax.tree_util.tree_leaves(outs[0]["grads"]),
-                        jax.tree_util.tree_leaves(out["grads"])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(outs[0]["loss"]) == float(outs[1]["loss"])
+    for a, b in zip(jax.tree_util.tree_leaves(outs[0]["grads"]),
+                    jax.tree_util.tree_leaves(outs[1]["grads"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     hops = 2 if "two-hop" in mode else 1
-    assert counts[1] - counts[0] >= 2 * hops, counts
-    # The lowered programs already differ (test_bucketing_skipped_where_a_value_would_change
-    # counts there).
-    assert asked[1] - asked[0] >= 2 * hops, asked
+    # Collectives keep_last_unit=False adds (lowered: compiling adds none), and what the
+    # bucket alone removes: the lowered programs already differ
+    # (test_bucketing_skipped_where_a_value_would_change counts there).
+    unkept = 0
+    if keep:
+        unbucketed = len(collectives(lowered(bucket=False)[2]))
+        unkept = asked[1] - unbucketed
+        assert unbucketed - asked[0] >= 2 * hops, (asked, unbucketed)
+        # The kept unit is not regathered in backward; without keeping, it is.
+        assert regathers[0] == 0 < regathers[1] <= unkept, (regathers, unkept)
+    else:
+        assert asked[1] - asked[0] >= 2 * hops, asked
+    assert counts[1] - unkept - counts[0] >= 2 * hops, (counts, unkept)
 
 
 @pytest.mark.parametrize("change", [dict(qgz=True, qgz_hadamard=True),

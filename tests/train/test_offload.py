@@ -71,11 +71,12 @@ CASES = [  # (optimizer, config): every optimizer, zero3 and zeropp, clipping, s
     ("lion", zpp.ZeroPPConfig.zeropp(qgz_hadamard=True)),
     ("adamw", zpp.ZeroPPConfig(stage=2)),
 ]
-# The primary shards in host memory too (stage 3), alone or with the optimizer state. The
-# second trains from CASES' lion state (its on-device run and compiled step are shared);
-# clipping with both offloads is the accumulation test's (ACC).
+# The primary shards in host memory too (stage 3), alone or with the optimizer state. Each
+# trains from a CASES state (its on-device run and compiled step are shared): the first
+# from the SGD ZeRO-3 one, the second from the lion one; clipping, and AdamW (whose weight
+# decay reads the parameters), with both offloads are the accumulation test's (ACC).
 PARAM_CASES = [
-    ("adamw", zpp.ZeroPPConfig.zero3(), {"offload_params": True}),
+    (*CASES[0], {"offload_params": True}),
     (*CASES[2], {"offload_params": True, "offload_optimizer": True}),
 ]
 TXS = {"sgd": lambda: optax.sgd(0.05, momentum=0.9),
@@ -84,8 +85,15 @@ TXS = {"sgd": lambda: optax.sgd(0.05, momentum=0.9),
        "adamw-default-decay": lambda: optax.adamw(3e-3)}
 
 
-@pytest.mark.parametrize("name,config", CASES, ids=[f"{n}-{i}" for i, (n, _) in
-                                                     enumerate(CASES)])
+# Lion with the optimizer state offloaded is slow (``make test-all``): its offloaded state
+# is one more ZeRO++ program with the Hadamard qgZ, one of the costliest to compile, and
+# ``make test`` trains the same lion state offloaded, against the same on-device run, in
+# test_offloaded_parameters_train_bit_for_bit_the_same[zeropp-both] (both offloads, the
+# optimizer state in host memory between steps), and a ZeRO++ state with only the
+# optimizer state offloaded (the parameters on the device) in [adamw-1].
+@pytest.mark.parametrize("name,config", [
+    pytest.param(n, c, id=f"{n}-{i}", marks=pytest.mark.slow if n == "lion" else ())
+    for i, (n, c) in enumerate(CASES)])
 def test_offloaded_training_is_bit_for_bit_the_same(name, config):
     seed = int(np.random.default_rng().integers(1 << 16))
     base, base_losses = _train(_initial(name, config), 3, seed)
@@ -104,10 +112,11 @@ def test_offloaded_parameters_train_bit_for_bit_the_same(name, config, offload):
     seed = int(np.random.default_rng().integers(1 << 16))
     base, base_losses = _train(_initial(name, config), 3, seed)
     off = _initial(name, dataclasses.replace(config, **offload))
+    want = HOST if offload.get("offload_optimizer") else "device"
     assert _memory_kinds(off.params.units) == {HOST}
+    assert _memory_kinds(off.opt_state) == {want}
     off, losses = _train(off, 3, seed)
     assert _memory_kinds(off.params.units) == {HOST}
-    want = HOST if offload.get("offload_optimizer") else "device"
     assert _memory_kinds(off.opt_state) == {want}
     np.testing.assert_array_equal(losses, base_losses)
     _assert_states_equal(off, base)
@@ -345,7 +354,10 @@ def test_models_we_did_not_write_train_the_same_offloaded(name):
     _assert_states_equal(runs[1][0], runs[0][0])
 
 
-@pytest.mark.parametrize("ratio", [0.5, 0.3])
+# 0.3 is slow (``make test-all``): each ratio is its own engine and compiled step, and 0.5
+# splits the same way (the root unit and a first block in host memory, a later unit and
+# the step count on the device), so [0.5] proves the same properties in ``make test``.
+@pytest.mark.parametrize("ratio", [0.5, pytest.param(0.3, marks=pytest.mark.slow)])
 def test_a_fraction_of_the_optimizer_state_offloaded_trains_bit_for_bit_the_same(ratio,
                                                                                    tmp_path):
     """``offload_ratio`` (DeepSpeed's ``offload_optimizer.ratio``, ZeRO-Offload++): whole

@@ -37,6 +37,30 @@ from zoo import hf_compat
 DECODE = dataclasses.replace(SMALL, decode=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_reference_program_per_setting():
+    """``reference_generate`` builds a new ``jax.jit`` on every call, and tracing its decode
+    loop is most of a call's time. Here each model and settings get one program, which
+    jit then reuses for every call of the same shapes: the greedy tests' references
+    (hpZ and ZeRO-3, hpZ groups, frozen INT8: one model, 4-token prompts, 8 new tokens)
+    and the sampling test's on each mesh. ``reference_generate`` itself is unchanged: it
+    still checks the prompts, picks the prefill and runs the program."""
+    from zeropp_jax.inference import generate as generation
+
+    original = generation.reference_program
+    programs: dict = {}
+
+    def program(model, max_new_tokens, **settings):
+        key = (model, max_new_tokens, repr(sorted(settings.items())))
+        if key not in programs:
+            programs[key] = original(model, max_new_tokens, **settings)
+        return programs[key]
+
+    generation.reference_program = program
+    yield
+    generation.reference_program = original
+
+
 def _state(model, params, mesh_shape=(2, 4), **cfg):
     cfg.setdefault("compute_dtype", "float32")
     return zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
@@ -86,10 +110,11 @@ def test_hpz_groups_of_two_nodes_exchange_inside_the_group_only():
     prompts = tokens(8, 4, seed=42)[:, :4]
     grouped = _state(GPT(SMALL), params, (4, 2), hpz=True, hpz_group_size=4)
     plain = _state(GPT(SMALL), params, (4, 2))
-    out = np.asarray(zpp.generate(grouped, prompts, 6, model=GPT(DECODE)))
-    np.testing.assert_array_equal(out, reference_generate(GPT(DECODE), params, prompts, 6))
+    new = SMALL.seq_len - 4  # the greedy test's shapes: its reference program
+    out = np.asarray(zpp.generate(grouped, prompts, new, model=GPT(DECODE)))
+    np.testing.assert_array_equal(out, reference_generate(GPT(DECODE), params, prompts, new))
     for state, part in ((grouped, "backward"), (plain, "forward")):
-        per_token = comm_report(lower_generation_step(state, prompts, 6, model=GPT(DECODE)),
+        per_token = comm_report(lower_generation_step(state, prompts, new, model=GPT(DECODE)),
                                 state.mesh).cross_node_bytes
         expected = sum(row[part].cross for row in state.engine.wire_bytes().values())
         assert per_token == expected > 0, (part, per_token, expected)
@@ -124,7 +149,10 @@ def test_sampling_is_the_same_on_every_mesh_and_follows_lengths_and_stops(mesh_s
 
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]], np.float32))
-    kept = lambda s: np.isfinite(np.asarray(filtered_logits(logits, s)))  # noqa: E731
+    # Jitted, as generate's loop runs it: one program per setting instead of its ops one by
+    # one (each a small compile).
+    filtered = jax.jit(filtered_logits, static_argnums=1)
+    kept = lambda s: np.isfinite(np.asarray(filtered(logits, s)))  # noqa: E731
     np.testing.assert_array_equal(kept(Sampling(1.0, top_k=2)),
                                   [[1, 1, 0, 0], [0, 0, 1, 1]])
     # top_p=0.8: 0.5 + 0.3 reaches it, so the third is dropped; 0.81 needs the third.
@@ -132,7 +160,7 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     np.testing.assert_array_equal(kept(Sampling(1.0, top_p=0.81)), [[1, 1, 1, 0], [0, 1, 1, 1]])
     np.testing.assert_array_equal(kept(Sampling(1.0, top_p=0.01)), [[1, 0, 0, 0], [0, 0, 0, 1]])
     # The temperature divides the logits.
-    np.testing.assert_allclose(np.asarray(filtered_logits(logits, Sampling(2.0))), logits / 2)
+    np.testing.assert_allclose(np.asarray(filtered(logits, Sampling(2.0))), logits / 2)
 
 
 def test_frozen_int8_weights_stay_quantized_and_match_their_dequantized_reference():
@@ -146,10 +174,11 @@ def test_frozen_int8_weights_stay_quantized_and_match_their_dequantized_referenc
         frozen=lambda path: path[-1] == "kernel")
     secondary = gather_secondary(state)
     assert any(v[0].dtype == np.int8 for k, v in secondary.items() if k.startswith("frozen/"))
-    prompts = tokens(8, 3, seed=22)[:, :3]
-    out = np.asarray(zpp.generate(state, prompts, 7, model=GPT(DECODE), secondary=secondary))
+    prompts = tokens(8, 4, seed=22)[:, :4]
+    new = SMALL.seq_len - 4  # the greedy test's shapes: its reference program
+    out = np.asarray(zpp.generate(state, prompts, new, model=GPT(DECODE), secondary=secondary))
     np.testing.assert_array_equal(
-        out, reference_generate(GPT(DECODE), state.consolidate(), prompts, 7))
+        out, reference_generate(GPT(DECODE), state.consolidate(), prompts, new))
 
 
 def test_flax_lm1b_decode_convention():

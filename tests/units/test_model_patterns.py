@@ -22,8 +22,8 @@ from flax import nnx
 import zeropp_jax as zpp
 
 from helpers import (assert_far_below_updates, assert_rounding_close, assert_training_close,
-                     leaf_scales, loss_and_grads_rounding, momentum_sensitivity, rounding_of,
-                     trajectory_tolerances)
+                     jitted, leaf_scales, loss_and_grads_rounding, momentum_sensitivity,
+                     rounding_of, trajectory_tolerances, value_and_grad_of)
 
 FP32 = zpp.ZeroPPConfig(compute_dtype="float32")
 
@@ -86,6 +86,20 @@ def _ids(seed, shape=(8, 7)):
     return np.random.default_rng(seed).integers(0, 48, shape).astype(np.int32)
 
 
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("method", "train"))
+def _init(model, key, *args, **kwargs):
+    """``model.init(key, *args, **kwargs)`` as one program: flax's init run eagerly compiles
+    a program per operation and shape. One program per model and argument shapes (linen
+    modules hash by their fields), whatever the key."""
+    return model.init(key, *args, **kwargs)
+
+
+def _tied_params(seed):
+    """TiedLM's parameters from ``PRNGKey(seed)``. Initialized on ``[8, 6]`` tokens for
+    every test (one init program): its parameters do not depend on the sequence length."""
+    return _init(TiedLM(), jax.random.PRNGKey(seed), _ids(0)[:, :-1])["params"]
+
+
 def _token_losses(apply, params, ids):
     """Next-token cross entropy of every position, ``[batch, seq]``."""
     logits = apply({"params": params}, ids[:, :-1])
@@ -94,6 +108,16 @@ def _token_losses(apply, params, ids):
 
 def _lm_loss(apply, params, ids):
     return _token_losses(apply, params, ids).mean()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_loss(model, loss):
+    """``loss`` of the one-device ``model.apply`` as ``(params, batch) -> scalar``, one
+    function object per model and loss: the reference gradients and the rounding measured
+    of them (helpers.jitted, value_and_grad_of and the float64 programs, all keyed by the
+    function) then share their traced and compiled programs, within a call and across
+    calls."""
+    return lambda p, b: loss(model.apply, p, b)
 
 
 def _train_both(model, params, mesh, loss, batches, units=None, lr=0.1):
@@ -109,7 +133,9 @@ def _train_both(model, params, mesh, loss, batches, units=None, lr=0.1):
             state.params)
         return state.apply_gradients(grads=grads), value
 
-    ref_grad = jax.jit(jax.value_and_grad(lambda p, b: loss(model.apply, p, b)))
+    ref_loss = _reference_loss(model, loss)
+    # The program loss_and_grads_rounding evaluates fp32 in below (the same jit object).
+    ref_grad = jitted(value_and_grad_of(ref_loss))
     ours, theirs, grads, p = [], [], [], params
     for batch in batches:
         state, value = step(state, batch)
@@ -120,8 +146,7 @@ def _train_both(model, params, mesh, loss, batches, units=None, lr=0.1):
         # fp32 numpy: the same roundings as jnp, without an eager program per leaf shape
         p = jax.tree_util.tree_map(
             lambda a, b: np.asarray(a) - np.float32(lr) * np.asarray(b), p, g)
-    rho, (_, g) = loss_and_grads_rounding(lambda p, b: loss(model.apply, p, b), params,
-                                          batches[0])
+    rho, (_, g) = loss_and_grads_rounding(ref_loss, params, batches[0])
     tols = trajectory_tolerances(p, g, rho=rho, lr=lr, steps=len(batches),
                                  sensitivity=momentum_sensitivity())
     assert_training_close(ours, state.consolidate(), theirs, p, grads, tols, rho, start=params)
@@ -135,7 +160,7 @@ def _max_diff(a, b):
 
 def test_weights_read_through_variables_stay_gathered_and_are_exact(mesh):
     model = TiedLM()
-    params = model.init(jax.random.PRNGKey(0), _ids(0)[:, :-1])["params"]
+    params = _tied_params(0)
     # wte as its own unit: the root reads it outside wte's call, so it must be resident.
     with pytest.warns(UserWarning, match=r"\['wte'\] are read outside their own calls"):
         _train_both(model, params, mesh, _lm_loss, [_ids(1), _ids(2)], units=["wte", "block_*"])
@@ -144,7 +169,7 @@ def test_weights_read_through_variables_stay_gathered_and_are_exact(mesh):
 def test_module_passed_to_units_as_attribute(mesh):
     model = Seq2Seq()
     ids = _ids(3)
-    params = model.init(jax.random.PRNGKey(1), ids)["params"]
+    params = _init(model, jax.random.PRNGKey(1), ids)["params"]
 
     def loss(apply, p, batch):
         logits = apply({"params": p}, batch)
@@ -175,7 +200,7 @@ def test_parameters_never_reached_is_an_error(mesh):
 
     model = Unused()
     x = np.ones((8, 3), np.float32)
-    params = model.init(jax.random.PRNGKey(0), x, method=Unused.project)["params"]
+    params = _init(model, jax.random.PRNGKey(0), x, method=Unused.project)["params"]
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
                                   config=FP32)
 
@@ -205,7 +230,7 @@ def test_batch_stats_sync_batchnorm_parity_and_checkpoint(mesh, tmp_path):
     x = np.random.default_rng(0).standard_normal((16, 5)).astype(np.float32)
     y = np.random.default_rng(1).integers(0, 3, (16,)).astype(np.int32)
     # (init with train=False: no cross-device statistics are needed outside shard_map)
-    variables = model.init(jax.random.PRNGKey(0), x, train=False)
+    variables = _init(model, jax.random.PRNGKey(0), x, train=False)
     state = zpp.TrainState.create(model=model, params=variables, tx=optax.sgd(0.1),
                                   mesh=mesh, config=FP32)
     assert set(state.collections) == {"batch_stats"}
@@ -253,7 +278,7 @@ def test_batch_stats_sync_batchnorm_parity_and_checkpoint(mesh, tmp_path):
     # statistics), measured against them in float64.
     start = (variables["params"], variables["batch_stats"], x)
     rho = rounding_of(reference, *start).rho
-    ref_values, ref_params, ref_stats = jax.jit(reference)(*start)
+    ref_values, ref_params, ref_stats = jitted(reference)(*start)  # rounding_of's program
     assert_rounding_close((values, state.consolidate(), state.batch_stats),
                           (ref_values, ref_params, ref_stats), rho)
     # ... far below what a wrong gradient would move the parameters by.
@@ -276,7 +301,7 @@ def test_token_mean_is_the_global_token_mean_and_its_gradient(mesh):
     means is off; token_mean is exact in value and in gradient."""
     model = TiedLM()
     ids = _ids(5, (8, 9))
-    params = model.init(jax.random.PRNGKey(2), ids[:, :-1])["params"]
+    params = _tied_params(2)
     mask = np.zeros((8, 8), np.float32)
     for row, n in enumerate([8, 1, 3, 8, 2, 5, 8, 4]):  # real tokens per sequence
         mask[row, :n] = 1.0
@@ -297,16 +322,19 @@ def test_token_mean_is_the_global_token_mean_and_its_gradient(mesh):
         naive = masked_mean(state.apply_fn, state.params, batch)  # each device's own mean
         return state.apply_gradients(grads=g), {"loss": value, "naive": naive}
 
+    def reference_loss(p, b):
+        return masked_mean(model.apply, p, b)
+
     batch = {"ids": ids, "mask": mask}
     new, metrics = step(state, batch)
-    # One device, jitted (one program instead of op by op); the update in fp32 numpy.
-    want, g = jax.jit(jax.value_and_grad(lambda p: masked_mean(model.apply, p, batch)))(params)
+    # One device, jitted (one program instead of op by op; the one loss_and_grads_rounding
+    # evaluates fp32 in below, the same jit object); the update in fp32 numpy.
+    want, g = jitted(value_and_grad_of(reference_loss))(params, batch)
     ref = jax.tree_util.tree_map(lambda a, b: np.asarray(a) - np.float32(0.1) * np.asarray(b),
                                  params, g)
     # One SGD step, agreeing to this CPU's measured fp32 rounding of the masked mean and its
     # gradient (whole-batch order: the loss is no mean over rows to slice).
-    rho, (_, g64) = loss_and_grads_rounding(
-        lambda p, b: masked_mean(model.apply, p, b), params, batch, shards=())
+    rho, (_, g64) = loss_and_grads_rounding(reference_loss, params, batch, shards=())
     tols = trajectory_tolerances(ref, g64, rho=rho, lr=0.1, steps=1,
                                  sensitivity=momentum_sensitivity())
     assert_training_close([metrics["loss"]], new.consolidate(), [want], ref, [g], tols, rho,
@@ -317,7 +345,7 @@ def test_token_mean_is_the_global_token_mean_and_its_gradient(mesh):
 
 def test_metrics_and_outputs_are_fp32_under_bf16_compute(mesh):
     model = TiedLM()
-    params = model.init(jax.random.PRNGKey(0), _ids(0)[:, :-1])["params"]
+    params = _tied_params(0)
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
                                   config=zpp.ZeroPPConfig(compute_dtype="bfloat16"))
 

@@ -26,6 +26,8 @@ from zeropp_jax.comm.transports.qgz import FEEDBACK_BLOCK, encode_error
 from zeropp_jax.comm.wire import traced_collectives
 from zeropp_jax.quant.rotation import hadamard_signs
 
+from helpers import all_pairs, pairs_covered
+
 AXES = ("node", "local")
 BITS, BLOCK = 4, 32
 QMAX = 2 ** (BITS - 1) - 1
@@ -309,7 +311,14 @@ def _q_ints_jit(v):
 TIE = 2 * ETA2 * math.sqrt(BLOCK) * QMAX + 8 * QMAX * U
 
 
-@pytest.mark.parametrize("mesh_shape,hadamard,stages", CASES)
+# Pairwise cover (helpers.all_pairs): every mesh, Hadamard setting and stage count with each
+# other one, each case one plain-qgZ program of its own; the other 4 in test-all (their
+# feedback programs, with errors, are checked above in make test).
+ZERO_CASES = all_pairs(MESHES, [False, True], [1, 2])
+assert pairs_covered(ZERO_CASES, [MESHES, [False, True], [1, 2]])
+
+
+@pytest.mark.parametrize("mesh_shape,hadamard,stages", ZERO_CASES)
 def test_zero_errors_give_plain_qgz(mesh_shape, hadamard, stages):
     """With zero kept errors hop 1 quantizes ``fl(x + 0) = x`` in both paths, bit for bit.
 
@@ -432,11 +441,12 @@ def test_feedback_moves_the_same_bytes(mesh_shape, stages, switched):
 _encode_jit = jax.jit(encode_error)  # one program, not op by op
 
 
-def _encode_rows(e: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def _encode_rows(e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-device errors ``[P, h]`` -> global (FP8 values, scales) as the transport stores
-    them, device after device."""
+    them, device after device (joined on the host: no program per shape)."""
     parts = [_encode_jit(jnp.asarray(row, jnp.float32)) for row in e]
-    return (jnp.concatenate([p[0] for p in parts]), jnp.concatenate([p[1] for p in parts]))
+    return (np.concatenate([np.asarray(p[0]) for p in parts]),
+            np.concatenate([np.asarray(p[1]) for p in parts]))
 
 
 def _decode_rows(values, scales, num: int, h: int) -> np.ndarray:
@@ -462,7 +472,7 @@ def _transport_fn(signs: str, hadamard: bool = True, nodes: int = 2, local: int 
     sharding = NamedSharding(mesh, P(AXES))
 
     def run(g, kept, on=True, step=0):
-        args = [jax.device_put(a, sharding) for a in (jnp.asarray(g).reshape(-1), *kept)]
+        args = [jax.device_put(a, sharding) for a in (np.asarray(g).reshape(-1), *kept)]
         return fn(*args, jnp.asarray(on), jnp.asarray(step, jnp.int32))
 
     return tr, run
@@ -478,7 +488,7 @@ def _transport_inputs(rng, nodes=2, local=4, m=T_M):
          ).astype(np.float32)
     e1 = (0.05 * rng.standard_normal((num, h1))).astype(np.float32)
     e2 = (0.1 * rng.standard_normal((num, h2))).astype(np.float32)
-    kept = (*_encode_rows(e1), *_encode_rows(e2), jnp.ones((num,), jnp.float32))
+    kept = (*_encode_rows(e1), *_encode_rows(e2), np.ones((num,), np.float32))
     return g, kept, (h1, h2)
 
 
@@ -542,7 +552,7 @@ def test_repeated_calls_average_to_the_true_sum():
     rng = np.random.default_rng(500)
     g, _, _ = _transport_inputs(rng)
     tr, run = _transport_fn("fixed")  # Hadamard with fixed signs
-    kept = tuple(jnp.zeros(_global(s, num).shape, s.dtype)
+    kept = tuple(np.zeros(_global(s, num).shape, s.dtype)
                  for s in tr.feedback_specs(g.shape[1], nodes, local))
     total = np.zeros(g.shape[1])
     calls = 30

@@ -171,7 +171,11 @@ def _x(seed, rows=32):
 
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_sent_plus_kept_equals_gradients_plus_kept_before(hadamard):
-    state = _state(_config(qgz_hadamard=hadamard), seed=1)
+    """With Hadamard, per-step signs: the signs change what is sent and kept, not the
+    promise (fixed signs: test_micro_batches_carry_the_errors, which also shares its
+    program with test_per_step_signs_follow_the_step, as this case does)."""
+    signs = "per_step" if hadamard else "fixed"
+    state = _state(_config(qgz_hadamard=hadamard, qgz_signs=signs), seed=1)
     step = _step()
     s1, _ = step(state, _x(11))
     x2 = _x(12)
@@ -261,10 +265,15 @@ def test_per_step_signs_follow_the_step():
     """With per-step signs the kept errors of the same gradient differ between two steps;
     with fixed signs they are the same."""
     x = _x(71)
-    for signs, same in (("fixed", True), ("per_step", False)):
-        # seed 1: the fixed-sign run starts where test_sent_plus_kept...[True] does
-        state = _state(_config(qgz_hadamard=True, qgz_signs=signs), seed=1)
-        step = _step()  # one compiled program for both steps: the count is an input
+    # Other tests' states and programs, one program each (the step count is an input, so
+    # both steps run one program): per-step signs test_sent_plus_kept...[True]'s (seed 1,
+    # one micro-batch), fixed signs test_micro_batches_carry_the_errors's (seed 3, two
+    # micro-batches). Either step function hands the count to qgZ the same way (through
+    # state.apply_fn), and the fixed run shows the count alone changes no kept error.
+    for signs, seed, micro_batches, same in (("per_step", 1, 1, False),
+                                             ("fixed", 3, 2, True)):
+        state = _state(_config(qgz_hadamard=True, qgz_signs=signs), seed=seed)
+        step = _step(micro_batches=micro_batches)
         a, _ = step(state, x)
         later = jax.device_put(state.step + 1, state.step.sharding)
         b, _ = step(state.replace(step=later), x)
@@ -295,7 +304,10 @@ def test_scanned_stack_is_refused_with_the_fix():
                             length=2)
             return stack(name="layers")(x, None)[0]
 
-    params = _Scanned().init(jax.random.PRNGKey(0), jnp.zeros((1, 8)))["params"]
+    # Abstract params (shapes only): TrainState.create lays the units out and refuses
+    # before any array is placed, with nothing initialised or placed (no compiles).
+    params = jax.eval_shape(_Scanned().init, jax.random.PRNGKey(0),
+                            jnp.zeros((1, 8)))["params"]
     with pytest.raises(ValueError, match="Unroll the stack"):
         zpp.TrainState.create(model=_Scanned(), params=params, tx=optax.sgd(0.1),
                               mesh=zpp.make_mesh(NODES, LOCAL), config=_config(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -33,6 +34,49 @@ def _frozen(path):
 def _state(config, params, tx=None, mesh=(2, 4)):
     return zpp.TrainState.create(model=GPT(SMALL), params=params, tx=tx or optax.adam(1e-2),
                                  mesh=zpp.make_mesh(*mesh), config=config, frozen=_frozen)
+
+
+# Steps built once per module and shared between tests (a step compiles once per engine,
+# compared by identity, and step function; steps do not donate the state, so the untrained
+# state serves every test that reads it):
+# - the fp32 quantize_frozen steps of test_forward_and_gradients_equal_model_at_dequantized_
+#   weights, with the step's output on its batch: test_frozen_params_get_no_gradient_and_
+#   no_optimizer_state reads the INT8 one's output, and
+#   test_lowered_step_gathers_frozen_as_stored_without_quantizing lowers the INT8 and INT4
+#   ones (the same trace: it compiles nothing);
+# - the fp32 step without quantize_frozen of
+#   test_unquantized_frozen_is_exact_and_excluded_from_the_optimizer, whose lowered program
+#   the lowering test also reads.
+_BUILT: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_built():
+    yield
+    _BUILT.clear()
+
+
+def _quantized_run(bits: int, hpz: bool = False):
+    """(params, batch, untrained state, step, (new state, outputs)) of the fp32
+    quantize_frozen step (INT``bits``, Adam(1e-2)) on one batch, with its gradients."""
+    key = ("quantized", bits, hpz)
+    if key not in _BUILT:
+        params, batch = init_params(seed=51), tokens(16, seed=52)
+        cfg = zpp.ZeroPPConfig(compute_dtype="float32", quantize_frozen=True, weight_bits=bits,
+                               block_size=BLOCK, hpz=hpz)
+        state = _state(cfg, params)
+        step = make_step(with_grads=True)
+        _BUILT[key] = (params, batch, state, step, step(state, batch))
+    return _BUILT[key]
+
+
+def _unquantized():
+    """(params, untrained state, step) of the fp32 step without quantize_frozen (SGD(0.5))."""
+    if "unquantized" not in _BUILT:
+        params = init_params(seed=81)
+        state = _state(zpp.ZeroPPConfig(compute_dtype="float32"), params, tx=optax.sgd(0.5))
+        _BUILT["unquantized"] = (params, state, make_step(with_grads=True))
+    return _BUILT["unquantized"]
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "block"))
@@ -77,11 +121,7 @@ def test_forward_and_gradients_equal_model_at_dequantized_weights(bits, hpz):
     weights (same fp32 arithmetic, different reduction order over 8 devices: within the
     measured fp32 rounding, helpers.assert_loss_and_grads_close), and its gradient — of the
     trainable leaves only — equals the reference gradient there."""
-    params, batch = init_params(seed=51), tokens(16, seed=52)
-    cfg = zpp.ZeroPPConfig(compute_dtype="float32", quantize_frozen=True, weight_bits=bits,
-                           block_size=BLOCK, hpz=hpz)
-    state = _state(cfg, params)
-    _, out = make_step(with_grads=True)(state, batch)
+    params, batch, state, _, (_, out) = _quantized_run(bits, hpz)
     deq, scales = _dequantized(params, bits, BLOCK)
     ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL), deq, batch)
     rho = fp32_gradient_rounding(GPT(SMALL), deq, batch).rho
@@ -101,15 +141,14 @@ def test_forward_and_gradients_equal_model_at_dequantized_weights(bits, hpz):
 
 
 def test_frozen_params_get_no_gradient_and_no_optimizer_state():
-    params, batch = init_params(seed=61), tokens(16, seed=62)
-    cfg = zpp.ZeroPPConfig(quantize_frozen=True, block_size=BLOCK)
-    state = _state(cfg, params, tx=optax.adam(1e-2))
+    # The INT8 step of test_forward_and_gradients_equal_model_at_dequantized_weights (Adam,
+    # quantize_frozen; fp32 compute, which decides nothing here) and its step's output.
+    _, _, state, _, (new, out) = _quantized_run(8)
     engine = state.engine
     assert "wte" not in engine.layouts and "wte" in engine.frozen_layouts
     # Adam keeps mu and nu: exactly two buffers per trainable unit, nothing for frozen ones.
     shapes = sorted(x.shape[0] for x in jax.tree_util.tree_leaves(state.opt_state) if x.ndim)
     assert shapes == sorted(2 * [lay.n_pad for lay in engine.layouts.values()])
-    new, out = make_step(with_grads=True)(state, batch)
     assert set(out["grads"].units) == set(engine.layouts)
     grads = engine.consolidate(out["grads"])
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
@@ -135,34 +174,32 @@ def _gather_types(text: str) -> list[str]:
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_lowered_step_gathers_frozen_as_stored_without_quantizing(bits):
-    params = init_params(seed=71)
-    batch = tokens(16, seed=72)
-
-    def lowered(**kw):
-        cfg = zpp.ZeroPPConfig(block_size=BLOCK, weight_bits=bits, **kw)
-        return make_step().lower(_state(cfg, params), batch).as_text()
-
-    text = lowered(quantize_frozen=True)
+    # The fp32 steps the tests above run (their traces: lowering compiles nothing), and the
+    # same configuration with qwZ; the compute dtype decides only the trainable units' type.
+    params, batch, state, step, _ = _quantized_run(bits)
+    text = step.lower(state, batch).as_text()
     types = _gather_types(text)
     # Forward gathers of the 4 frozen units carry the stored bytes (values and scales in
-    # one uint8 buffer); trainable units bf16 (as u16); no fp32 -> int8 conversion
+    # one uint8 buffer); trainable units fp32 (as u32); no fp32 -> int8 conversion
     # anywhere: nothing is quantized in the step.
     value_type = "ui8"
     assert types.count(value_type) == 4, types
     assert not _CONVERT_TO_INT.search(text)
     # The check can fail: the same step with qwZ quantizes the trainable units.
-    assert _CONVERT_TO_INT.search(lowered(quantize_frozen=True, qwz=True))
-    # Without quantize_frozen, frozen weights move unquantized (bf16 as u16).
-    assert value_type not in _gather_types(lowered())
+    qwz = _state(dataclasses.replace(state.engine.config, qwz=True), params)
+    assert _CONVERT_TO_INT.search(make_step(with_grads=True).lower(qwz, batch).as_text())
+    # Without quantize_frozen (test_unquantized_frozen_is_exact_and_excluded_from_the_
+    # optimizer's step), frozen weights move unquantized (fp32 as u32).
+    _, plain, plain_step = _unquantized()
+    assert value_type not in _gather_types(plain_step.lower(plain, batch).as_text())
 
 
 def test_unquantized_frozen_is_exact_and_excluded_from_the_optimizer():
     """quantize_frozen=False: frozen weights stay fp32, the step equals the plain model
     (fp32, within the measured rounding), and after training steps the frozen weights are
     bit-identical."""
-    params, batch = init_params(seed=81), tokens(16, seed=82)
-    state = _state(zpp.ZeroPPConfig(compute_dtype="float32"), params, tx=optax.sgd(0.5))
-    step = make_step(with_grads=True)
+    params, state, step = _unquantized()
+    batch = tokens(16, seed=82)
     new, out = step(state, batch)
     new, _ = step(new, batch)
     ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL), params, batch)

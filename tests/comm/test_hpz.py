@@ -28,6 +28,45 @@ def _loss_and_grads(config, mesh_shape, params, batch):
     return state, float(out["loss"]), state.engine.consolidate(out["grads"])
 
 
+# fp32 SGD(0.1) steps (returning their gradients) at init_params(seed=31), built once per
+# module and mesh: a step compiles once per engine (compared by identity) and step function,
+# and steps do not donate the state, so the untrained state serves every test that shares
+# it. test_hpz_alone_equals_zero3 runs them (ZeRO-3's two steps on a mesh are run once and
+# compared with each hpZ group size there); test_backward_gathers_stay_inside_the_group
+# reads the hpZ steps' lowered programs (the same trace: it compiles nothing).
+_BUILT: dict = {}
+_SEED = 31
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_built():
+    yield
+    _BUILT.clear()
+
+
+def _built(mesh_shape, group, hpz: bool):
+    """(untrained state, step) of the shared fp32 step: hpZ with ``group`` or ZeRO-3."""
+    key = (mesh_shape, group, hpz)
+    if key not in _BUILT:
+        cfg = (zpp.ZeroPPConfig(hpz=True, hpz_group_size=group, **FP32) if hpz
+               else zpp.ZeroPPConfig(**FP32))
+        state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=_SEED),
+                                      tx=optax.sgd(0.1), mesh=zpp.make_mesh(*mesh_shape),
+                                      config=cfg)
+        _BUILT[key] = (state, make_step(with_grads=True))
+    return _BUILT[key]
+
+
+def _two_steps(state, step):
+    """(loss, gradients) of two training steps on fresh batches, the second at the weights
+    the first step updated."""
+    out = []
+    for seed in (32, 33):
+        state, metrics = step(state, tokens(16, seed=seed))
+        out.append((float(metrics["loss"]), state.engine.consolidate(metrics["grads"])))
+    return out
+
+
 @pytest.mark.parametrize(
     "mesh_shape,group",
     [((2, 4), None), ((4, 2), None), ((4, 2), 4),
@@ -35,14 +74,19 @@ def _loss_and_grads(config, mesh_shape, params, batch):
 )
 @pytest.mark.bitwise_programs
 def test_hpz_alone_equals_zero3(mesh_shape, group):
-    params, batch = init_params(seed=31), tokens(16, seed=32)
-    _, l3, g3 = _loss_and_grads(zpp.ZeroPPConfig(**FP32), mesh_shape, params, batch)
-    _, lh, gh = _loss_and_grads(zpp.ZeroPPConfig(hpz=True, hpz_group_size=group, **FP32),
-                                mesh_shape, params, batch)
+    """hpZ's steps equal ZeRO-3's bit for bit, and the secondary partition is rebuilt every
+    step: the second step runs at parameters the first changed (SGD(0.1) moves every weight
+    by 0.1 of its gradient, which changes the second gradient), and a backward that used a
+    stale secondary would give the first step's weights' gradient there."""
+    if ("zero3 steps", mesh_shape) not in _BUILT:
+        _BUILT["zero3 steps", mesh_shape] = _two_steps(*_built(mesh_shape, None, hpz=False))
+    zero3 = _BUILT["zero3 steps", mesh_shape]
+    hpz = _two_steps(*_built(mesh_shape, group, hpz=True))
     # Same fp32 weights, same arithmetic: only the gather path differs, and gathers move the
     # same bits (test_qgz: the hierarchical gather is the flat one bit for bit). Exact.
-    assert lh == l3
-    assert_leaves_equal(gh, g3)
+    for (l3, g3), (lh, gh) in zip(zero3, hpz):
+        assert lh == l3
+        assert_leaves_equal(gh, g3)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -64,14 +108,15 @@ def test_qwz_hpz_gradient_is_exact_at_dequantized_weights(bits):
 def test_backward_gathers_stay_inside_the_group(mesh_shape, group):
     nodes, local = mesh_shape
     group_devices = group or local
-    cfg = zpp.ZeroPPConfig(hpz=True, hpz_group_size=group)  # bf16: forward ui16, backward i16
-    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
-                                  mesh=zpp.make_mesh(nodes, local), config=cfg)
-    text = make_step().lower(state, tokens(16, seed=0)).as_text()
+    # The fp32 hpZ step test_hpz_alone_equals_zero3 runs: forward gathers move f32, backward
+    # regathers the same bits as i32 (bf16 steps move u16 and i16 alike).
+    state, step = _built(mesh_shape, group, hpz=True)
+    text = step.lower(state, tokens(16, seed=0)).as_text()
     ops = collectives(text)
     gathers = [([list(g) for g in c.groups], c.dtype) for c in ops if c.kind == "all-gather"]
-    forward = [g for g, t in gathers if t == "ui16"]
-    backward = [g for g, t in gathers if t == "i16"]
+    forward = [g for g, t in gathers if t == "f32"]
+    backward = [g for g, t in gathers if t == "i32"]
+    assert len(forward) + len(backward) == len(gathers), gathers
     assert len(forward) == len(state.engine.layouts) - 1  # the rest unit's in the first's
     assert backward, "no backward regathers found"
     node_of = lambda d: d // local  # noqa: E731
@@ -132,32 +177,6 @@ def test_residuals_hold_secondary_slices_not_full_weights():
     expected = sum(lay.n_pad // local * 2 for name, lay in hpz_state.engine.layouts.items()
                    if name != "<rest>")
     assert secondary_bytes(hpz_state.engine) == expected
-
-
-@pytest.mark.bitwise_programs
-def test_secondary_is_rebuilt_every_step():
-    """Two steps whose parameters change in between: each step's backward must use that
-    step's weights (a stale secondary would give the first step's gradient again).
-
-    SGD(0.1) as in test_hpz_alone_equals_zero3: the first step moves every weight by 0.1
-    of its gradient, which changes the second step's gradient, and the two configurations
-    are then the programs that test compiles on the 2x4 mesh (served from the run's
-    compile cache)."""
-    params = init_params(seed=51)
-    batches = [tokens(16, seed=52), tokens(16, seed=53)]
-    results = {}
-    for name, cfg in (("z3", zpp.ZeroPPConfig(**FP32)),
-                      ("hpz", zpp.ZeroPPConfig(hpz=True, **FP32))):
-        state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
-                                      mesh=zpp.make_mesh(2, 4), config=cfg)
-        step = make_step(with_grads=True)
-        grads = []
-        for b in batches:
-            state, out = step(state, b)
-            grads.append(state.engine.consolidate(out["grads"]))
-        results[name] = grads
-    for i in range(2):  # the same arithmetic on the same bits (see test_hpz_alone_equals_zero3)
-        assert_leaves_equal(results["hpz"][i], results["z3"][i])
 
 
 @pytest.mark.parametrize("group", [3, 12, 2])

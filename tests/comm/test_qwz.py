@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -33,6 +34,20 @@ def _run_gather(mesh, x, **kwargs):
     return np.asarray(jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P(AXES)))))
 
 
+@functools.partial(jax.jit, static_argnames=("devices", "bits", "block"))
+def _shard_round_trips(x, *, devices, bits, block):
+    """Each device's shard of ``x`` through Q then Q^-1 (concatenated, in ``x``'s dtype) and
+    its scales, as one program instead of op by op. Jitting changes no bit: the reference's
+    ops are elementwise (plus an exact max), with no product feeding a sum to contract."""
+    k = x.size // devices
+    deq, scales = [], []
+    for d in range(devices):
+        v, s = quantize_reference(x[d * k:(d + 1) * k], bits=bits, block_size=block)
+        deq.append(dequantize_reference(v, s, bits=bits, block_size=block, dtype=x.dtype))
+        scales.append(s)
+    return jnp.concatenate(deq), jnp.concatenate(scales)
+
+
 @pytest.mark.parametrize("nodes,local", [(2, 4), (3, 2)])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -46,19 +61,12 @@ def test_qwz_all_gather_equals_gather_of_dequantized_shards(nodes, local, bits, 
     x = rng.standard_t(3, size=devices * k) * np.repeat(10.0 ** rng.uniform(-3, 2, devices), k)
     x = jnp.asarray(x, dtype)
     out = _run_gather(mesh, x, bits=bits, block_size=block)
-    expected = []
-    for d in range(devices):
-        v, s = quantize_reference(x[d * k:(d + 1) * k], bits=bits, block_size=block)
-        expected.append(dequantize_reference(v, s, bits=bits, block_size=block, dtype=x.dtype))
-    expected = np.asarray(jnp.concatenate(expected))
+    expected, scales = map(np.asarray, _shard_round_trips(x, devices=devices, bits=bits,
+                                                          block=block))
     for d in range(devices):  # each device holds the same gathered array
         np.testing.assert_array_equal(out[d * devices * k:(d + 1) * devices * k], expected)
     # And it is close to x: within half a quantization step per element (fp32 case).
     if dtype == "float32":
-        scales = np.concatenate([
-            np.asarray(quantize_reference(x[d * k:(d + 1) * k], bits=bits, block_size=block)[1])
-            for d in range(devices)
-        ])
         bound = np.repeat(scales, block) * (0.5 + 2.0 ** -20)
         assert np.all(np.abs(expected - np.asarray(x)) <= bound)
 
@@ -77,13 +85,44 @@ def _gathers(text: str) -> list[tuple[int, str]]:
             for c in collectives(text) if c.kind == "all-gather"]
 
 
+# fp32 steps (returning their gradients) on the 2x4 mesh, built once per module: a step
+# compiles once per engine (compared by identity) and step function, and steps do not
+# donate the state, so the same untrained state serves every test that shares it.
+# - qwZ INT8 / INT4 (blocks of 64, SGD(0.1)): test_qwz_step_is_exact_at_dequantized_weights
+#   and test_qwz_loss_within_derived_bound_of_zero3 run it (each on a batch of its own);
+#   test_train_step_gathers_quantized_values_and_scales_only reads its lowered program (the
+#   same trace and lowering: it compiles nothing);
+# - ZeRO-3 at the same parameters: the loss-bound test's reference, for both bit widths.
+_BUILT: dict = {}
+_BLOCK = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_built():
+    yield
+    _BUILT.clear()
+
+
+def _shared(bits: int | None):
+    """(untrained state, step) of the shared fp32 qwZ INT``bits`` step at
+    init_params(seed=11), or with ``bits=None`` of the ZeRO-3 step at the same parameters."""
+    if bits not in _BUILT:
+        cfg = (zpp.ZeroPPConfig(compute_dtype="float32") if bits is None else
+               zpp.ZeroPPConfig(qwz=True, weight_bits=bits, block_size=_BLOCK,
+                                compute_dtype="float32"))
+        state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=11),
+                                      tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4), config=cfg)
+        _BUILT[bits] = (state, make_step(with_grads=True))
+    return _BUILT[bits]
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_train_step_gathers_quantized_values_and_scales_only(bits):
-    block = 64
-    cfg = zpp.ZeroPPConfig(qwz=True, weight_bits=bits, block_size=block)
-    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.adam(1e-3),
-                                  mesh=zpp.make_mesh(2, 4), config=cfg)
-    text = make_step().lower(state, tokens(16, seed=0)).as_text()
+    # The shared qwZ step (fp32 compute: the compute dtype is what the gathered weights are
+    # dequantized to, not what they travel as).
+    block = _BLOCK
+    state, step = _shared(bits)
+    text = step.lower(state, tokens(16, seed=0)).as_text()
     gathers = _gathers(text)
     assert gathers
     others = [t for _, t in gathers if t not in ("i8", "ui8")]
@@ -105,14 +144,11 @@ def test_train_step_gathers_quantized_values_and_scales_only(bits):
 def test_qwz_step_is_exact_at_dequantized_weights(bits):
     """fp32: loss and gradients of the qwZ step equal those of the plain model evaluated
     at the dequantized weights — forward and backward saw the same (quantized) weights."""
-    block = 64
+    block = _BLOCK
     model = GPT(SMALL)
-    params = init_params(seed=11)
+    state, step = _shared(bits)
     batch = tokens(16, seed=12)
-    cfg = zpp.ZeroPPConfig(qwz=True, weight_bits=bits, block_size=block, compute_dtype="float32")
-    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
-                                  mesh=zpp.make_mesh(2, 4), config=cfg)
-    _, out = make_step(with_grads=True)(state, batch)
+    _, out = step(state, batch)
     deq = dequantized_params(state, block, bits)
     ref_loss, ref_grads = reference_loss_and_grads(model, deq, batch)
     # Both fp32 at the same weights; only the summation order differs.
@@ -121,31 +157,30 @@ def test_qwz_step_is_exact_at_dequantized_weights(bits):
                                 ref_loss, ref_grads, rho)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "block"))
+def _scales(flat, *, bits, block):
+    """The per-block scales of ``flat``, one program per unit size (op by op, each eager op
+    compiles; the max and division round alike either way)."""
+    return quantize_reference(flat, bits=bits, block_size=block)[1]
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_qwz_loss_within_derived_bound_of_zero3(bits):
     """|L(w + d) - L(w)| <= sum_i |dL/dw_i| * |d_i| to first order, and |d_i| <= s_b / 2
     (half a quantization step of the element's block). So the bound is
     B = sum_i |g_i| * s_b(i) / 2; the first-order term alone is usually far below B (signs
     cancel), which leaves room for the second-order term."""
-    block = 64
-    model = GPT(SMALL)
-    params = init_params(seed=21)
+    block = _BLOCK
     batch = tokens(16, seed=22)
-    mesh = zpp.make_mesh(2, 4)
-    z3 = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
-                               config=zpp.ZeroPPConfig(compute_dtype="float32"))
-    qw = zpp.TrainState.create(
-        model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
-        config=zpp.ZeroPPConfig(qwz=True, weight_bits=bits, block_size=block,
-                                compute_dtype="float32"),
-    )
-    step = make_step(with_grads=True)
-    _, out_z3 = step(z3, batch)
-    _, out_qw = step(qw, batch)
+    # The shared qwZ and ZeRO-3 steps: the same parameters.
+    z3, z3_step = _shared(None)
+    qw, qw_step = _shared(bits)
+    _, out_z3 = z3_step(z3, batch)
+    _, out_qw = qw_step(qw, batch)
     bound = 0.0
     for name, lay in qw.engine.layouts.items():
         flat = jnp.asarray(np.asarray(qw.params.units[name]))
-        _, s = quantize_reference(flat, bits=bits, block_size=block)
+        s = _scales(flat, bits=bits, block=block)
         # Same flat order in both runs; only the padding differs (qwZ pads to whole blocks).
         g = np.zeros(lay.n_pad, np.float32)
         g[: lay.n] = np.asarray(jax.device_get(out_z3["grads"].units[name]))[: lay.n]
@@ -154,24 +189,30 @@ def test_qwz_loss_within_derived_bound_of_zero3(bits):
     assert 0 < diff <= bound, (diff, bound)
 
 
-def _dequantized_as_sent(state, block: int, weight_format: str, hadamard: bool) -> dict:
-    """The weights a qwZ step computes with in ``weight_format`` (with the fixed key's
-    Hadamard signs when ``hadamard``): every unit's flat buffer through Q and Q^-1."""
+@functools.partial(jax.jit, static_argnames=("block", "weight_format", "hadamard"))
+def _round_trip_as_sent(flat, *, block: int, weight_format: str, hadamard: bool):
+    """One unit's flat buffer through Q and Q^-1 in ``weight_format`` (with the fixed key's
+    Hadamard signs when ``hadamard``), as one program per unit size instead of ~25 op-by-op
+    compiles (jitted and op by op, these references gave the same bits for every format
+    and unit size of the test GPT, Hadamard or not: checked when this was jitted)."""
     from pallas_kernels.hadamard import rotate_reference, unrotate_reference
     from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
     from zeropp_jax.quant.rotation import hadamard_signs
 
     signs = hadamard_signs(None, block) if hadamard else None
+    if weight_format == "fp8":
+        x = rotate_reference(flat, signs, block_size=block) if hadamard else flat
+        deq = dequantize_fp8_flat(*quantize_fp8_flat(x, block_size=block), block_size=block)
+        return unrotate_reference(deq, signs, block_size=block) if hadamard else deq
+    kw = dict(bits=int(weight_format[3:]), block_size=block, signs=signs)
+    return dequantize_reference(*quantize_reference(flat, **kw), dtype=jnp.float32, **kw)
 
-    def roundtrip(flat):
-        if weight_format == "fp8":
-            x = rotate_reference(flat, signs, block_size=block) if hadamard else flat
-            deq = dequantize_fp8_flat(*quantize_fp8_flat(x, block_size=block), block_size=block)
-            return unrotate_reference(deq, signs, block_size=block) if hadamard else deq
-        kw = dict(bits=int(weight_format[3:]), block_size=block, signs=signs)
-        return dequantize_reference(*quantize_reference(flat, **kw), dtype=jnp.float32, **kw)
 
-    return dequantized_params(state, block, 8, roundtrip)
+def _dequantized_as_sent(state, block: int, weight_format: str, hadamard: bool) -> dict:
+    """The weights a qwZ step computes with in ``weight_format`` (with the fixed key's
+    Hadamard signs when ``hadamard``): every unit's flat buffer through Q and Q^-1."""
+    return dequantized_params(state, block, 8, functools.partial(
+        _round_trip_as_sent, block=block, weight_format=weight_format, hadamard=hadamard))
 
 
 @pytest.mark.parametrize("weight_format,hadamard", [("int4", True), ("fp8", False)])

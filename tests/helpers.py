@@ -129,15 +129,23 @@ def reference_loss_and_grads(model, params, batch):
         return _loss_and_grads(model, params, batch)
 
 
-def reference_train(model, params, tx, batches, *, with_grads: bool = False):
+def reference_train(model, params, tx, batches, *, with_grads: bool = False,
+                    jit_optimizer: bool = False):
     """Plain single-device training: params after ``len(batches)`` steps and the losses (and,
-    with ``with_grads``, each step's gradients, for ``loss_trajectory_tolerance``)."""
+    with ``with_grads``, each step's gradients, for ``loss_trajectory_tolerance``).
+    ``jit_optimizer``: the optimizer's init and update run as one program each; op by op,
+    every optax op compiles a small program of its own the first time a process sees its
+    shapes (Adam: ~100, about 2 s), which pays off only where a file's other tests have not
+    already compiled them."""
+    init, update = tx.init, tx.update
+    if jit_optimizer:
+        init, update = jax.jit(tx.init), jax.jit(tx.update)
     with jax.default_device(jax.devices()[0]):
-        state = tx.init(params)
+        state = init(params)
         losses, grads = [], []
         for b in batches:
             loss, g = reference_loss_and_grads(model, params, b)
-            u, state = tx.update(g, state, params)
+            u, state = update(g, state, params)
             params = optax.apply_updates(params, u)
             losses.append(float(loss))
             grads.append(g)

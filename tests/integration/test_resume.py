@@ -75,7 +75,8 @@ def test_trainer_flags_accum_clip_schedule_eval_save(tmp_path):
     assert again["losses"] == [] and again["start_step"] == 6
 
 
-# test_ulysses pins the same equality at library level; this runs the CLI flag end to end.
+# At library level test_ulysses holds the sequence-parallel step to one-device training, as
+# test_engine holds the data-parallel one; this runs the CLI flag end to end.
 @pytest.mark.slow
 def test_sequence_parallel_cli_equals_data_parallel(tmp_path):
     common = ["--steps", "3", "--nodes", "2", "--local", "2"]

@@ -29,32 +29,67 @@ from helpers import (
 FP32 = dict(compute_dtype="float32")
 
 
-def _train(model, params, tx, batches, cfg, mesh_shape=(2, 4)):
-    state = zpp.TrainState.create(model=model, params=params, tx=tx,
-                                  mesh=zpp.make_mesh(*mesh_shape), config=cfg)
-    step = make_step()
+def _train(state, step, batches, *extra):
     losses = []
     for b in batches:
-        state, out = step(state, b)
+        state, out = step(state, b, *extra)
         losses.append(float(out["loss"]))
     return state, losses
+
+
+# The clipping test's states (Adam, max_norm 0.3, by stage) and their step serve the
+# global-norm and non-finite tests too (steps do not donate the state): at stage 3 the
+# three tests run one step program, traced and compiled once.
+MAX_NORM = 0.3
+# eps: see test_engine.test_three_adam_steps...
+ADAM = lambda: optax.adam(1e-2, eps=1e-3)  # noqa: E731
+_STATES: dict = {}
+
+
+def _clipped_state(stage):
+    """The params (seed 21) and their fp32 state at ``stage`` with ``ADAM``, clipping at
+    ``MAX_NORM``."""
+    if stage not in _STATES:
+        params = init_params(seed=21)
+        cfg = zpp.ZeroPPConfig(stage=stage, gradient_clipping=MAX_NORM, **FP32)
+        _STATES[stage] = params, zpp.TrainState.create(
+            model=GPT(SMALL), params=params, tx=ADAM(),
+            mesh=zpp.make_mesh(2, 4), config=cfg)
+    return _STATES[stage]
+
+
+@zpp.train_step
+def _scaled_step(state, batch, scale):
+    """A step on ``scale`` times the loss (1: the loss itself, exactly; NaN: non-finite
+    gradients). At stage 3 it also returns the gradient's ``zpp.global_norm`` (stages 1 and
+    2 differentiate each device's full weights, which global_norm refuses)."""
+    def loss_of(p):
+        return scale * loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+    loss, grads = jax.value_and_grad(loss_of)(state.params)
+    out = {"loss": loss}
+    if grads.sharded:
+        out["norm"] = zpp.global_norm(grads)
+    return state.apply_gradients(grads=grads), out
+
+
+ONE = np.float32(1.0)
 
 
 @pytest.mark.parametrize("stage", [3, 2])
 def test_clipping_equals_optax_clip_by_global_norm(stage):
     model = GPT(SMALL)
-    params = init_params(seed=21)
+    params, start = _clipped_state(stage)
     batches = [tokens(16, seed=500 + i) for i in range(3)]
     # The unclipped gradient norm of this model and data is ~1-3; 0.3 clips every step
     # (checked below), so the test cannot pass by never clipping.
-    max_norm = 0.3
-    inner = optax.adam(1e-2, eps=1e-3)  # eps: see test_engine.test_three_adam_steps...
-    cfg = zpp.ZeroPPConfig(stage=stage, gradient_clipping=max_norm, **FP32)
-    state, losses = _train(model, params, inner, batches, cfg)
+    max_norm = MAX_NORM
+    inner = ADAM()  # the state's optimizer
+    state, losses = _train(start, _scaled_step, batches, ONE)
     ref_params, ref_losses, ref_grads = reference_train(
         model, params, optax.chain(optax.clip_by_global_norm(max_norm), inner), batches,
-        with_grads=True)
-    unclipped, _ = reference_train(model, params, inner, batches)
+        with_grads=True, jit_optimizer=True)
+    unclipped = reference_train(model, params, inner, batches, jit_optimizer=True)[0]
     # As test_engine's Adam steps, with Adam seeing clipped gradients: each run scales by
     # its own norm, so the norms' difference adds to the gradients' (helpers.clipped).
     rho, (_, g) = fp32_gradient_rounding(model, params, batches[0])
@@ -73,18 +108,10 @@ def test_clipping_equals_optax_clip_by_global_norm(stage):
 
 def test_global_norm_inside_the_step_equals_the_unsharded_norm():
     model = GPT(SMALL)
-    params = init_params(seed=22)
+    # ZeRO-3: the step's gradients are primary shards; _scaled_step returns their
+    # zpp.global_norm (before clipping: the norm of what jax.grad returned).
+    params, state = _clipped_state(3)
     batch = tokens(16, seed=7)
-    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
-                                  mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig.zero3(**FP32))
-
-    @zpp.train_step
-    def step(state, batch):
-        def loss_of(p):
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        g = jax.grad(loss_of)(state.params)
-        return {"norm": zpp.global_norm(g)}
 
     # The single-device gradient and its norm, jitted (op by op, they compiled ~200 small
     # programs): the same fp32 arithmetic, each a program of its own.
@@ -94,7 +121,8 @@ def test_global_norm_inside_the_step_equals_the_unsharded_norm():
     rho, (_, g) = fp32_gradient_rounding(model, params, batch)
     rtol = global_norm_rtol(g, rho)
     assert rtol < 1e-3 * GUARDED
-    assert abs(float(step(state, batch)["norm"]) - float(ref)) <= rtol * float(ref)
+    norm = float(_scaled_step(state, batch, ONE)[1]["norm"])
+    assert abs(norm - float(ref)) <= rtol * float(ref)
 
 
 def test_schedules_and_elementwise_chains_equal_single_device():
@@ -109,10 +137,11 @@ def test_schedules_and_elementwise_chains_equal_single_device():
         optax.add_decayed_weights(1e-2),
         optax.scale_by_schedule(lambda c: -schedule(c)),
     )
-    state, losses = _train(model, params, tx, batches, zpp.ZeroPPConfig.zero3(**FP32),
-                           mesh_shape=(4, 2))
+    state = zpp.TrainState.create(model=model, params=params, tx=tx,
+                                  mesh=zpp.make_mesh(4, 2), config=zpp.ZeroPPConfig.zero3(**FP32))
+    state, losses = _train(state, make_step(), batches)
     ref_params, ref_losses, ref_grads = reference_train(model, params, tx, batches,
-                                                        with_grads=True)
+                                                        with_grads=True, jit_optimizer=True)
     # As test_engine's Adam steps, at the schedule's peak lr, Adam seeing the clipped first
     # gradient (clipping moves no element more than its input; decoupled decay contracts).
     rho, (_, g) = fp32_gradient_rounding(model, params, batches[0])
@@ -142,20 +171,11 @@ def test_optax_global_norm_clipping_is_rejected_naming_the_config():
 
 @pytest.mark.parametrize("stage", [3, 1])
 def test_nonfinite_gradient_skips_the_update(stage):
-    model = GPT(SMALL)
-    params = init_params(seed=24)
-    cfg = zpp.ZeroPPConfig(stage=stage, gradient_clipping=1.0, **FP32)
-    state = zpp.TrainState.create(model=model, params=params, tx=optax.adam(1e-2),
-                                  mesh=zpp.make_mesh(2, 4), config=cfg)
-
-    @zpp.train_step
-    def step(state, batch, scale):
-        def loss_of(p):
-            return scale * loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-
+    # Clipping is on, so the NaN gradients pass through the clipping's norm too. The
+    # clipping test's states and step (at stage 3 its very program); a loss scale of NaN
+    # makes every gradient NaN.
+    params, state = _clipped_state(stage)
+    step = _scaled_step
     b = tokens(16, seed=8)
     s1, m1 = step(state, b, np.float32(np.nan))
     assert not np.isfinite(float(m1["loss"]))
@@ -166,8 +186,8 @@ def test_nonfinite_gradient_skips_the_update(stage):
     for a, e in zip(jax.tree_util.tree_leaves(s1.opt_state), jax.tree_util.tree_leaves(state.opt_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
     # The next finite step trains as if the bad one had never happened.
-    s2, m2 = step(s1, b, np.float32(1.0))
-    s_ref, m_ref = step(state, b, np.float32(1.0))
+    s2, m2 = step(s1, b, ONE)
+    s_ref, m_ref = step(state, b, ONE)
     assert int(s2.skipped_steps) == 1 and np.isfinite(float(m2["loss"]))
     for a, e in zip(jax.tree_util.tree_leaves(s2.consolidate()),
                     jax.tree_util.tree_leaves(s_ref.consolidate())):

@@ -48,19 +48,26 @@ MEMO: dict = {}
 
 @pytest.fixture(scope="module")
 def llama_steps():
-    """One compiled step per config, shared by the tests of this module."""
+    """The Llama, the 2x4 mesh, one batch, and ``step_of(name)``: the config's state and
+    compiled step, built when a test first asks for it (xdist may run the two configs'
+    tests on different workers: each then compiles only its own)."""
     import zoo
 
     entry = zoo.get("hf_llama")
     mesh = zpp.make_mesh(2, 4)
     batch = entry.make_batch(np.random.default_rng(0), GLOBAL_BATCH)
     out = {}
-    with zoo.hf_compat():
-        for name, config in CONFIGS.items():
-            state = zpp.TrainState.create(model=entry.model, params=entry.params,
-                                          tx=optax.adam(1e-3), mesh=mesh, config=config)
-            out[name] = (state, _hf_step(entry).lower(state, batch).compile(), batch)
-    return entry, mesh, out
+
+    def step_of(name):
+        if name not in out:
+            with zoo.hf_compat():
+                state = zpp.TrainState.create(model=entry.model, params=entry.params,
+                                              tx=optax.adam(1e-3), mesh=mesh,
+                                              config=CONFIGS[name])
+                out[name] = (state, _hf_step(entry).lower(state, batch).compile(), batch)
+        return out[name]
+
+    return entry, mesh, step_of
 
 
 def _hf_step(entry):
@@ -103,8 +110,8 @@ def _llama_memory(name, entry, state, batch, nodes, local):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_memory_model_is_the_compiled_step_of_a_transformers_llama(name, llama_steps):
-    entry, mesh, steps = llama_steps
-    state, compiled, batch = steps[name]
+    entry, mesh, step_of = llama_steps
+    state, compiled, batch = step_of(name)
     stats = compiled.memory_analysis()
     shape = _llama_shape(entry, state)
     model, tokens, batch_bytes = _llama_memory(name, entry, state, batch, 2, 4)

@@ -126,7 +126,7 @@ def test_the_workload_is_the_compiled_step_of_a_transformers_gpt2(name):
     import zoo
 
     seed = int(np.random.SeedSequence().entropy % 2**31)
-    entry = zoo.hf_gpt2()
+    entry = zoo.get("hf_gpt2")  # built once per process (shared with other tests)
     mesh = zpp.make_mesh(2, 4)
     with zoo.hf_compat():
         state = zpp.TrainState.create(model=entry.model, params=entry.params,

@@ -187,12 +187,17 @@ sys.path.insert(0, {tests!r})
 import zeropp_jax as zpp
 zpp.simulate_cpu_devices(8)
 import optax
+from flax import traverse_util
 from zeropp_jax.train import checkpoint as ckpt
 from zeropp_demo.gpt import GPT
 import jax
 import numpy as np
-from helpers import SMALL, init_params
-state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=31),
+from helpers import SMALL
+# The parent's parameters (init_params(seed=31)), read from a file: running the model's
+# init here would cost the child a trace and a compile for the same values.
+with np.load({params!r}) as f:
+    params = traverse_util.unflatten_dict(dict(f), sep="/")
+state = zpp.TrainState.create(model=GPT(SMALL), params=params,
     tx=optax.adamw(1e-2, weight_decay=0.1), mesh=zpp.make_mesh(2, 4),
     config=zpp.ZeroPPConfig.zero3(compute_dtype="float32"))
 # A save of step 3 (its counter set, as the tests' _at does: what is saved does not matter
@@ -205,9 +210,13 @@ ckpt.save({directory!r}, state)
 
 
 def test_save_killed_midway_leaves_the_previous_checkpoint_usable(trained, tmp_path):
+    from flax import traverse_util
+
     state, d, _, _ = trained
     d = _copy(d, tmp_path)
-    code = _KILLED_SAVE.format(tests=str(ROOT / "tests"), directory=str(d))
+    params = tmp_path / "params.npz"
+    np.savez(params, **traverse_util.flatten_dict(init_params(seed=31), sep="/"))
+    code = _KILLED_SAVE.format(tests=str(ROOT / "tests"), directory=str(d), params=str(params))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600, env=subprocess_env())
     assert proc.returncode == 17, proc.stderr[-2000:]
@@ -296,7 +305,10 @@ def test_frozen_quantized_weights_restore_onto_other_meshes(bits, tmp_path):
     """Frozen weights stored INT8 / INT4 in blocks: the stored bytes restore exactly onto
     a mesh with other shards and other padding (blocks never straddle devices), and
     load_params dequantizes them as consolidate() does. The template is built from other
-    weights, so each value must come from the checkpoint."""
+    weights, so each value must come from the checkpoint. The state is saved as created,
+    untrained: a step leaves frozen weights as they are, and a train step of this config
+    would be a program compiled for this test alone (restoring a trained state onto other
+    meshes: test_restore_across_mesh_shapes_and_device_counts)."""
     cfg = zpp.ZeroPPConfig.zero3(quantize_frozen=True, weight_bits=bits, block_size=64, **FP32)
 
     def frozen_state(shape, seed, devices=None):
@@ -305,7 +317,6 @@ def test_frozen_quantized_weights_restore_onto_other_meshes(bits, tmp_path):
             mesh=zpp.make_mesh(*shape, devices=devices), frozen=_frozen_kernels)
 
     state = frozen_state((2, 4), 31)
-    state, _ = make_step()(state, tokens(16, seed=3))
     ckpt.save(tmp_path, state)
     want = state.consolidate()
     for shape, devices in (((4, 2), None), ((1, 3), jax.devices()[:3])):

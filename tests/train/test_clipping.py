@@ -46,6 +46,12 @@ ADAM = lambda: optax.adam(1e-2, eps=1e-3)  # noqa: E731
 _STATES: dict = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forget_states():
+    yield
+    _STATES.clear()
+
+
 def _clipped_state(stage):
     """The params (seed 21) and their fp32 state at ``stage`` with ``ADAM``, clipping at
     ``MAX_NORM``."""

@@ -160,9 +160,17 @@ def test_the_memory_model_by_hand():
     wide = memory_breakdown(zero3, transformer_shape(2, 64, 1000, 16, heads=1), 2, 4, 2000)
     assert wide.moment == "loss" and wide.loss == 2000 * 2 * 1000 * 4
     # hpZ: each block that regathers holds a bfloat16 secondary over the node's 4 devices
-    # from its forward to its backward (the embedding regathers nothing, the head is kept).
-    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True), shape, 2, 4, 2000)
+    # from its forward to its regather (the embedding regathers nothing, the head is
+    # kept). Without backward prefetch both blocks' are held at the peak (block_1's while
+    # it regathers). With it, block_1 regathered during the head's backward and block_0
+    # regathers as block_1's backward starts: their full weights are held instead (above),
+    # their secondaries are spent.
+    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True, prefetch=0), shape, 2, 4, 2000)
+    assert hpz.moment == "backward block_1 (start)"
     assert hpz.secondary == 2 * (2 * block / 4)
+    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True), shape, 2, 4, 2000)
+    assert hpz.moment == "backward block_1 (start)"
+    assert hpz.secondary == 0
     # Remat "full" keeps each block's input (d) and recomputes one block at a time: at the
     # start of the last block's backward, the inputs, that block's 1318 elements a token
     # and the gradients flowing through it (d + ffn), beside the 2 d + 2 outside.
@@ -191,9 +199,12 @@ def test_a_7b_llama_on_128_gpus_is_its_activations():
     per_token = 2 * (32 * 4096 + 8194 + 350020 + 15104) + 3 * 32 * 4096 * 4
     assert full.activations == 4096 * per_token
     assert full.activations < m.activations / 9
-    # hpZ's secondary over a node's 8 GPUs: 2 bytes x the 32 layers / 8 (1.5 GiB).
+    # hpZ's secondary over a node's 8 GPUs: 2 bytes x the layers / 8 (1.4 GiB), of the 30
+    # layers not regathered at the last layer's backward (it regathered during the
+    # head's backward, the layer before it regathers now: backward prefetch).
     hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True, remat="full"), shape, 16, 8, 4096)
-    assert hpz.secondary == pytest.approx(2 * 32 * dict(shape.units)["block_0"] / 8,
+    assert hpz.moment == "backward block_31 (start)"
+    assert hpz.secondary == pytest.approx(2 * 30 * dict(shape.units)["block_0"] / 8,
                                           rel=1e-3)
 
 

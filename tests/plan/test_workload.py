@@ -112,10 +112,16 @@ def test_flops_and_memory_follow_the_shape():
                                         tokens_per_device=10).memory_bytes_per_device
     # hpZ keeps a bf16 secondary over the node's 4 devices of each block that regathers
     # (the embedding regathers nothing, the head is kept) from its forward to its
-    # backward. This step's peak is the end of the last block's backward, where the first
-    # block's is still held: 2 x block / 4 bytes (tests/plan/test_memory_model.py).
+    # regather. This step's peak is the end of the last block's backward. Without
+    # backward prefetch the first block's is still held there: 2 x block / 4 bytes; with
+    # it (the default, one unit ahead) the first block has regathered already, at the
+    # start of this backward: none (tests/plan/test_memory_model.py).
     assert hpz.moment == "backward block_1 (end)"
-    assert hpz.secondary == 2 * block / 4
+    assert hpz.secondary == 0
+    alone = memory_breakdown(zpp.ZeroPPConfig(hpz=True, prefetch=0), shape, 2, 4,
+                             tokens_per_device=10)
+    assert alone.moment == "backward block_1 (end)"
+    assert alone.secondary == 2 * block / 4
 
 
 @pytest.mark.parametrize("name", ["zero3 two-hop", "zeropp"])

@@ -103,6 +103,30 @@ def test_minimal_remat_runs_no_forward_matmul_twice(plain_dots, remat_steps):
     assert len(_DOT.findall(full.as_text())) > plain_dots
 
 
+def test_full_remat_replays_one_block_at_a_time_under_prefetch(remat_steps):
+    """With backward prefetch (``prefetch=1``, the default) a block's regather starts
+    during the next block's backward, but its remat replay waits for its own cotangent:
+    run beside the next block's backward, two blocks' replayed activations would be live
+    at once (a transformers GPT-2's step compiled 1.23x the memory model's bytes). Read
+    from the compiled schedule of the fp32 "full" step (already compiled for the test
+    above)."""
+    ops = _scheduled(remat_steps("full")[2])
+    backward = "transpose(jvp(GPT))"
+
+    def where(opcode, *parts):
+        return [i for i, (op, name) in enumerate(ops)
+                if opcode in op and all(p in name for p in parts)]
+
+    replay_0 = where("fusion", backward, "rematted_computation/block_0/", "dot_general")
+    block_1 = where("dot", backward, "/block_1/") + where("fusion", backward, "/block_1/",
+                                                         "dot_general")
+    assert len(replay_0) == 5  # qkv, two attention products, proj, fc (not out: unused)
+    assert min(replay_0) > max(block_1), (replay_0, block_1)
+    # The gather still moves: before the next block's first weight-gradient matmul.
+    [regather_0] = where("all-gather", backward, "/block_0/")
+    assert regather_0 < min(where("dot", backward, "/block_1/"))
+
+
 def _regather_step(keep_last_unit, prefetch):
     """The bf16 2x4 "minimal" step the two tests below read: the default one (the head
     kept, prefetch 1) or one with both off, two compiles for their four cases. Neither

@@ -779,8 +779,16 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         if u in shape.no_regather:
             continue
         acts, weights, secs = until(i)
-        weights += sum(full(v) for v in order[max(0, i - config.prefetch):i]
-                       if v in regathering)
+        ahead = [v for v in order[max(0, i - config.prefetch):i] if v in regathering]
+        weights += sum(full(v) for v in ahead)
+        # Their regathers have run, and so has this unit's (during an earlier backward)
+        # if a unit called after it took its token (``units.ordering``): a later unit in
+        # the order, or, for the last, a unit called again (a tied head: the reason
+        # keep_last_unit kept no unit): those hpZ secondaries are spent, and so are qwZ's
+        # quantized buffers.
+        secs -= sum(sec.get(v, 0.0) for v in ahead)
+        prefetched = bool(config.prefetch) and (
+            i + 1 < len(order) or (config.keep_last_unit and shape.kept != u))
         own = kept_by(u)
         if u in shape.blocks:
             own += tokens * m * shape.block_gradients
@@ -792,9 +800,10 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
                 own += tokens * m * shape.block_activations
             elif u not in holds:
                 own += tokens * m * recomputed
-        mine = held(u) if u in holds else full(u) + decoding(u)
-        moments.append((f"backward {u} (start)", weights + mine, secs + sec.get(u, 0.0),
-                        acts + own, 0.0, reduced))
+        mine = held(u) if u in holds else full(u) + (0.0 if prefetched else decoding(u))
+        moments.append((f"backward {u} (start)", weights + mine,
+                        secs + (0.0 if prefetched else sec.get(u, 0.0)), acts + own, 0.0,
+                        reduced))
         moments.append((f"backward {u} (end)", weights + min(mine, gathered(u)), secs, acts,
                         0.0, gradient(u) + reduced + error_work(u)))
         reduced += pad(sizes[u]) * p / devices if u in sizes else 0.0

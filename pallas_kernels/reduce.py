@@ -74,6 +74,7 @@ def _check_chunks(values: jax.Array, scales: jax.Array, *, bits: int, block_size
     return groups, m // block_size
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "block_size"))  # see quantize_reference
 def _dequantize_chunk_reference(
     values: jax.Array, scales: jax.Array, *, bits: int, block_size: int
 ) -> jax.Array:
@@ -88,6 +89,7 @@ def _dequantize_chunk_reference(
     return _dequantize_product(q.astype(jnp.float32), scale).reshape(nb * block_size)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "block_size"))  # see quantize_reference
 def dequantize_reduce_reference(
     values: jax.Array, scales: jax.Array, *, bits: int, block_size: int,
     signs: jax.Array | None = None,

@@ -78,6 +78,8 @@ def reorder_reference(x: jax.Array, *, nodes: int, local: int, stages: int = 1,
     return sub.reshape(nodes, local, m // stages).transpose(1, 0, 2).reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnames=("nodes", "local", "bits", "block_size", "stages",
+                                             "stage"))  # see quantize.quantize_reference
 def reorder_quantize_reference(
     x: jax.Array, *, nodes: int, local: int, bits: int, block_size: int, stages: int = 1,
     stage: int = 0, signs: jax.Array | None = None, seed: jax.Array | None = None,

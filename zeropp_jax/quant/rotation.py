@@ -19,6 +19,8 @@ way every step, and the bias would not average out across steps).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -47,6 +49,8 @@ def _as_key(key: jax.Array | None) -> jax.Array:
                     f"(...)), got {key.dtype}{key.shape}")
 
 
+# Jitted: traced once per block size and reused by every unit and step that asks.
+@functools.partial(jax.jit, static_argnames=("block_size",))
 def hadamard_signs(key: jax.Array | None, block_size: int) -> jax.Array:
     """fp32 ±1 ``[block_size]`` (a power of 2), a function of ``key`` only: every device
     holding the same key (or none: ``fixed_key()``) gets the same signs."""

@@ -841,13 +841,17 @@ def _read_arrays(path: pathlib.Path, targets: dict, name: str, sub: str = "array
     arrays, error = None, None
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        arrays = handler.restore(path / sub,
-                                 args=ocp.args.PyTreeRestore(restore_args=targets))
+        try:
+            arrays = handler.restore(path / sub,
+                                     args=ocp.args.PyTreeRestore(restore_args=targets))
+        finally:
+            # Inside the try: closing can raise the read's error too (a damaged OCDBT
+            # b-tree node surfaced once as tensorstore's DATA_LOSS ValueError, not as
+            # CheckpointError).
+            handler.close()
     except Exception as e:  # noqa: BLE001 — any failure to read means a damaged checkpoint
         error = CheckpointError(
             f"{path} is damaged: its arrays cannot be read ({_short(e)}).{_fallback(path)}")
-    finally:
-        handler.close()
     processes.agree(f"{name}.read", error, CheckpointError)
     return arrays
 

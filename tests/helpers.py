@@ -129,6 +129,9 @@ def reference_loss_and_grads(model, params, batch):
         return _loss_and_grads(model, params, batch)
 
 
+_jit_apply_updates = jax.jit(optax.apply_updates)
+
+
 def reference_train(model, params, tx, batches, *, with_grads: bool = False,
                     jit_optimizer: bool = False):
     """Plain single-device training: params after ``len(batches)`` steps and the losses (and,
@@ -137,16 +140,17 @@ def reference_train(model, params, tx, batches, *, with_grads: bool = False,
     every optax op compiles a small program of its own the first time a process sees its
     shapes (Adam: ~100, about 2 s), which pays off only where a file's other tests have not
     already compiled them."""
-    init, update = tx.init, tx.update
+    init, update, apply = tx.init, tx.update, optax.apply_updates
     if jit_optimizer:
-        init, update = jax.jit(tx.init), jax.jit(tx.update)
+        # apply_updates too: op by op it compiles an add (and a cast) per leaf shape.
+        init, update, apply = jax.jit(tx.init), jax.jit(tx.update), _jit_apply_updates
     with jax.default_device(jax.devices()[0]):
         state = init(params)
         losses, grads = [], []
         for b in batches:
             loss, g = reference_loss_and_grads(model, params, b)
             u, state = update(g, state, params)
-            params = optax.apply_updates(params, u)
+            params = apply(params, u)
             losses.append(float(loss))
             grads.append(g)
     return (params, losses, grads) if with_grads else (params, losses)

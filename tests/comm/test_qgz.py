@@ -245,34 +245,40 @@ def test_lowered_step_has_two_hops_per_unit_and_stage(stages):
 
 @pytest.mark.bitwise_programs
 def test_qgz_until_switches_without_recompiling():
-    """qgz_until=0: never quantized -> identical to ZeRO-3; qgz_until=2: quantized for
-    steps 0 and 1 only, by one compiled program."""
-    params = init_params(seed=_SHARED_SEED)
-    batches = [tokens(16, seed=62 + i) for i in range(4)]
-    mesh = zpp.make_mesh(2, 4)
+    """qgz_until=2 (0.5 of 4 planned steps): quantized for steps 0 and 1 only, by one
+    compiled program; switched off (past qgz_until, or qgz_until=0 from the start: the
+    same run-time switch) it is identical to ZeRO-3 over steps of training."""
+    from zeropp_jax.comm.transports import gradient_transport
 
-    def run(cfg, steps=4):
-        if cfg is None:  # ZeRO-3
-            state, step = _fp32_zero3()
-        elif cfg == zpp.ZeroPPConfig(qgz=True, **_FP32):  # always-on: the shared program
-            state, step = _qgz_always()
-        else:
-            state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
-                                          mesh=mesh, config=cfg)
-            step = make_step(with_grads=True)
+    batches = [tokens(16, seed=62 + i) for i in range(4)]
+
+    def run(state, step, steps=4):
         grads = []
         for b in batches[:steps]:
             state, out = step(state, b)
             grads.append(state.engine.consolidate(out["grads"]))
-        return grads, step
+        return grads
 
     fp32 = _FP32
-    z3, _ = run(None)  # zpp.ZeroPPConfig(**fp32), the shared program
-    never, _ = run(zpp.ZeroPPConfig(qgz=True, qgz_until=0, **fp32))
-    always, _ = run(zpp.ZeroPPConfig(qgz=True, **fp32), steps=1)  # only its step 0 is used
-    half, step = run(zpp.ZeroPPConfig(qgz=True, qgz_until=0.5, planned_steps=4, **fp32))
+    z3 = run(*_fp32_zero3())  # zpp.ZeroPPConfig(**fp32), the shared program
+    always = run(*_qgz_always(), steps=1)  # only its step 0 is used
+    half_cfg = zpp.ZeroPPConfig(qgz=True, qgz_until=0.5, planned_steps=4, **fp32)
+    start = zpp.TrainState.create(model=GPT(SMALL), params=init_params(seed=_SHARED_SEED),
+                                  tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+                                  config=half_cfg)
+    step = make_step(with_grads=True)
+    half = run(start, step)
+    # The same state and program with the step counter at 2, past qgz_until: every step
+    # runs switched off (a separate qgz_until=0 program would be this one with 0 for 2:
+    # the transport's switch is the only place the setting reaches, checked below), from
+    # ZeRO-3's start. SGD reads no step counter, so only the switch sees it.
+    late = start.replace(step=jax.device_put(np.int32(2), start.step.sharding))
+    never = run(late, step)
+    assert gradient_transport(zpp.ZeroPPConfig(qgz=True, qgz_until=0, **fp32)
+                              ).switch_step() == 0
+    assert gradient_transport(half_cfg).switch_step() == 2
     # Off, qgZ is its fallback reduce-scatter: the same sums in the same order, bit for bit
-    # (as tests/comm/test_transports.py checks on the transport alone).
+    # (as tests/comm/test_transports.py checks on the transport alone), at every step.
     for i in range(4):
         assert_leaves_equal(never[i], z3[i])
     assert step.jitted._cache_size() == 1

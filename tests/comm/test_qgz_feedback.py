@@ -36,8 +36,12 @@ QMAX = 2 ** (BITS - 1) - 1
 M = 100
 U = 2.0**-24  # fp32 unit roundoff
 MESHES = [(2, 4), (3, 2)]
-CASES = [(mesh, hadamard, stages) for mesh in MESHES for hadamard in (False, True)
-         for stages in (1, 2)]
+# Meshes x Hadamard x stage counts, each case a feedback program of its own (the library
+# tests below share them): a pairwise cover (helpers.all_pairs: every mesh, Hadamard
+# setting and stage count with each other one) in `make test`, the other 4 in test-all.
+FACTORS = [MESHES, [False, True], [1, 2]]
+CASES = all_pairs(*FACTORS)
+assert pairs_covered(CASES, FACTORS)
 
 
 def _mesh(nodes: int, local: int):
@@ -311,11 +315,9 @@ def _q_ints_jit(v):
 TIE = 2 * ETA2 * math.sqrt(BLOCK) * QMAX + 8 * QMAX * U
 
 
-# Pairwise cover (helpers.all_pairs): every mesh, Hadamard setting and stage count with each
-# other one, each case one plain-qgZ program of its own; the other 4 in test-all (their
-# feedback programs, with errors, are checked above in make test).
-ZERO_CASES = all_pairs(MESHES, [False, True], [1, 2])
-assert pairs_covered(ZERO_CASES, [MESHES, [False, True], [1, 2]])
+# The same pairwise cover as CASES, each case one plain-qgZ program of its own beside the
+# feedback program the tests above compiled; the other 4 in test-all.
+ZERO_CASES = CASES
 
 
 @pytest.mark.parametrize("mesh_shape,hadamard,stages", ZERO_CASES)

@@ -215,7 +215,12 @@ def _dequantized_as_sent(state, block: int, weight_format: str, hadamard: bool) 
         _round_trip_as_sent, block=block, weight_format=weight_format, hadamard=hadamard))
 
 
-@pytest.mark.parametrize("weight_format,hadamard", [("int4", True), ("fp8", False)])
+# Rotated INT4 in `make test-all`: a step takes the same path for every quantized wire
+# format (FP8 here, INT8 and INT4 above), and the rotated INT4 transport's gather is
+# checked against its wire format, and its regather bit for bit, on its own
+# (test_transports.py::test_gather_is_the_wire_format_and_regather_is_bitwise).
+@pytest.mark.parametrize("weight_format,hadamard", [
+    pytest.param("int4", True, marks=pytest.mark.slow), ("fp8", False)])
 def test_smoothed_and_fp8_steps_are_exact_at_their_dequantized_weights(weight_format,
                                                                        hadamard):
     """As for INT8/INT4 above: the step's loss and gradients are the plain model's at the

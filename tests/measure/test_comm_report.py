@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -13,9 +12,8 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zpp
 from zeropp_jax.measure.analysis import comm_report
 from zeropp_jax.measure.comm_report import collectives, mesh_axes_groups
-from zeropp_demo.gpt import GPT
 
-from helpers import SMALL, init_params, make_step, tokens
+from default_step import default_step
 
 AXES = ("node", "local")
 
@@ -78,11 +76,10 @@ def test_reduce_scatter_and_permute():
 
 
 def test_train_step_report_flags_widened_reduce_scatters():
-    mesh = zpp.make_mesh(2, 4)
-    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
-                                  mesh=mesh)  # bf16 compute
-    lowered = make_step().lower(state, tokens(16, seed=0))
-    asked, moved = comm_report(lowered, mesh), comm_report(lowered.compile(), mesh)
+    # bf16 compute (the default config); the step test_memory reads too (default_step.py).
+    state, _, lowered, compiled = default_step()
+    mesh = state.mesh
+    asked, moved = comm_report(lowered, mesh), comm_report(compiled, mesh)
     rs_asked = [r for r in asked.rows if r.kind == "reduce-scatter"]
     rs_moved = [r for r in moved.rows if r.kind == "reduce-scatter"]
     assert {r.dtype for r in rs_asked} == {"bf16"} and not any(r.widened for r in rs_asked)

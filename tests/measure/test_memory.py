@@ -2,14 +2,11 @@
 
 import jax
 import numpy as np
-import optax
 import pytest
 
-import zeropp_jax as zpp
 from zeropp_jax.measure.analysis import memory_model
-from zeropp_demo.gpt import GPT
 
-from helpers import SMALL, init_params, make_step, tokens
+from default_step import default_step
 
 
 def test_paper_example():
@@ -27,11 +24,9 @@ def test_paper_example():
 
 
 def test_persistent_state_matches_compiled_arguments():
-    params = init_params()
-    state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.adam(1e-3),
-                                  mesh=zpp.make_mesh(2, 4))
-    batch = tokens(16, seed=0)
-    stats = make_step().lower(state, batch).compile().memory_analysis()
+    # Adam on the default config (default_step.py: the step test_comm_report reads too).
+    state, batch, _, compiled = default_step()
+    stats = compiled.memory_analysis()
     # The model counts parameters; the state holds each unit padded to whole shards (the
     # small test model pads a lot relatively: 5 units of a few hundred elements) and three
     # replicated int32 scalars (the step, skipped steps, Adam's count). With those counted,

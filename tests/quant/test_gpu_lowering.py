@@ -15,7 +15,12 @@ from zeropp_jax.quant.quantization import compiled_kernels
 from helpers import SMALL, init_params, make_step, tokens
 
 
-@pytest.mark.parametrize("weight_bits,smooth", [(8, False), (4, False), (4, True)])
+# Each case traces and lowers a whole step (seconds). INT4 weights without smoothing run in
+# test-all: (4, True) lowers the step with INT4 weights, (8, False) the unrotated kernels
+# inside a step (qgZ's INT4 gradients among them), and tests/quant/test_pallas_quantize.py
+# lowers the unrotated INT4 quantize and dequantize kernels for CUDA one by one.
+@pytest.mark.parametrize("weight_bits,smooth", [
+    (8, False), pytest.param(4, False, marks=pytest.mark.slow), (4, True)])
 def test_zeropp_step_with_pallas_kernels_lowers_for_cuda(weight_bits, smooth):
     """``smooth``: Hadamard-rotated INT4 weights and gradients, stochastically rounded
     gradients: the fused rotating / stochastic kernels lower inside the step too."""

@@ -62,8 +62,12 @@ def test_rotate_then_unrotate_is_the_identity_to_fp32_rounding(block_size):
     rng = np.random.default_rng(seed_of("identity", block_size))
     x = sample_blocks(rng, 16, block_size, jnp.float32)
     signs = _signs(block_size)
+    # Both ways jitted (one program each, instead of one per op): the butterflies are adds
+    # and subtracts, the products by the signs and by c stand alone, so XLA contracts
+    # nothing into an FMA and rounds as op by op.
     y = jax.jit(H.rotate_reference, static_argnames="block_size")(x, signs, block_size=block_size)
-    back = H.unrotate_reference(y, signs, block_size=block_size)
+    unrotate = jax.jit(H.unrotate_reference, static_argnames="block_size")
+    back = unrotate(y, signs, block_size=block_size)
     xb, yb, bb = _blocks(x, block_size), _blocks(y, block_size), _blocks(back, block_size)
     norm = np.linalg.norm(xb, axis=1)
     err = np.linalg.norm(bb - xb, axis=1)
@@ -72,7 +76,7 @@ def test_rotate_then_unrotate_is_the_identity_to_fp32_rounding(block_size):
     assert np.max(err / norm) > 0  # rounding happened: the bound is what holds it
     # The rotation mixes every element of its block: no element survives unchanged.
     assert np.mean(np.isclose(yb, xb)) < 0.05
-    wrong = H.unrotate_reference(y, -signs, block_size=block_size)
+    wrong = unrotate(y, -signs, block_size=block_size)
     assert np.min(np.linalg.norm(_blocks(wrong, block_size) - xb, axis=1) / norm) > 0.1
 
 

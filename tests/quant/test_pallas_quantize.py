@@ -116,9 +116,25 @@ def _half_ulp(v: np.ndarray, dtype) -> np.ndarray:
     return 0.5 * np.ldexp(1.0, exponent - info.nmant)
 
 
-@pytest.mark.parametrize("block_size,nb,bpp", SIZES[:3])
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("dtype_name", DTYPES)
+# The cases below read the programs of the bit-for-bit cases (``_run`` keeps them). Those in
+# the all-pairs cover above run in `make test`: for the round trip's three sizes they are
+# themselves an all-pairs cover of (size, dtype, width), so every dtype's half ulp meets
+# every width's scale; the others would each compile a program of their own (test-all).
+_COVER = {c.values for c in CASES if not c.marks}
+
+
+def _in_cover(cases):
+    """``(dtype_name, bits, size)`` cases as params, those outside ``_COVER`` slow."""
+    return [pytest.param(d, b, *size, marks=() if (size, d, b) in _COVER else pytest.mark.slow)
+            for d, b, size in cases]
+
+
+_ROUND_TRIP = _in_cover([(d, b, size) for d in DTYPES for b in BITS for size in SIZES[:3]])
+assert pairs_covered([pytest.param(tuple(p.values[2:]), *p.values[:2], marks=p.marks)
+                      for p in _ROUND_TRIP], [SIZES[:3], list(DTYPES), list(BITS)])
+
+
+@pytest.mark.parametrize("dtype_name,bits,block_size,nb,bpp", _ROUND_TRIP)
 def test_round_trip_error_bounded_by_scale(dtype_name, bits, block_size, nb, bpp):
     # Derivation, per finite block with a normal fp32 scale s > 0 (u = 2**-24, fp32 unit
     # roundoff; Q = qmax). s = fl(absmax * fl(1/Q)) is within (1+u)**2 of absmax / Q, so
@@ -193,10 +209,12 @@ def _quantize_reference(bits: int, block_size: int):
 # ------------------------------------------------------------------------ 4. INT4 packing
 
 
-@pytest.mark.parametrize("block_size,nb,bpp", SIZES[:2])
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
-def test_int4_layout_and_nibble_range(dtype_name, block_size, nb, bpp):
-    x, (values, scales, _), _ = _run(dtype_name, 4, block_size, nb, bpp)
+# Packing is per block, whatever the tiling: the cases on programs the cover compiled run in
+# `make test` (both dtypes at 64 x 3 blocks), the others in test-all.
+@pytest.mark.parametrize("dtype_name,bits,block_size,nb,bpp",
+                         _in_cover([(d, 4, size) for d in ("bf16", "fp32") for size in SIZES[:2]]))
+def test_int4_layout_and_nibble_range(dtype_name, bits, block_size, nb, bpp):
+    x, (values, scales, _), _ = _run(dtype_name, bits, block_size, nb, bpp)
     packed = to_np(values).reshape(nb, block_size // 2)
     lo, hi = packed & 0x0F, packed >> 4
     # Quantized values lie in [-7, 7]: the nibble 0b1000 (-8) never occurs.

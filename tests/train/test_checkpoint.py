@@ -85,7 +85,10 @@ def test_units_are_restored_by_name_not_position(trained):
 def test_restore_across_mesh_shapes_and_device_counts(trained):
     """2x4 -> 1x8 -> 4x2 (a checkpoint written on each), then onto 4 devices (other padding)
     and with ZeRO stage 2: identical parameters and optimizer moments, and training
-    continues exactly as it would have on the original mesh."""
+    continues exactly as it would have on the original mesh: the next step's loss on 4x2
+    (restored from the checkpoint 1x8 wrote) is the original's. One step program: on 1x8
+    the loss would be that of the same parameters, checked bit for bit (one-device
+    equality of a mesh's step is test_engine's and test_mesh_optimizers')."""
     import tempfile
 
     state, d, _, step = trained
@@ -95,16 +98,20 @@ def test_restore_across_mesh_shapes_and_device_counts(trained):
     for shape in ((1, 8), (4, 2)):
         current = ckpt.restore(d, _state(shape))
         _leaves_equal(current.consolidate(), state.consolidate())
+        # Every mesh of 8 devices pads and cuts the flat units alike (device d holds slice
+        # d), so the optimizer state's global arrays compare as they are.
+        assert current.engine.layouts == state.engine.layouts
+        _leaves_equal(current.opt_state, state.opt_state)
         d = pathlib.Path(tempfile.mkdtemp()) / shape.__repr__()
         ckpt.save(d, current)
-        cont, m = step(current, b)
-        # fp32, the same parameters (bit for bit) and rows per device: each device's loss is
-        # the same computation; only the order in which the mean over the 8 devices adds
-        # them may differ. Two fp32 sums of 8 positive terms differ by at most 2 gamma_7,
-        # gamma_k = k U32 / (1 - k U32) (any order); a device's loss missing from the mean
-        # moves it by an eighth.
-        rtol = 2 * 7 * U32 / (1 - 7 * U32)
-        assert abs(float(m["loss"]) - float(m_exp["loss"])) <= rtol * float(m_exp["loss"])
+    cont, m = step(current, b)
+    # fp32, the same parameters (bit for bit) and rows per device: each device's loss is
+    # the same computation; only the order in which the mean over the 8 devices adds them
+    # may differ. Two fp32 sums of 8 positive terms differ by at most 2 gamma_7,
+    # gamma_k = k U32 / (1 - k U32) (any order); a device's loss missing from the mean
+    # moves it by an eighth.
+    rtol = 2 * 7 * U32 / (1 - 7 * U32)
+    assert abs(float(m["loss"]) - float(m_exp["loss"])) <= rtol * float(m_exp["loss"])
     four = ckpt.restore(d, _state((2, 2), devices=jax.devices()[:4]))
     _leaves_equal(four.consolidate(), state.consolidate())
     stage2 = ckpt.restore(d, _state((2, 4), cfg=zpp.ZeroPPConfig(stage=2, **FP32)))
@@ -168,6 +175,24 @@ def test_damaged_array_data_is_an_error_not_wrong_weights(trained, tmp_path):
             raw[i] ^= 0xFF
         path.write_bytes(bytes(raw))
     with pytest.raises(ckpt.CheckpointError, match="damaged"):
+        ckpt.restore(d, _state())
+
+
+def test_a_read_error_raised_when_the_reader_closes_is_a_checkpoint_error(
+        trained, tmp_path, monkeypatch):
+    """Damage tensorstore reports only as orbax's handler closes (seen once: an OCDBT b-tree
+    node's CRC-32C failing as a ``ValueError`` after the arrays were read) is a
+    ``CheckpointError`` naming the damage, like a failing read."""
+    import orbax.checkpoint as ocp
+
+    _, d, _, _ = trained
+    message = "DATA_LOSS: Error decoding b-tree node: CRC-32C checksum verification failed"
+
+    def close(self):
+        raise ValueError(message)
+
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "close", close)
+    with pytest.raises(ckpt.CheckpointError, match="damaged.*CRC-32C"):
         ckpt.restore(d, _state())
 
 

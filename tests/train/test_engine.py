@@ -59,6 +59,49 @@ def test_loss_and_grads_equal_single_device(nodes, local):
     assert_loss_and_grads_close(out["loss"], grads, ref_loss, ref_grads, rho)
 
 
+# The stage-3 run of the Adam test below: its start state and step function (which counts
+# its traces) are the no-recompile test's too, so that test runs a program already
+# compiled (steps do not donate the state).
+_TRACES: list = []
+_STARTS: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_starts():
+    yield
+    _STARTS.clear()
+
+
+@zpp.train_step
+def _counted_step(state, batch):
+    """``helpers.make_step()``'s step, counting its traces in ``_TRACES``."""
+    from zeropp_demo.gpt import loss_fn
+
+    _TRACES.append(1)
+
+    def loss_of(p):
+        return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
+
+    loss, grads = jax.value_and_grad(loss_of)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+# eps=1e-3: some gradients are identically zero in exact arithmetic (attention's key bias:
+# softmax is shift invariant) and come out as ~1e-10 rounding noise; Adam divides by
+# sqrt(v)+eps, so with a tiny eps it turns that noise into full +-lr steps. With eps=1e-3
+# an update changes by at most lr * |noise| / eps ~ 1e-10.
+ADAM_LR, ADAM_EPS = 1e-2, 1e-3
+
+
+def _adam_start(stage):
+    """The Adam test's 2x4 fp32 state at ``stage`` (seed-3 parameters), one per stage."""
+    if stage not in _STARTS:
+        _STARTS[stage] = zpp.TrainState.create(
+            model=GPT(SMALL), params=init_params(seed=3), tx=optax.adam(ADAM_LR, eps=ADAM_EPS),
+            mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig(stage=stage, **FP32))
+    return _STARTS[stage]
+
+
 def test_three_adam_steps_of_stages_1_2_3_equal_single_device():
     """Three Adam steps under ZeRO stages 1, 2 and 3 (one program each, on the same
     batches) against plain single-device training: stage 3's losses and parameters, and
@@ -68,19 +111,12 @@ def test_three_adam_steps_of_stages_1_2_3_equal_single_device():
     model = GPT(SMALL)
     params = init_params(seed=3)
     batches = [tokens(16, seed=200 + i) for i in range(3)]
-    # eps=1e-3: some gradients are identically zero in exact arithmetic (attention's key
-    # bias: softmax is shift invariant) and come out as ~1e-10 rounding noise; Adam divides
-    # by sqrt(v)+eps, so with a tiny eps it turns that noise into full +-lr steps. With
-    # eps=1e-3 an update changes by at most lr * |noise| / eps ~ 1e-10.
-    lr, eps = 1e-2, 1e-3
+    lr, eps = ADAM_LR, ADAM_EPS  # eps: see ADAM_EPS
     tx = optax.adam(lr, eps=eps)
     results, losses = {}, []
     for stage in (3, 1, 2):
-        state = zpp.TrainState.create(
-            model=model, params=params, tx=tx, mesh=zpp.make_mesh(2, 4),
-            config=zpp.ZeroPPConfig(stage=stage, **FP32),
-        )
-        step = make_step()
+        state = _adam_start(stage)
+        step = _counted_step if stage == 3 else make_step()
         for b in batches:
             state, out = step(state, b)
             if stage == 3:
@@ -149,33 +185,22 @@ def test_device_d_owns_flat_slice_d():
 
 
 def test_no_recompile_and_stable_shardings():
-    model = GPT(SMALL)
-    state = zpp.TrainState.create(
-        model=model, params=init_params(), tx=optax.adam(1e-3), mesh=zpp.make_mesh(2, 4)
-    )
-    traces = []
-
-    @zpp.train_step
-    def step(state, batch):
-        traces.append(1)
-
-        def loss_of(p):
-            from zeropp_demo.gpt import loss_fn
-            return loss_fn(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
+    """Steps after the first neither trace the step again nor change a sharding, shape or
+    dtype of the state. The Adam test's stage-3 state and counted step: when that test ran
+    first, this one's first call runs its compiled program too (the trace count is then
+    that test's)."""
+    state = _adam_start(3)
 
     def shardings(s):
         return jax.tree_util.tree_map(lambda x: (x.sharding, x.shape, x.dtype), s)
 
     before = shardings(state)
-    state, _ = step(state, tokens(16, seed=1))
-    n_traces = len(traces)
+    state, _ = _counted_step(state, tokens(16, seed=1))
+    n_traces = len(_TRACES)
     assert n_traces > 0
     assert shardings(state) == before
     for i in range(2):
-        state, _ = step(state, tokens(16, seed=2 + i))
+        state, _ = _counted_step(state, tokens(16, seed=2 + i))
         assert shardings(state) == before
-    assert len(traces) == n_traces, "the train step was traced again on a later call"
-    assert step.jitted._cache_size() == 1
+    assert len(_TRACES) == n_traces, "the train step was traced again on a later call"
+    assert _counted_step.jitted._cache_size() == 1

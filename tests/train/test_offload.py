@@ -71,13 +71,40 @@ CASES = [  # (optimizer, config): every optimizer, zero3 and zeropp, clipping, s
     ("lion", zpp.ZeroPPConfig.zeropp(qgz_hadamard=True)),
     ("adamw", zpp.ZeroPPConfig(stage=2)),
 ]
+
+
+@zpp.train_step
+def _accumulating_step(state, batch):
+    from zeropp_demo.gpt import loss_fn
+
+    def loss_of(p, b):
+        return loss_fn(state.apply_fn({"params": p}, b[:, :-1]), b[:, 1:])
+
+    loss, grads = zpp.accumulate_gradients(loss_of, state.params, batch, micro_batches=2)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+# Gradient accumulation with clipping, on the device and with both offloads: the
+# accumulation test, test_offloaded_parameters_train_bit_for_bit_the_same[zeropp-both] and
+# the checkpoint test train this configuration, from the same cached states and compiled
+# steps.
+ACC = ("adamw-default-decay", zpp.ZeroPPConfig.zeropp(gradient_clipping=0.1))
+BOTH = dict(offload_optimizer=True, offload_params=True)
+
+
 # The primary shards in host memory too (stage 3), alone or with the optimizer state. Each
-# trains from a CASES state (its on-device run and compiled step are shared): the first
-# from the SGD ZeRO-3 one, the second from the lion one; clipping, and AdamW (whose weight
-# decay reads the parameters), with both offloads are the accumulation test's (ACC).
+# trains from a state another test trains too (its on-device run and compiled steps are
+# shared): the first from the SGD ZeRO-3 CASES state; the second, both offloads on ZeRO++
+# with clipping and AdamW (whose weight decay reads the offloaded parameters), is ACC's
+# configuration and accumulating step, whose two programs the accumulation and checkpoint
+# tests run too. Lion with both offloads is slow (``make test-all``): its states are two
+# more ZeRO++ programs with the Hadamard qgZ, among the costliest to compile, and offload
+# moves whatever leaves the optimizer state has ([zeropp-both] moves AdamW's moments;
+# SGD's momentum is offloaded in test_offloaded_training_is_bit_for_bit_the_same[sgd-0]).
 PARAM_CASES = [
-    (*CASES[0], {"offload_params": True}),
-    (*CASES[2], {"offload_params": True, "offload_optimizer": True}),
+    pytest.param(*CASES[0], {"offload_params": True}, None, id="zero3"),
+    pytest.param(*ACC, BOTH, "accumulating", id="zeropp-both"),
+    pytest.param(*CASES[2], BOTH, None, id="lion-both", marks=pytest.mark.slow),
 ]
 TXS = {"sgd": lambda: optax.sgd(0.05, momentum=0.9),
        "adamw": lambda: optax.adamw(3e-3, weight_decay=0.1),
@@ -85,12 +112,11 @@ TXS = {"sgd": lambda: optax.sgd(0.05, momentum=0.9),
        "adamw-default-decay": lambda: optax.adamw(3e-3)}
 
 
-# Lion with the optimizer state offloaded is slow (``make test-all``): its offloaded state
-# is one more ZeRO++ program with the Hadamard qgZ, one of the costliest to compile, and
-# ``make test`` trains the same lion state offloaded, against the same on-device run, in
-# test_offloaded_parameters_train_bit_for_bit_the_same[zeropp-both] (both offloads, the
-# optimizer state in host memory between steps), and a ZeRO++ state with only the
-# optimizer state offloaded (the parameters on the device) in [adamw-1].
+# Lion with the optimizer state offloaded is slow (``make test-all``): its states are two
+# ZeRO++ programs with the Hadamard qgZ, among the costliest to compile, and offload moves
+# whatever leaves the optimizer state has: ``make test`` offloads SGD's momentum in
+# [sgd-0] and AdamW's moments in [adamw-1] (a ZeRO++ state with only the optimizer state
+# offloaded, the parameters on the device) and [adamw-3] (stage 2).
 @pytest.mark.parametrize("name,config", [
     pytest.param(n, c, id=f"{n}-{i}", marks=pytest.mark.slow if n == "lion" else ())
     for i, (n, c) in enumerate(CASES)])
@@ -107,15 +133,20 @@ def test_offloaded_training_is_bit_for_bit_the_same(name, config):
     _assert_states_equal(offloaded, base)
 
 
-@pytest.mark.parametrize("name,config,offload", PARAM_CASES, ids=["zero3", "zeropp-both"])
-def test_offloaded_parameters_train_bit_for_bit_the_same(name, config, offload):
+@pytest.mark.parametrize("name,config,offload,step", PARAM_CASES)
+def test_offloaded_parameters_train_bit_for_bit_the_same(name, config, offload, step):
+    """The primary shards (and the optimizer state) in host memory between steps: training
+    is the same bit for bit, and generation reads the offloaded shards. ``step``: the
+    module's plain step, or ``"accumulating"``, two micro-batches per step (each reads the
+    offloaded parameters)."""
+    step = _accumulating_step if step == "accumulating" else None
     seed = int(np.random.default_rng().integers(1 << 16))
-    base, base_losses = _train(_initial(name, config), 3, seed)
+    base, base_losses = _train(_initial(name, config), 3, seed, step)
     off = _initial(name, dataclasses.replace(config, **offload))
     want = HOST if offload.get("offload_optimizer") else "device"
     assert _memory_kinds(off.params.units) == {HOST}
     assert _memory_kinds(off.opt_state) == {want}
-    off, losses = _train(off, 3, seed)
+    off, losses = _train(off, 3, seed, step)
     assert _memory_kinds(off.params.units) == {HOST}
     assert _memory_kinds(off.opt_state) == {want}
     np.testing.assert_array_equal(losses, base_losses)
@@ -130,23 +161,6 @@ def test_offloaded_parameters_train_bit_for_bit_the_same(name, config, offload):
 def test_offloaded_parameters_need_stage_3():
     with pytest.raises(ValueError, match="offload_params.*stage=3.*offload_optimizer"):
         zpp.ZeroPPConfig(stage=2, offload_params=True)
-
-
-@zpp.train_step
-def _accumulating_step(state, batch):
-    from zeropp_demo.gpt import loss_fn
-
-    def loss_of(p, b):
-        return loss_fn(state.apply_fn({"params": p}, b[:, :-1]), b[:, 1:])
-
-    loss, grads = zpp.accumulate_gradients(loss_of, state.params, batch, micro_batches=2)
-    return state.apply_gradients(grads=grads), {"loss": loss}
-
-
-# Gradient accumulation with clipping, on the device and with both offloads (the checkpoint
-# test trains this configuration too, from the same cached state and compiled step).
-ACC = ("adamw-default-decay", zpp.ZeroPPConfig.zeropp(gradient_clipping=0.1))
-BOTH = dict(offload_optimizer=True, offload_params=True)
 
 
 def test_offload_with_gradient_accumulation_is_bit_for_bit_the_same():

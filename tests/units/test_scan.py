@@ -84,6 +84,13 @@ def _ref_loss_and_grads(model, params, batch):
     return jax.value_and_grad(_mse(model))(params, batch)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init(model, key, x):
+    """``model.init(key, x)`` as one program: run eagerly, flax's init compiles a program
+    per operation and shape (~50 for these models). One program per model and shapes."""
+    return model.init(key, x)
+
+
 def _batch(seed):
     rng = np.random.default_rng(seed)
     return {"x": rng.standard_normal((16, 8)).astype(np.float32),
@@ -93,7 +100,7 @@ def _batch(seed):
 @pytest.mark.parametrize("remat", ["minimal", "full"])
 def test_scanned_stack_equals_single_device_and_unrolled(remat):
     batch = _batch(21)
-    params = _Scanned().init(jax.random.PRNGKey(3), batch["x"][:2])["params"]
+    params = _init(_Scanned(), jax.random.PRNGKey(3), batch["x"][:2])["params"]
     state = zpp.TrainState.create(
         model=_Scanned(), params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
         config=zpp.ZeroPPConfig(compute_dtype="float32", remat=remat), stacked=["layers"])
@@ -155,7 +162,7 @@ def test_one_gather_per_iteration_and_memory_flat_in_depth():
 
 def test_default_policy_finds_the_stack_and_other_policies_name_the_fix():
     batch = _batch(1)
-    params = _Scanned().init(jax.random.PRNGKey(0), batch["x"][:2])["params"]
+    params = _init(_Scanned(), jax.random.PRNGKey(0), batch["x"][:2])["params"]
     state = zpp.TrainState.create(model=_Scanned(), params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4))
     assert [n for n in state.engine.layouts if n.startswith("layers")] == [
@@ -205,8 +212,8 @@ def test_boxed_scan_stack_is_found_on_defaults_and_exact():
     policy sees through the boxes, makes each layer a unit, and the step equals one device."""
     batch = _batch(int(np.random.default_rng().integers(1 << 30)))
     model = _BoxedScanned()
-    boxed = model.init(jax.random.PRNGKey(int(np.random.default_rng().integers(1 << 30))),
-                       batch["x"][:2])["params"]
+    boxed = _init(model, jax.random.PRNGKey(int(np.random.default_rng().integers(1 << 30))),
+                  batch["x"][:2])["params"]
     assert any(isinstance(x, nn.Partitioned) for x in jax.tree_util.tree_leaves(
         boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)))
     state = zpp.TrainState.create(model=model, params=boxed, tx=optax.sgd(0.1),

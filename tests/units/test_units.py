@@ -217,7 +217,20 @@ _HEAD_REGATHER = re.compile(
     r'= [^\n]* all-gather(?:-start)?\([^\n]*op_name="[^"]*transpose\(jvp\(GPT\)\)/head/')
 
 
-@pytest.mark.parametrize("mode", list(BUCKET_MODES))
+# Every mode compiles two steps with XLA's MLIR fusion emitters (bitwise_programs), several
+# seconds each (ZeRO++'s ~8 s on a 2-core Xeon). `make test` keeps one mode per transport
+# class: ZeRO-3 (the flat gather and reduce-scatter), two-hop (the hierarchical gather and
+# reduce-scatter) and ZeRO++ (hpZ's secondary around qwZ's gather, qgZ's reduce-scatter).
+# The other three (`make test-all`) run those classes again with other settings: qwZ at
+# INT4 and qgZ at INT4 in fp32 pack and scale their blocks as ZeRO++'s INT8 ones do (blocks
+# never straddle the bucket's members), and hpZ around the plain gather is the wrapper
+# ZeRO++ runs around qwZ's.
+_BUCKET_ALSO_COVERED = ("qwz int4", "hpz", "qgz int4, fp32")
+
+
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow)
+                                  if m in _BUCKET_ALSO_COVERED else m
+                                  for m in BUCKET_MODES])
 @pytest.mark.bitwise_programs
 def test_bucketing_and_keeping_the_last_unit_change_no_bit(mode):
     """The rest unit's gather and reduce-scatter riding in the first unit's (``bucket``)
@@ -298,17 +311,23 @@ def test_bucketing_skipped_where_a_value_would_change(change):
     assert counts[0] == counts[1]
 
 
-def test_remat_choices_equal_single_device(remat_steps):
+# A policy of the caller's (REMAT_POLICY) takes "full"'s path, jax.checkpoint with a policy
+# (unit.remat_policy passes it through where "full" gives nothing_saveable), and compiles a
+# step of its own: `make test-all` runs it.
+@pytest.mark.parametrize("remat", ["full", "minimal",
+                                   pytest.param("policy", marks=pytest.mark.slow)])
+def test_remat_choices_equal_single_device(remat_steps, remat):
+    """Each remat choice's fp32 ZeRO-3 step gives the single-device loss and gradients."""
     model, params = GPT(SMALL), init_params(seed=4)
     batch = tokens(REMAT_BATCH, seed=40)
     ref_loss, ref_grads = reference_loss_and_grads(model, params, batch)
     rho = fp32_gradient_rounding(model, params, batch).rho
-    for remat in ("full", "minimal", REMAT_POLICY):
-        state, step, _ = remat_steps(remat)  # zero3, fp32, 2x4 mesh, params of seed 4
-        _, out = step(state, batch)
-        # fp32; only the summation order differs (8 partial means vs one mean).
-        assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
-                                    ref_loss, ref_grads, rho)
+    # zero3, fp32, 2x4 mesh, params of seed 4
+    state, step, _ = remat_steps(REMAT_POLICY if remat == "policy" else remat)
+    _, out = step(state, batch)
+    # fp32; only the summation order differs (8 partial means vs one mean).
+    assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
+                                ref_loss, ref_grads, rho)
 
 
 def test_bad_remat_names_the_choices():

@@ -24,10 +24,12 @@ from helpers import (
     assert_loss_and_grads_close,
     fp32_gradient_rounding,
     init_params,
+    jitted,
     loss_and_grads_rounding,
     make_step,
     reference_loss_and_grads,
     tokens,
+    value_and_grad_of,
 )
 
 FP32 = dict(compute_dtype="float32")
@@ -440,10 +442,10 @@ class _TiedStack(nn.Module):
         return x
 
 
-def _tied_state(layers, compute_dtype="bfloat16"):
-    x = np.random.default_rng(layers).standard_normal((8, 128)).astype(np.float32)
+def _tied_state(layers, compute_dtype="bfloat16", seed=0):
+    x = np.random.default_rng(seed).standard_normal((8, 128)).astype(np.float32)
     model = _TiedStack(layers)
-    params = model.init(jax.random.PRNGKey(layers), x[:1])["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(seed), x[:1])["params"]  # one program
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4),
                                   config=zpp.ZeroPPConfig(compute_dtype=compute_dtype))
@@ -470,12 +472,17 @@ def test_minimal_never_keeps_a_copy_of_weights():
     layer_bytes = state.engine.layouts["block_0"].n * 2  # bf16
     assert (temps[8] - temps[4]) / 4 <= 0.5 * layer_bytes, (temps, layer_bytes)
 
-    model, params, x, state, step = _tied_state(2, "float32")
+    seed = int(np.random.default_rng().integers(1 << 16))
+    model, params, x, state, step = _tied_state(2, "float32", seed)
     _, out = step(state, x)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(
-        lambda p: jnp.mean(jnp.stack([(model.apply({"params": p}, x[i:i + 1]) ** 2).mean()
-                                      for i in range(8)]))))(params)
-    rho = loss_and_grads_rounding(_squares_mean(model), params, x).rho
+    # The reference is the whole-batch evaluation, one of the orders rho measures. A mean
+    # of eight one-row programs stacked in one jit is not: on this model it strayed 1.8 to
+    # 3.1 rho from the exact values (25 seeds, 2-core EPYC, the suite's XLA flags) and
+    # passed only at the seed the test used to fix. Against the whole batch the step
+    # stayed within 0.73 of the bound over 30 fresh seeds.
+    loss_of = _squares_mean(model)
+    ref_loss, ref_grads = jitted(value_and_grad_of(loss_of))(params, x)
+    rho = loss_and_grads_rounding(loss_of, params, x).rho
     assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
                                 ref_loss, ref_grads, rho)
 

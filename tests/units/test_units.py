@@ -364,10 +364,10 @@ def _squares_mean(model):
 
 
 def test_constant_float_arguments_work_and_match_single_device():
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal((16, 8)).astype(np.float32)
+    seed = int(np.random.default_rng().integers(1 << 16))
+    x = np.random.default_rng(seed).standard_normal((16, 8)).astype(np.float32)
     model = _RotaryModel()
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), x[:2])["params"]  # one program
+    params = jax.jit(model.init)(jax.random.PRNGKey(seed), x[:2])["params"]  # one program
     state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig.zero3(**FP32))
 

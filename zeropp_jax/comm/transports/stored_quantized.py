@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeropp_jax.comm.collectives import axis_size, gather_tiled, pack_rows, unpack_rows
+from zeropp_jax.comm.collectives import gather_packed
 from zeropp_jax.comm.transports.base import Buffers, DirectGather
 from zeropp_jax.core.mesh import AXES
 from zeropp_jax.quant.quantization import dequantize_flat
@@ -28,13 +28,7 @@ def all_gather_quantized(
     hops, node first (``collectives.gather_tiled``).
     """
     axes = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
-    # Values and scales in one byte buffer, one gather (each collective has a fixed cost).
-    buf = pack_rows(values, scales, 1).reshape(-1)
-    if distinct:
-        buf = jax.lax.bitcast_convert_type(buf, jnp.int8)
-    gathered = gather_tiled(buf, axes, hierarchical=hierarchical)
-    v, s = unpack_rows(gathered.reshape(axis_size(axes), -1), values.shape[0], values.dtype)
-    return v.reshape(-1), s.reshape(-1)
+    return gather_packed(values, scales, axes, distinct=distinct, hierarchical=hierarchical)
 
 
 @dataclasses.dataclass(frozen=True)

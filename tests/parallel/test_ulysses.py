@@ -333,8 +333,9 @@ def test_gpt_padded_sequence_with_causal_mask_is_exact():
     # logits equal the unpadded single-device model's; the padded positions are masked out
     # of the loss with `valid`.
     cfg = dataclasses.replace(CFG, sequence_axis="local")
-    params = init_params(CFG, seed=9)
-    toks = np.random.default_rng(9).integers(0, CFG.vocab_size, (2, 13)).astype(np.int32)
+    seed = int(np.random.default_rng().integers(1 << 16))  # fresh inputs each run
+    params = init_params(CFG, seed=seed)
+    toks = np.random.default_rng(seed).integers(0, CFG.vocab_size, (2, 13)).astype(np.int32)
     padded, valid = pad_sequence(toks, 4)
     assert padded.shape == (2, 16) and valid.sum() == 13
     mesh = zpp.make_mesh(2, 4)
@@ -351,7 +352,10 @@ def test_gpt_padded_sequence_with_causal_mask_is_exact():
     wide = GPT(dataclasses.replace(CFG, dtype="float64"))
     rho = rounding_of(one_device, params, toks,
                       fn64=lambda p, t: wide.apply({"params": p}, t), widen=(gpt,)).rho
-    assert_rounding_close(np.asarray(logits)[:, valid], ref, rho)
+    try:
+        assert_rounding_close(np.asarray(logits)[:, valid], ref, rho)
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}: {e}") from e
 
 
 def test_gpt_sequence_parallel_bad_lengths():

@@ -183,7 +183,7 @@ def unpack_rows(buf: jax.Array, value_bytes: int, value_dtype: Any
 
 
 def gather_packed(values: jax.Array, scales: jax.Array, axes: tuple[str, ...], *,
-                   distinct: bool, hierarchical: bool) -> tuple[jax.Array, jax.Array]:
+                  distinct: bool, hierarchical: bool) -> tuple[jax.Array, jax.Array]:
     """All-gathers 1-byte ``values [a]`` and fp32 ``scales [b]`` in one byte buffer
     (``pack_rows``): uint8 on the wire, int8 for ``distinct`` (same bytes, a type XLA
     cannot merge with the forward's). Returns ``[size * a]`` values and ``[size * b]``
@@ -249,7 +249,7 @@ def qwz_all_gather(
     values, scales = quantize_flat(shard, **kw)
     # Values and scales in one buffer, one gather.
     values, scales = gather_packed(values, scales, _as_tuple(axis_names), distinct=distinct,
-                                    hierarchical=hierarchical)
+                                   hierarchical=hierarchical)
     return dequantize_flat(values, scales, dtype=out_dtype, **kw)
 
 
@@ -292,7 +292,7 @@ def fp8_all_gather(
         x = rotate_reference(x, signs, block_size=block_size)
     values, scales = quantize_fp8_flat(x, block_size=block_size, fmt=fmt)
     values, scales = gather_packed(values, scales, _as_tuple(axis_names), distinct=distinct,
-                                    hierarchical=hierarchical)
+                                   hierarchical=hierarchical)
     if not hadamard:
         return dequantize_fp8_flat(values, scales, block_size=block_size, dtype=out_dtype)
     full = dequantize_fp8_flat(values, scales, block_size=block_size, dtype=jnp.float32)

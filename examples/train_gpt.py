@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump-hlo", type=pathlib.Path, default=None,
                    help="write DIR/lowered.mlir and DIR/compiled.hlo of the train step")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--no-comm-summary", action="store_true",
+                   help="skip the closing line that compares this run's cross-node bytes per "
+                        "step with a ZeRO-3 step of the same model and mesh")
     args = p.parse_args(argv)
     if args.accum < 1 or args.batch % args.accum:
         p.error(f"--batch {args.batch} must be divisible by --accum {args.accum}")
@@ -160,6 +163,17 @@ def plot_losses(path: pathlib.Path, summary: dict) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def cross_node_bytes(lower_step, state, zero3_state, mesh) -> dict[str, float]:
+    """Cross-node bytes one step moves (summed over nodes), for this run's step and for a
+    ZeRO-3 step of the same model and mesh, from the communication report of each lowered
+    program: what the program asks the network for, before XLA:CPU widens 16-bit
+    reductions to 32 bits (a GPU keeps them)."""
+    from zeropp_jax.analysis import comm_report
+
+    return {"run": comm_report(lower_step(state), mesh).cross_node_bytes,
+            "zero3": comm_report(lower_step(zero3_state), mesh).cross_node_bytes}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -282,6 +296,19 @@ def main(argv: list[str] | None = None) -> dict:
         path = checkpoint.save(args.save, state)
         print(f"saved {path}")
 
+    # What ZeRO++ saved: this step's cross-node bytes against a ZeRO-3 step of the same model
+    # and mesh (lowered only, not compiled or run). Stage 3 only: stages 1-2 gather nothing.
+    comm = None
+    if not args.no_comm_summary and args.stage == 3 and args.nodes > 1:
+        zero3_state = zpp.TrainState.create(
+            model=model, params=params, tx=tx, mesh=mesh,
+            config=zpp.ZeroPPConfig.zero3(compute_dtype=args.compute_dtype, remat=args.remat,
+                                          prefetch=args.prefetch),
+            logical_axis_rules=MEGATRON_RULES if args.model > 1 else None)
+        comm = cross_node_bytes(lambda s: train_step.lower(s, as_batch(first)), state,
+                                zero3_state, mesh)
+        del zero3_state
+
     summary = {
         "mode": args.mode,
         "stage": args.stage,
@@ -301,6 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
         "eval": evals,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "skipped_steps": skipped_at,
+        "cross_node_bytes_per_step": comm,
         "step_time_median_s": None,
         "compile_and_first_step_s": times[0] if times else None,
         "config": {k: getattr(config, k) for k in (
@@ -336,6 +364,13 @@ def main(argv: list[str] | None = None) -> dict:
             plot_losses(png, summary)
             if png.exists():
                 print(f"  wrote      {png}")
+    if comm is not None:
+        ratio = comm["run"] / comm["zero3"] if comm["zero3"] else float("nan")
+        note = (" (both of qgZ's branches, before and after --qgz-until, counted)"
+                if args.qgz_until is not None else "")
+        print(f"  cross-node {comm['run'] / 1e6:.2f} MB per step ({args.mode}) vs "
+              f"{comm['zero3'] / 1e6:.2f} MB (zero3, same model and mesh): {ratio:.2f}x"
+              f"{note}")
     return summary
 
 

@@ -15,7 +15,8 @@ from helpers import subprocess_env
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch", "8",
-        "--no-progress", "--nodes", "2", "--local", "2", "--compute-dtype", "float32",
+        "--no-progress", "--no-comm-summary", "--nodes", "2", "--local", "2",
+        "--compute-dtype", "float32",
         "--eval-batches", "2"]
 
 

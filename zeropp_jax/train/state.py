@@ -20,7 +20,7 @@ from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import mesh_shape
 from zeropp_jax.train import build
 from zeropp_jax.train.engine import Engine
-from zeropp_jax.train.tensor_parallel import annotated, tensor_parallel
+from zeropp_jax.train.tensor_parallel import annotated, check_rules, tensor_parallel
 from zeropp_jax.comm.frozen import FrozenFilter, FrozenShards
 from zeropp_jax.units.adapters import adapt
 from zeropp_jax.comm.placement import REPLICATED, ShardedParams
@@ -200,15 +200,25 @@ class TrainState:
             model=T)``), the list you would pass to ``nn.logical_axis_rules``: parameters
             annotated with ``nn.with_logical_partitioning`` split over ``"model"`` where their
             logical names map to it (``nn.with_partitioning``'s mesh axes need no rules), and
-            the model's ``nn.with_logical_constraint`` calls read them inside the step. Names
-            mapped to the data axes are ignored: ZeRO shards over those itself. NNX
+            the model's ``nn.with_logical_constraint`` calls read them inside the step. NNX
             parameters annotated with ``nnx.with_partitioning`` are read the same way.
+            Checked before anything is traced (``ValueError`` naming the entry and the
+            fix): each entry is one ``(logical name, mesh axes)`` pair, every axis it
+            names is an axis of ``mesh`` (or ``"model"``), and no parameter's logical name
+            maps to a data axis (``"node"``, ``"local"``: ZeRO shards every parameter over
+            those itself). Rules for activation names no parameter uses (MaxText's
+            ``("batch", ("node", "local"))``) may name the data axes.
           param_axes: logical names for parameters the model does not annotate (a
             transformers Flax model): ``(regex, names)`` pairs, the first whose regex
             matches a parameter's ``"/"``-joined path (``re.search``) giving one name per
-            dimension, e.g. ``[("mlp/(gate|up)_proj/kernel", ("embed", "mlp"))]``.
+            dimension, e.g. ``[("mlp/(gate|up)_proj/kernel", ("embed", "mlp"))]``. A
+            malformed entry or regex raises; on a mesh with a ``"model"`` axis, an entry
+            that names no parameter warns (``UserWarning``).
         """
         config = ZeroPPConfig.zero3() if config is None else config
+        # Checked first, before the model is adapted or anything traced: a rule naming an
+        # axis the mesh lacks, or a malformed list, fails at once naming the entry.
+        logical_axis_rules, param_axes = check_rules(logical_axis_rules, param_axes, mesh)
         # The model's kind is decided here, once: everything after asks the adapter.
         raw, (adapter, params, collections) = params, adapt(model, params, collections)
         build.check_arguments(params, config)

@@ -7,7 +7,9 @@ combine with yet.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
+import warnings
 from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
@@ -18,7 +20,7 @@ from jax.sharding import Mesh
 from zeropp_jax.comm.frozen import as_predicate, split_frozen
 from zeropp_jax.comm.transports import frozen_format, plan_of
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import MODEL, mesh_shape, model_size
+from zeropp_jax.core.mesh import AXES, MODEL, mesh_shape, model_size
 from zeropp_jax.units.adapters import ModelAdapter
 
 PyTree = Any
@@ -71,6 +73,120 @@ def _model_dim(names: Any, mesh_axes: Any, where: str) -> int:
     return found[0] if found else -1
 
 
+Rules = tuple[tuple[str, Any], ...]
+ParamAxes = tuple[tuple[str, tuple[Any, ...]], ...]
+
+_RULES_FORM = ("a list of (logical name, mesh axes) pairs, as nn.logical_axis_rules takes: "
+               "logical_axis_rules=[(\"mlp\", \"model\"), (\"embed\", None)]")
+_AXES_FORM = ("a list of (regex, names) pairs: param_axes=[(r\"mlp/up_proj/kernel\", "
+              "(\"embed\", \"mlp\"))]")
+
+
+def _is_axis(a: Any) -> bool:
+    """One mesh-axes entry of a rule, as Flax takes it: None (unsplit), an axis name, a
+    tuple of them (split over several axes), or ``PartitionSpec.UNCONSTRAINED`` (left to
+    XLA; activation constraints)."""
+    if a is None or isinstance(a, str) or a is jax.sharding.PartitionSpec.UNCONSTRAINED:
+        return True
+    return isinstance(a, (tuple, list)) and all(isinstance(x, str) for x in a)
+
+
+def _sequence_of_pairs(value: Any, arg: str, form: str) -> list:
+    """``value`` as a list of entries, or an error naming ``arg`` for a value that is one
+    pair, a dict, or no list at all."""
+    if isinstance(value, Mapping):
+        raise ValueError(f"{arg} is a {type(value).__name__}; give {form} (order matters: "
+                         "the first matching entry wins), e.g. list(d.items())")
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+        raise ValueError(f"{arg}={value!r} is not a list; give {form}")
+    if value and isinstance(value[0], str):  # a pair's name where a pair should be
+        if len(value) == 2:
+            raise ValueError(f"{arg}={value!r} is one pair, not a list of pairs: write "
+                             f"{arg}=[{tuple(value)!r}]")
+        raise ValueError(f"{arg}={value!r} holds strings where pairs go; give {form}")
+    return list(value)
+
+
+def check_rules(rules: Any, param_axes: Any, mesh: Mesh) -> tuple[Rules, ParamAxes]:
+    """``TrainState.create``'s ``logical_axis_rules`` and ``param_axes``, checked before
+    anything is traced and normalised to tuples (the engine keeps the rules in its static
+    data, so they must hash).
+
+    ``logical_axis_rules``: what ``nn.logical_axis_rules`` takes, a list of ``(logical name,
+    mesh axes)`` pairs, the mesh axes ``None``, an axis name, a tuple of them or
+    ``PartitionSpec.UNCONSTRAINED``. Every axis named must be an axis of ``mesh`` (or
+    ``"model"``, so one list serves meshes with and without it): Flax leaves a dimension
+    whose rule names an axis the mesh lacks whole, with no word. ``param_axes``: a list of
+    ``(regex, names)`` pairs, each regex valid and its names strings or None. Raises
+    ``ValueError`` naming the argument, the entry and the fix."""
+    checked_rules = []
+    arg = "logical_axis_rules"
+    for i, entry in enumerate(_sequence_of_pairs(
+            () if rules is None else rules, arg, _RULES_FORM)):
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            n = f"has {len(entry)} elements" if isinstance(entry, (tuple, list)) else \
+                f"is a {type(entry).__name__}"
+            raise ValueError(
+                f"{arg}[{i}]={entry!r} {n}: each rule is one pair (logical name, mesh axes); "
+                "a dimension split over several mesh axes names them in one tuple, "
+                "(\"mlp\", (\"a\", \"b\")). Give " + _RULES_FORM)
+        name, axes = entry
+        if not isinstance(name, str) or not _is_axis(axes):
+            raise ValueError(
+                f"{arg}[{i}]={entry!r}: a rule is (logical name: str, mesh axes: None, an "
+                "axis name or a tuple of them); give " + _RULES_FORM)
+        axes = tuple(axes) if isinstance(axes, list) else axes
+        known = tuple(mesh.axis_names) + (() if MODEL in mesh.axis_names else (MODEL,))
+        for a in (axes if isinstance(axes, tuple) else (axes,)):
+            if isinstance(a, str) and a not in known:
+                close = difflib.get_close_matches(a, known, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(
+                    f"{arg}[{i}]=({name!r}, {axes!r}) names the mesh axis {a!r}, which the "
+                    f"mesh does not have (its axes: {tuple(mesh.axis_names)}): Flax would "
+                    f"leave every dimension named {name!r} whole on each device. {hint}"
+                    f"Tensor parallelism splits over {MODEL!r} (make_mesh(..., model=T)); "
+                    f"map {name!r} to {MODEL!r} or to None")
+        checked_rules.append((name, axes))
+
+    checked_axes = []
+    arg = "param_axes"
+    for i, entry in enumerate(_sequence_of_pairs(
+            () if param_axes is None else param_axes, arg, _AXES_FORM)):
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(
+                entry[0], str) and isinstance(entry[1], (tuple, list)) and all(
+                    isinstance(n, str) or n is None for n in entry[1])):
+            raise ValueError(f"{arg}[{i}]={entry!r}: each entry is (regex: str, names: a "
+                             "tuple of logical names or None, one per dimension); give "
+                             + _AXES_FORM)
+        try:
+            re.compile(entry[0])
+        except re.error as e:
+            raise ValueError(f"{arg}[{i}]: {entry[0]!r} is not a valid regex ({e})") from e
+        checked_axes.append((entry[0], tuple(entry[1])))
+    return tuple(checked_rules), tuple(checked_axes)
+
+
+def _data_axis_rule(names: Sequence[Any], axes: Sequence[Any], rules: Rules, where: str
+                    ) -> None:
+    """Raises if a rule splits a dimension of the parameter at ``where`` (logical
+    ``names``, mesh ``axes``) over a data axis: ZeRO shards every parameter over those
+    itself, so such a rule would be ignored with no word."""
+    for name, a in zip(names, axes):
+        spanned = a if isinstance(a, tuple) else (a,)
+        data = [x for x in spanned if x in AXES]
+        if not data:
+            continue
+        rule = next((r for r in rules if r[0] == name and r[1] == a), (name, a))
+        raise ValueError(
+            f"logical_axis_rules entry {rule!r} maps {name!r} to the data axis "
+            f"{data[0]!r}, and parameter {where} has a dimension named {name!r}: ZeRO "
+            f"shards every parameter over the data axes {AXES} itself, so a parameter's "
+            f"logical names map to {MODEL!r} or to None. Map {name!r} to None (or to "
+            f"{MODEL!r} to split it); rules for activation names no parameter uses, such "
+            f"as MaxText's (\"batch\", {AXES!r}), may name the data axes")
+
+
 def annotated(raw: PyTree, params: PyTree, adapter: ModelAdapter) -> PyTree:
     """The params tree with its partitioning metadata: ``params`` as the user passed them
     (linen's boxes), else the adapter's (an NNX model's sharding metadata), else the
@@ -90,6 +206,7 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
     ``param_axes`` entry ``(regex, names)`` whose regex ``re.search``-matches its
     ``"/"``-joined path. Raises for what tensor parallelism does not support yet, naming
     it."""
+    rules, param_axes = check_rules(rules, param_axes, mesh)
     size = model_size(mesh)
     if size == 1:
         return None
@@ -106,17 +223,20 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
     if isinstance(raw_params, Mapping) and "params" in raw_params and all(
             isinstance(v, Mapping) for v in raw_params.values()):
         raw_params = raw_params["params"]
-    rules = tuple((str(name), axis) for name, axis in (rules or ()))
-
-    patterns = [(re.compile(rx), tuple(names)) for rx, names in (param_axes or ())]
+    patterns = [(re.compile(rx), names) for rx, names in param_axes]
+    used = [False] * len(patterns)  # which param_axes entries named a parameter
+    unannotated = []  # the paths param_axes is matched against (for the warning)
 
     def dim(path: Any, leaf: Any) -> int:
         where = jax.tree_util.keystr(path)
         if not isinstance(leaf, (nn.LogicallyPartitioned, nn.Partitioned)):
             joined = "/".join(str(getattr(k, "key", k)) for k in path)
-            names = next((n for rx, n in patterns if rx.search(joined)), None)
-            if names is None:
+            unannotated.append(joined)
+            k = next((k for k, (rx, _) in enumerate(patterns) if rx.search(joined)), None)
+            if k is None:
                 return -1
+            used[k] = True
+            names = patterns[k][1]
             if len(names) != np.ndim(leaf):
                 raise ValueError(f"param_axes gives {joined} the names {names}, one per "
                                  f"dimension, but its shape is {np.shape(leaf)}")
@@ -124,6 +244,7 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
         if isinstance(leaf, nn.LogicallyPartitioned):
             axes = nn.logical_to_mesh_axes(leaf.names, rules)
             d = _model_dim(leaf.names, axes, where)
+            _data_axis_rule(leaf.names, axes, rules, where)
         else:
             d = _model_dim(leaf.names, leaf.names, where)
         shape = np.shape(nn.meta.unbox(leaf))
@@ -136,6 +257,15 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
 
     dims = jax.tree_util.tree_map_with_path(
         dim, raw_params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+    for (rx, names), hit in zip(param_axes, used):
+        if not hit:
+            shown = ", ".join(unannotated[:4]) + (", ..." if len(unannotated) > 4 else "")
+            warnings.warn(
+                f"param_axes entry ({rx!r}, {names}) names no parameter: its regex matches "
+                "none of the model's parameters without partitioning metadata, or only ones "
+                f"an earlier entry names ({len(unannotated)} paths, such as: "
+                f"{shown or 'none'}), so it splits nothing. Fix the regex (re.search on "
+                "the '/'-joined path) or remove the entry", UserWarning, stacklevel=3)
     model_rules = tuple((name, MODEL if axis == MODEL or (isinstance(axis, tuple) and
                                                            MODEL in axis) else None)
                         for name, axis in rules)

@@ -14,13 +14,15 @@ the same.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax.comm.partition import UnitLayout, padded_length, unit_of
-from zeropp_jax.comm.placement import SHARDED, SLICED_SHARDED, ShardedParams
+from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams
+from zeropp_jax.core import compat
 from zeropp_jax.core.mesh import AXES, MODEL
 from zeropp_jax.train import build
 from zeropp_jax.train.engine import Engine
@@ -62,57 +64,94 @@ def canonical_engine(engine: Engine) -> Engine:
                                memo={})
 
 
+@functools.lru_cache(maxsize=512)
+def _rewriter(source: UnitLayout, target: UnitLayout, sharding: NamedSharding) -> Any:
+    """The jitted rewrite of one unit's buffer (cached: the layouts and sharding fix the
+    program, so a unit's moments, and later restores into the same template, share it)."""
+    host = sharding.memory_kind == compat.HOST_MEMORY
+
+    def rewrite(v: jax.Array) -> jax.Array:
+        y = target.flatten(source.unflatten(compat.on_device(v)), v.dtype)
+        return compat.in_host_memory(y) if host else y
+
+    return jax.jit(rewrite, out_shardings=sharding)
+
+
 def _rewrite(x: jax.Array, source: UnitLayout, target: UnitLayout,
              sharding: NamedSharding) -> jax.Array:
-    """A unit's global buffer in ``source``'s layout -> the same values in ``target``'s."""
-    return jax.jit(lambda v: target.flatten(source.unflatten(v), v.dtype),
-                   out_shardings=sharding)(x)
+    """A unit's global buffer in ``source``'s layout -> the same values in ``target``'s, on
+    ``sharding`` (memory kind included). An offloaded buffer is rewritten in device memory,
+    one unit at a time, and goes back to pinned host memory if ``sharding`` says so."""
+    return _rewriter(source, target, sharding)(x)
 
 
-def _move(state: TrainState, engine: Engine, shardings: dict[str, NamedSharding]
-          ) -> TrainState:
-    """``state`` (on its engine's layouts) rewritten onto ``engine``'s layouts."""
+def _put(x: Any, sharding: NamedSharding) -> Any:
+    """A small leaf (a step count, a collection) onto ``sharding``, memory kind included."""
+    return jax.device_put(x, sharding) if isinstance(x, jax.Array) else x
+
+
+def _move(state: TrainState, engine: Engine, where: TrainState) -> TrainState:
+    """``state`` (on its engine's layouts) rewritten onto ``engine``'s layouts, every array
+    leaf onto the sharding of the matching leaf of ``where`` (a tree of ``TrainState``'s
+    structure whose leaves are ``NamedSharding``s, or arrays carrying them)."""
     old = state.engine
-    replicated = NamedSharding(engine.mesh, jax.sharding.PartitionSpec())
+    sharding = lambda s: getattr(s, "sharding", s)  # noqa: E731 — an array, or a sharding
 
-    def unit(name: str, x: jax.Array) -> jax.Array:
-        return _rewrite(x, old.layouts[name], engine.layouts[name], shardings[name])
-
-    def leaf(path: tuple, x: Any, spec: Any) -> Any:
+    def leaf(path: tuple, x: Any, spec: Any, to: Any) -> Any:
         name = unit_of(path, old.layouts)
         if name is None or spec == jax.sharding.PartitionSpec():
-            return jax.device_put(x, replicated) if isinstance(x, jax.Array) else x
-        return unit(name, x)
+            return _put(x, sharding(to))
+        return _rewrite(x, old.layouts[name], engine.layouts[name], sharding(to))
 
-    params = ShardedParams({k: unit(k, v) for k, v in state.params.units.items()}, True,
-                           state.params.feedback)
+    params = ShardedParams(
+        {k: _rewrite(v, old.layouts[k], engine.layouts[k], sharding(where.params.units[k]))
+         for k, v in state.params.units.items()}, True, state.params.feedback)
     specs = jax.tree_util.tree_leaves(old.opt_specs)
-    paths_leaves = jax.tree_util.tree_flatten_with_path(state.opt_state)
-    opt = jax.tree_util.tree_unflatten(paths_leaves[1], [
-        leaf(p, x, s) for (p, x), s in zip(paths_leaves[0], specs)])
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state.opt_state)
+    targets = treedef.flatten_up_to(where.opt_state)
+    opt = jax.tree_util.tree_unflatten(treedef, [
+        leaf(p, x, s, t) for (p, x), s, t in zip(paths_leaves, specs, targets)])
     frozen = state.frozen
     if frozen is not None:  # stored as they are (not quantized: refused with a model axis)
         frozen = frozen.replace(values={
-            k: _rewrite(v, old.frozen_layouts[k], engine.frozen_layouts[k], shardings[k])
+            k: _rewrite(v, old.frozen_layouts[k], engine.frozen_layouts[k],
+                        sharding(where.frozen.values[k]))
             for k, v in frozen.values.items()})
+    small = lambda x, to: jax.tree_util.tree_map(  # noqa: E731
+        lambda a, t: _put(a, sharding(t)), x, to)
     return state.replace(
         engine=engine, params=params, opt_state=opt, frozen=frozen,
-        step=jax.device_put(state.step, replicated),
-        skipped_steps=jax.device_put(state.skipped_steps, replicated),
-        collections=jax.device_put(state.collections, replicated))
+        step=small(state.step, where.step),
+        skipped_steps=small(state.skipped_steps, where.skipped_steps),
+        collections=small(state.collections, where.collections))
+
+
+def _shardings(state: TrainState, spec_of: Any) -> Any:
+    """``state``'s array leaves -> ``spec_of(leaf)``; other leaves as they are."""
+    return jax.tree_util.tree_map(
+        lambda x: spec_of(x) if isinstance(x, jax.Array) else x, state)
 
 
 def to_canonical(state: TrainState) -> TrainState:
-    """A tensor-parallel ``state`` in the canonical layout (``canonical_engine``)."""
+    """A tensor-parallel ``state`` in the canonical layout (``canonical_engine``), each
+    leaf in the memory kind it has in ``state`` (an offloaded buffer stays in pinned host
+    memory)."""
     engine = canonical_engine(state.engine)
-    sharded = NamedSharding(engine.mesh, SHARDED)
-    return _move(state, engine, {k: sharded for k in (*engine.layouts,
-                                                      *engine.frozen_layouts)})
+
+    def spec_of(x: jax.Array) -> NamedSharding:
+        # Unit buffers (2-D tensor-parallel slices, or 1-D flat buffers) become one flat
+        # buffer split over all devices; scalars and collections stay whole.
+        split = x.ndim >= 1 and isinstance(x.sharding, NamedSharding) and any(
+            a is not None for a in x.sharding.spec)
+        return NamedSharding(engine.mesh, SHARDED if split else REPLICATED,
+                             memory_kind=x.sharding.memory_kind)
+
+    return _move(state, engine, _shardings(state, spec_of))
 
 
 def from_canonical(state: TrainState, template: TrainState) -> TrainState:
-    """``to_canonical``'s inverse: ``state`` (canonical) onto ``template``'s engine."""
-    engine = template.engine
-    sliced = {k: NamedSharding(engine.mesh, SLICED_SHARDED if lay.tp > 1 else SHARDED)
-              for k, lay in (*engine.layouts.items(), *engine.frozen_layouts.items())}
-    return _move(state, engine, sliced)
+    """``to_canonical``'s inverse: ``state`` (canonical) onto ``template``'s engine, every
+    leaf on exactly the template leaf's sharding, memory kind included (a template whose
+    optimizer state or unit shards are offloaded gets them back in pinned host memory, the
+    step count where the template keeps it)."""
+    return _move(state, template.engine, template)

@@ -14,19 +14,19 @@ import-linter contracts in ``pyproject.toml``):
 
 # The documented import paths (``zeropp_jax.collectives.qwz_all_gather``,
 # ``from zeropp_jax.checkpoint import save``, ...) are thin modules beside this one, each
-# naming what its home module in a layer folder defines.
+# naming the public names of its home module in a layer folder. Old spellings (moved
+# names, the old root modules ``losses``, ``qgz``, ``wrap``) are answered from one table,
+# ``_deprecations.py``, with a DeprecationWarning for a release.
 from zeropp_jax import (
+    _deprecations,
     analysis,
     checkpoint,
     collectives,
     generation,
-    losses,
     processes,
-    qgz,
     quantization,
     ulysses,
     viz,
-    wrap,
 )
 from zeropp_jax.comm.frozen import FrozenShards
 from zeropp_jax.comm.placement import ShardedParams, global_norm
@@ -78,17 +78,15 @@ __all__ = [
     "eval_step",
     "generate",
     "global_norm",
-    "losses",
     "make_mesh",
     "per_example",
     "processes",
-    "qgz",
     "quantization",
     "simulate_cpu_devices",
     "token_mean",
     "train_step",
     "ulysses",
     "viz",
-    "wrap",
 ]
 __version__ = "0.1.0"
+__getattr__ = _deprecations.package_getattr

@@ -259,9 +259,11 @@ def _at(state, step):
     return state.replace(step=jax.device_put(np.int32(step), state.step.sharding))
 
 
-def test_retention_after_a_rollback_drops_the_abandoned_run(trained, tmp_path):
-    """save 100/200/300, go back to 100, save 110 and 120 (keep=3): the run that went on
-    from 100 is kept, the abandoned 200 and 300 are dropped, and latest_step is 120."""
+def test_retention_after_a_rollback_keeps_the_later_steps(trained, tmp_path):
+    """save 100/200/300, go back to 100, save 110, 120 and 130 (keep=3): the run that went
+    on from 100 keeps its 3 last, latest_step follows it, and the abandoned 200 and 300 are
+    never deleted by a save (a save deletes no step above its own: such a step may be
+    another writer's)."""
     state = trained[0]
     d = tmp_path / "ck"
     for s in (100, 200, 300):
@@ -271,9 +273,14 @@ def test_retention_after_a_rollback_drops_the_abandoned_run(trained, tmp_path):
     ckpt.save(d, _at(back, 110), keep=3)
     assert ckpt.latest_step(d) == 110
     ckpt.save(d, _at(back, 120), keep=3)
-    assert ckpt.available_steps(d) == [100, 110, 120]
-    assert ckpt.latest_step(d) == 120
-    assert int(ckpt.restore(d, _state()).step) == 120  # the default is the latest written
+    assert ckpt.available_steps(d) == [100, 110, 120, 200, 300]
+    ckpt.save(d, _at(back, 130), keep=3)
+    assert ckpt.available_steps(d) == [110, 120, 130, 200, 300]
+    assert ckpt.latest_step(d) == 130
+    assert int(ckpt.restore(d, _state()).step) == 130  # the default is the latest written
+    ckpt.save(d, _at(back, 200), keep=3)  # the run reaches 200 again: replaced, 110 goes
+    assert ckpt.available_steps(d) == [120, 130, 200, 300]
+    assert ckpt.latest_step(d) == 200
 
 
 def test_resave_dying_between_its_renames_loses_nothing(trained, tmp_path):
@@ -294,7 +301,9 @@ def test_resave_dying_between_its_renames_loses_nothing(trained, tmp_path):
     assert not list(d.glob(".tmp-*"))
 
 
-def test_concurrent_saves_into_one_directory_both_succeed(trained, tmp_path):
+def test_concurrent_saves_of_one_process_into_one_directory_both_succeed(trained, tmp_path):
+    """Two threads of one process (one job) saving into one directory take turns; another
+    process is refused (test_checkpoint_writers)."""
     import threading
 
     state = trained[0]

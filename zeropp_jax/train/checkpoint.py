@@ -21,14 +21,21 @@ Layout of ``directory``::
       feedback/             orbax PyTree checkpoint of the kept qgZ errors (only for a state
                             trained with qgz_error_feedback)
     .tmp-step_00000200-…/   a save in progress (or one that was interrupted): ignored
-    .lock                   taken by the saving job's process 0 (flock)
+    .lock                   taken by the saving job's process 0 during a save (flock)
+    .writer                 held by the writing job's process 0 from its first save until it
+                            exits (flock; the file names that process): another job's save
+                            into this directory is refused (``writer_lock``)
 
 Every process must call ``save`` and ``restore`` (they are collective, as a train step is);
 a call made on some processes only fails after ``ZEROPP_COLLECTIVE_TIMEOUT_S`` with an
 error naming it (``zeropp_jax.core.processes``). Process 0 alone touches the directory's
 structure: under the lock it clears debris of dead saves, picks a temporary directory,
 writes ``meta.json`` once every process has written its shards, and commits with one
-rename, so an interrupted save never leaves a ``step_N`` behind. Every array has a checksum
+rename, so an interrupted save never leaves a ``step_N`` behind. One job writes a
+directory: a save from another process while the writer lives raises ``CheckpointError``
+naming it (process id, host, command), and a save never deletes a checkpoint of a later
+step than its own, so nothing a save reported written is deleted by another's retention.
+Every array has a checksum
 in ``meta.json`` that does not depend on how it is split: two sums over its real elements'
 bits (plain and weighted by global index, mod 2^64). Each process sums the elements it
 holds, the processes add their sums, and restore does the same over what it read, so a
@@ -93,7 +100,7 @@ from zeropp_jax.comm.transports.qgz import (
     decode_error,
     encode_error,
 )
-from zeropp_jax.train import canonical
+from zeropp_jax.train import canonical, writer_lock
 from zeropp_jax.train.state import TrainState
 
 PyTree = Any
@@ -171,16 +178,20 @@ def _recover(directory: pathlib.Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def to_prune(steps: list[int], step: int, keep: int) -> list[int]:
+    """The checkpoints a save of ``step`` deletes, of those in the directory (``steps``,
+    with ``step`` among them) keeping ``keep``: the lowest steps below ``step`` beyond the
+    ``keep`` highest up to and including it. Never a step above ``step``: one is either
+    another writer's (its save reported it written) or a run abandoned by restoring an
+    earlier step, which saving that step again replaces, and which ``latest_step`` (the
+    checkpoint written last) already passes over."""
+    mine = sorted(s for s in steps if s <= step)
+    return mine[: max(0, len(mine) - keep)]
+
+
 def _retain(directory: pathlib.Path, step: int, keep: int) -> None:
-    """Keeps ``keep`` checkpoints after writing ``step``. Checkpoints of later steps
-    written before it belong to a run abandoned by a rollback: they go first (oldest
-    written first); then the lowest steps of the current run."""
-    steps = available_steps(directory)
-    seq = {s: _written(directory, s) for s in steps}
-    mine = seq.get(step, 0)
-    abandoned = sorted((s for s in steps if s > step and seq[s] < mine), key=lambda s: seq[s])
-    current = [s for s in steps if s not in abandoned]
-    for old in (abandoned + current)[: max(0, len(steps) - keep)]:
+    """Keeps ``keep`` checkpoints up to ``step`` after writing it (``to_prune``)."""
+    for old in to_prune(available_steps(directory), step, keep):
         shutil.rmtree(_step_dir(directory, old), ignore_errors=True)
 
 
@@ -670,18 +681,42 @@ def _on_lead(name: str, fn: Any) -> str:
 # -- save --------------------------------------------------------------------------------------
 
 
+def _refusal(directory: pathlib.Path, holder: writer_lock.Holder) -> str:
+    """Why a save into a directory another job writes is refused, and what to do."""
+    stop = (f"stop process {holder.pid} on host {holder.host}" if holder.pid is not None
+            else "stop the other job")
+    return (
+        f"checkpoint.save: {directory} is being written by another job: {holder.describe()}. "
+        "Two jobs saving into one directory delete each other's checkpoints (each keeps "
+        "its own last steps), so this save wrote nothing. Save into a different directory "
+        f"(a separate one per run), or {stop} if it should not be running; the directory "
+        "is free as soon as that process exits (a crashed job holds nothing).")
+
+
+
 def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 3) -> pathlib.Path:
     """Writes ``state`` to ``directory/step_<state.step>`` and returns that path.
 
     Collective: with several processes every process calls it with the same arguments and
     writes only its own devices' shards (the directory must be on a filesystem all of them
     see). Atomic: the checkpoint appears under its final name only once complete. Saves
-    into one directory take turns (a lock file; two concurrent saves both succeed), and a
-    re-save that dies between its two renames is undone by the next save or restore, so a
-    complete checkpoint is never hidden or deleted by a crash. ``keep``: how many finished
-    checkpoints to keep after a successful save (None keeps all): checkpoints of later
-    steps written earlier (a run abandoned by restoring an older step) go first, then the
-    lowest steps. Saving a step that already exists replaces it.
+    of one process into one directory take turns (a lock file; two concurrent saves from
+    two threads both succeed), and a re-save that dies between its two renames is undone
+    by the next save or restore, so a complete checkpoint is never hidden or deleted by a
+    crash.
+
+    One job writes a directory: its first save makes it the directory's writer until it
+    exits (``directory/.writer``), and a save from any other job while it lives raises
+    ``CheckpointError`` naming it (process id, host, command) before writing anything:
+    save into another directory, or stop the other job. A writer that died holds nothing
+    (the lock goes with the process), so the next job takes over.
+
+    ``keep``: how many finished checkpoints up to ``state.step`` to keep after a successful
+    save (None keeps all): the lowest steps go. Checkpoints of later steps are never
+    deleted by a save (after restoring step 100 of a run that went to 300, steps 200 and
+    300 stay until the run saves those steps again, which replaces them; ``restore``
+    defaults to the checkpoint written last, so it reads the new run's). Saving a step that
+    already exists replaces it.
 
     With ``qgz_error_feedback`` the kept qgZ errors are saved too (under ``feedback/``,
     each process its own devices' buffers); ``restore`` gives them back bit for bit on the
@@ -723,6 +758,9 @@ def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 
     with contextlib.ExitStack() as lock:  # held by process 0 from cleanup to commit
         def prepare() -> str:
             directory.mkdir(parents=True, exist_ok=True)
+            holder = writer_lock.claim(directory)
+            if holder is not None:
+                raise CheckpointError(_refusal(directory, holder))
             lock.enter_context(_locked(directory))
             _recover(directory)
             meta["written_seq"] = 1 + max([_written(directory, s)
@@ -1044,9 +1082,12 @@ def restore(
     opt_state = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(state.opt_state),
         [arrays["opt"][f"o{i}"] for i in range(len(meta["opt_state"]))])
+    # The counters where the template keeps them (its sharding, memory kind included).
+    where = lambda x: getattr(x, "sharding", replicated)  # noqa: E731
     new = state.replace(
-        step=_replicated_scalar(meta["step"], replicated),
-        skipped_steps=_replicated_scalar(meta.get("skipped_steps", 0), replicated),
+        step=_replicated_scalar(meta["step"], where(state.step)),
+        skipped_steps=_replicated_scalar(meta.get("skipped_steps", 0),
+                                         where(state.skipped_steps)),
         opt_state=opt_state,
     )
     if state.collections:
@@ -1071,7 +1112,8 @@ def restore(
         return new.replace(params=ShardedParams(master, True,
                                                 _restore_feedback(path, meta, state)))
     cdt = cfg.compute_jnp_dtype  # stages 1 and 2: replicated compute-dtype weights too
-    full = {k: jax.jit(lambda v: v.astype(cdt), out_shardings=replicated)(v)
+    full = {k: jax.jit(lambda v: v.astype(cdt),
+                       out_shardings=state.params.units[k].sharding)(v)
             for k, v in master.items()}
     return new.replace(params=ShardedParams(full, False), master=ShardedParams(master, True))
 

@@ -65,27 +65,28 @@ spec = importlib.util.spec_from_file_location("writer_lock", {module!r})
 lock = importlib.util.module_from_spec(spec)
 sys.modules["writer_lock"] = lock
 spec.loader.exec_module(lock)
-assert lock.claim(pathlib.Path({directory!r})) is None
-print("held", flush=True)
+got = lock.claim(pathlib.Path({directory!r}))
+print("held" if got is None else f"refused by {{got.pid}}", flush=True)
 sys.stdin.read()  # hold it until the parent closes stdin (or kills this process)
 """
 
 
-def _hold(directory: pathlib.Path) -> subprocess.Popen:
-    """A process (plain Python, no JAX) that holds ``directory``, once it says so."""
+def _claim_elsewhere(directory: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    """A process (plain Python, no JAX) that claims ``directory`` and holds it if it got
+    it, and what it said (``held``, or ``refused by <pid>``)."""
     code = _HOLDER.format(module=str(LOCK_MODULE), directory=str(directory))
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
+    return proc, proc.stdout.readline().strip()
 
 
 def test_a_held_directory_is_refused_naming_the_holder_and_taken_over_when_it_dies(tmp_path):
     from zeropp_jax.train.checkpoint import _refusal
 
     lock = _writer_lock()
-    proc = _hold(tmp_path)
+    proc, said = _claim_elsewhere(tmp_path)
     try:
+        assert said == "held", said
         holder = lock.claim(tmp_path)
         assert holder is not None and holder.pid == proc.pid, holder
         msg = _refusal(tmp_path, holder)
@@ -98,6 +99,32 @@ def test_a_held_directory_is_refused_naming_the_holder_and_taken_over_when_it_di
     assert lock.claim(tmp_path) is None  # the dead process held nothing: taken over
     assert lock.claim(tmp_path) is None  # and held: asking again is free
     lock.release(tmp_path)
+
+
+def test_one_process_holds_a_directory_under_any_spelling(tmp_path):
+    """A symlink to a directory this process writes is the same directory: no refusal of
+    itself. The directory made anew (removed by hand) is claimed afresh."""
+    import shutil
+
+    lock = _writer_lock()
+    d = tmp_path / "ck"
+    d.mkdir()
+    (tmp_path / "link").symlink_to(d)
+    assert lock.claim(d) is None
+    assert lock.claim(tmp_path / "link") is None
+    shutil.rmtree(d)
+    d.mkdir()
+    assert lock.claim(tmp_path / "link") is None
+    assert (d / lock.WRITER_FILE).exists()
+    proc, said = _claim_elsewhere(d)  # the new directory is held, by this process
+    proc.kill()
+    proc.wait()
+    assert said == f"refused by {os.getpid()}", said
+    lock.release(tmp_path / "link")
+    proc, said = _claim_elsewhere(d)  # released: free for another process
+    proc.kill()
+    proc.wait()
+    assert said == "held", said
 
 
 # -- two real writers racing -------------------------------------------------------------------

@@ -31,7 +31,10 @@ import time
 
 WRITER_FILE = ".writer"
 
-_HELD: dict[str, int] = {}  # directory -> descriptor holding its lock, this process's
+# (device, inode) of a directory -> this process's descriptor holding its lock. By inode,
+# not by path: two spellings of one directory (a symlink, a relative path) are one lock,
+# which this process must not contend with itself for.
+_HELD: dict[tuple[int, int], int] = {}
 _GUARD = threading.Lock()
 
 
@@ -110,7 +113,8 @@ def claim(directory: pathlib.Path) -> Holder | None:
     process holds it (at once if it did already), or the ``Holder`` of another live process
     that holds it. Never waits for the other process."""
     path = directory / WRITER_FILE
-    key = str(directory)
+    st = os.stat(directory)
+    key = (st.st_dev, st.st_ino)
     with _GUARD:
         fd = _HELD.get(key)
         if fd is not None:
@@ -138,8 +142,12 @@ def claim(directory: pathlib.Path) -> Holder | None:
 def release(directory: pathlib.Path) -> None:
     """Lets go of ``directory`` if this process holds it (another job may then save there
     while this process lives; exiting does the same)."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return
     with _GUARD:
-        fd = _HELD.pop(str(directory), None)
+        fd = _HELD.pop((st.st_dev, st.st_ino), None)
         if fd is not None:
             os.close(fd)  # closing the last descriptor releases the flock
 

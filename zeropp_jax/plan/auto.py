@@ -28,6 +28,20 @@ the same candidates are ranked again with the optimizer state in host memory, an
 those fits either, with the primary shards there too (``offload_params``), each priced with
 its transfers over the host link.
 
+Activations: a ``ModelShape`` says what its model keeps per token (``transformer_shape``
+with ``heads``, or ``activation_bytes_per_token``); a params tree says nothing, and is
+priced without them. A ``TrainState`` is priced with what the compiler says its step
+holds: when a step of the state has been lowered (``lowered=step.lower(state, batch)``, or
+the step a ``train_step`` recorded on the state, ``measured.step_of_state``), that step is
+compiled once (or read, if compiled already), and what its arguments + temporaries hold
+beyond the memory model's other terms becomes the state's activation bytes per token
+(``measured.calibrated_shape``), priced for every candidate at its tokens per device.
+One compile, not one per candidate: the terms that differ between candidates (hpZ's
+secondaries, qwZ's buffers, qgZ's, offloaded state) are the model's, and what the model
+keeps for backward is the same under each (``measured``'s docstring says what this
+leaves out). Without a lowered step a state's activations are not counted, and the plan's
+last line says so.
+
 Hardware: ``hardware=`` (a ``cost_model.Hardware``, e.g. one calibrated by
 ``benchmarks/cluster/run.py --predict`` or a preset of ``presets``), else ``presets.for_devices``
 on the given link speeds, nodes and devices per node defaulting to ``jax``'s processes and
@@ -45,7 +59,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from zeropp_jax.core.config import ZeroPPConfig
+from zeropp_jax.core.mesh import mesh_shape
 from zeropp_jax.plan import presets
+from zeropp_jax.plan.measured import calibrated_shape, compiled_memory, step_of_state
 from zeropp_jax.plan.cost_model import Hardware, StepPrediction, predict_step
 from zeropp_jax.plan.workload import (
     ModelShape,
@@ -58,6 +74,12 @@ from zeropp_jax.plan.workload import (
 
 # Candidates within this fraction of the fastest count as tied (plan's default tie).
 _TIE = 0.02
+# With activations measured from a compiled step, a candidate other than the compiled
+# configuration fits the budget only with this much to spare: the memory model's terms
+# that differ between configurations are held to 10% of compiled steps
+# (tests/plan/test_memory_model.py), and on XLA's CPU backend ZeRO++'s step ran up to 8%
+# over its prediction from ZeRO-3's (tests/plan/test_compiled_activations.py).
+MEMORY_MARGIN = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +122,7 @@ class Plan:
     tokens_per_device: float
     memory_budget_bytes: float | None
     why: str
+    activations: str = ""  # where the activations priced came from (``_activations``)
 
     def table(self) -> str:
         hw = self.hardware
@@ -162,7 +185,8 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
          tokens_per_device: float | None = 0.0, base: ZeroPPConfig | None = None,
          tie: float | None = _TIE, configs: Sequence[ZeroPPConfig] | None = None,
          allow_int4_weights: bool = False,
-         tensor_parallel: Mapping[int, ModelShape] | None = None) -> Plan:
+         tensor_parallel: Mapping[int, ModelShape] | None = None,
+         lowered: Any = None) -> Plan:
     """Rank the candidate configurations for a model on a cluster (module docstring).
 
     Args:
@@ -196,6 +220,11 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
         tokens (``Candidate.cost``: ``T`` x its step). The chosen one is
         ``Plan.chosen.tensor_parallel``: build the mesh with ``make_mesh(nodes, local // T,
         model=T)``.
+      lowered: a step of ``state_or_model`` (a ``TrainState``) lowered or compiled
+        (``step.lower(state, batch)``, or its ``.compile()``): compiled here once if
+        lowered, and its memory gives the state's activations per token (module
+        docstring). None: the step a ``train_step`` recorded on the state, if any.
+        ``tokens_per_device`` not given, memory is priced at that step's tokens.
 
     None means not given, for every argument that has a default. Anything else that is
     not what the argument takes (0 nodes, a negative bandwidth, a budget given as the
@@ -238,6 +267,8 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
                 raise TypeError(f"configs holds a {type(c).__name__}: give ZeroPPConfigs")
     shape = _shape_of(state_or_model)
     hw = _hardware(hardware, nodes, local, intra_gbps, inter_gbps)
+    shape, backend, memory_tokens, activations, compiled = _activations(
+        state_or_model, shape, lowered, tokens_per_device)
     shapes = _tensor_parallel_shapes(shape, tensor_parallel, hw.local)
     given = configs is not None
     per_degree = {t: list(configs) if given else candidate_configs(
@@ -247,10 +278,18 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
     memo: dict = {}  # traced transports, shared by every candidate of this call
 
     def costed(config: ZeroPPConfig, t: int = 1) -> Candidate:
-        w = config_workload(config, shapes[t], hw.nodes, hw.local // t, tokens_per_device,
-                            memo=memo)
+        w = config_workload(config, shapes[t], hw.nodes, hw.local // t, memory_tokens,
+                            memo=memo, backend=backend)
+        if memory_tokens != tokens_per_device:  # memory at the lowered step's tokens alone
+            w = dataclasses.replace(w, flops_per_device=tokens_per_device
+                                    * shapes[t].flops_per_token)
         p = predict_step(w, hw)
-        fits = memory_budget_bytes is None or p.memory_bytes <= memory_budget_bytes
+        # The compiled configuration at its own tokens is priced at its compiled bytes;
+        # any other with MEMORY_MARGIN to spare.
+        spare = 0.0 if compiled is None or (config, t, memory_tokens) == compiled else \
+            MEMORY_MARGIN
+        fits = (memory_budget_bytes is None
+                or p.memory_bytes * (1 + spare) <= memory_budget_bytes)
         return Candidate(config, p, fits, w.cross_bytes_per_node / 1e6, t)
 
     candidates = [costed(c, t) for t, cs in per_degree.items() for c in cs]
@@ -285,6 +324,8 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
               f", under the budget of {memory_budget_bytes / 2**30:.2f} GiB per device")
            + ("" if tokens_per_device else
               "; no tokens_per_device given, so compute is not counted"))
+    if activations:
+        why += "\n" + activations
     if chosen.tensor_parallel > 1:
         t = chosen.tensor_parallel
         why += (f"\ntensor parallel {t}: build the mesh with zpp.make_mesh({hw.nodes}, "
@@ -297,7 +338,7 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
         why += ("\nINT4 weights (qwz-int4) not ranked: they lose accuracy where INT8 "
                 "weights do not; allow_int4_weights=True ranks them too")
     return Plan(tuple(candidates), chosen, hw, shape, tokens_per_device, memory_budget_bytes,
-                why)
+                why, activations)
 
 
 def auto_config(state_or_model: Any, *, nodes: int | None = None, local: int | None = None,
@@ -326,6 +367,41 @@ def auto_config(state_or_model: Any, *, nodes: int | None = None, local: int | N
     if verbose:
         print(p.table())
     return p.chosen.config
+
+
+def _activations(x: Any, shape: ModelShape, lowered: Any, tokens_per_device: float
+                 ) -> tuple[ModelShape, str, float, str, tuple | None]:
+    """``(shape, backend, tokens, note, compiled)`` the candidates' memory is priced
+    with: for a
+    ``TrainState`` with a lowered step (``lowered``, else the one recorded on it), the
+    shape with the activations per token the compiled step holds (``measured``), the
+    backend it was compiled for and ``tokens_per_device`` (that step's own if not given);
+    else ``shape`` as it is, on a GPU, at ``tokens_per_device``. ``note``: the plan's line
+    saying where the activations came from ("" for a ``ModelShape`` or params).
+    ``compiled``: ``(config, 1, tokens)`` of the compiled step (its prediction is its
+    compiled bytes), or None."""
+    is_state = hasattr(x, "engine")
+    if lowered is not None and not is_state:
+        raise TypeError(f"lowered= needs a TrainState to plan for (the state the step was "
+                        f"lowered with), got {type(x).__name__}: pass plan(state, "
+                        "lowered=step.lower(state, batch))")
+    step = lowered if lowered is not None else (step_of_state(x) if is_state else None)
+    if step is None:
+        note = ("activations not counted: no step of this state has been lowered; pass "
+                "lowered=step.lower(state, batch) to count them" if is_state else "")
+        return shape, "gpu", tokens_per_device, note, None
+    engine = x.engine
+    measured = compiled_memory(step, x)
+    nodes, local = mesh_shape(engine.mesh)
+    shape = calibrated_shape(shape, engine.config, nodes, local, measured)
+    note = (f"activations measured: {shape.activation_bytes_per_token:,.0f} bytes per token "
+            f"(the compiled step of this state: {measured.total / 2**20:,.2f} MiB per device "
+            f"at {measured.tokens_per_device:g} tokens, {measured.backend.upper()})")
+    note += (f"; configurations other than {config_label(engine.config)} at "
+             f"{measured.tokens_per_device:g} tokens fit the budget only with "
+             f"{MEMORY_MARGIN:.0%} to spare")
+    return (shape, measured.backend, tokens_per_device or measured.tokens_per_device, note,
+            (engine.config, 1, measured.tokens_per_device))
 
 
 def _tensor_parallel_shapes(shape: ModelShape, given: Mapping[int, ModelShape] | None,

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-import pytest
+import numpy as np
 
 from helpers import subprocess_env
 
@@ -33,16 +33,14 @@ def _writer_lock():
 
 
 def test_pruning_never_removes_a_later_step():
-    """``to_prune`` on random directories: only steps below the one saved go, the ``keep``
-    highest up to it stay, and the issue's case (another writer's step 4 beside this
-    writer's 1, 2, 3) keeps step 4."""
-    from zeropp_jax.train.checkpoint import to_prune
+    """The pruning rule (``checkpoint._to_prune``) on random directories: only steps below
+    the one saved go, the ``keep`` highest up to it stay, and two writers' case (another
+    writer's step 4 beside this writer's 1, 2, 3) keeps step 4."""
+    from zeropp_jax.train.checkpoint import _to_prune as to_prune
 
     assert to_prune([1, 2, 3, 4], 3, 3) == []
     assert to_prune([1, 2, 3, 4], 3, 2) == [1]
     seed = secrets.randbelow(1 << 30)
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     for _ in range(200):
         steps = sorted(set(rng.integers(0, 50, rng.integers(1, 12)).tolist()))
@@ -175,8 +173,9 @@ OFFSETS = [(0.0, 0.0), (0.0, 0.1), (0.0, 0.3), (0.1, 0.0)]
 STEPS = {"A": [1, 2, 3], "B": [4]}
 # Between rounds' starts: a round's saves of this state take about 0.2 s (measured: 50-70
 # ms a save after the warm-up, on the 2-core CPU with other jobs running), and B's last
-# offset is 0.3 s.
-ROUND_S = 0.75
+# offset is 0.3 s. A round that starts late (a loaded machine) only blurs its offset: each
+# round has its own directory, and the checks hold whatever the order.
+ROUND_S = 0.6
 
 
 def test_two_writers_racing_never_lose_a_reported_checkpoint(tmp_path):

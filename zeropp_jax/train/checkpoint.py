@@ -35,11 +35,12 @@ rename, so an interrupted save never leaves a ``step_N`` behind. One job writes 
 directory: a save from another process while the writer lives raises ``CheckpointError``
 naming it (process id, host, command), and a save never deletes a checkpoint of a later
 step than its own, so nothing a save reported written is deleted by another's retention.
-Every array has a checksum
-in ``meta.json`` that does not depend on how it is split: two sums over its real elements'
-bits (plain and weighted by global index, mod 2^64). Each process sums the elements it
-holds, the processes add their sums, and restore does the same over what it read, so a
-damaged file is an error on every process, never silently different weights. Before
+
+Every array has a checksum in ``meta.json`` that does not depend on how it is split: two
+sums over its real elements' bits (plain and weighted by global index, mod 2^64). Each
+process sums the elements it holds, the processes add their sums, and restore does the
+same over what it read, so a damaged file is an error on every process, never silently
+different weights. Before
 reading, every process checks that each file under ``arrays/`` (and ``feedback/``) is
 there with the size ``meta.json`` records, and the processes agree on the verdict: a
 truncated or deleted shard is an error naming the file on every process, never one
@@ -178,7 +179,7 @@ def _recover(directory: pathlib.Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def to_prune(steps: list[int], step: int, keep: int) -> list[int]:
+def _to_prune(steps: list[int], step: int, keep: int) -> list[int]:
     """The checkpoints a save of ``step`` deletes, of those in the directory (``steps``,
     with ``step`` among them) keeping ``keep``: the lowest steps below ``step`` beyond the
     ``keep`` highest up to and including it. Never a step above ``step``: one is either
@@ -190,8 +191,8 @@ def to_prune(steps: list[int], step: int, keep: int) -> list[int]:
 
 
 def _retain(directory: pathlib.Path, step: int, keep: int) -> None:
-    """Keeps ``keep`` checkpoints up to ``step`` after writing it (``to_prune``)."""
-    for old in to_prune(available_steps(directory), step, keep):
+    """Keeps ``keep`` checkpoints up to ``step`` after writing it (``_to_prune``)."""
+    for old in _to_prune(available_steps(directory), step, keep):
         shutil.rmtree(_step_dir(directory, old), ignore_errors=True)
 
 
@@ -691,7 +692,6 @@ def _refusal(directory: pathlib.Path, holder: writer_lock.Holder) -> str:
         "its own last steps), so this save wrote nothing. Save into a different directory "
         f"(a separate one per run), or {stop} if it should not be running; the directory "
         "is free as soon as that process exits (a crashed job holds nothing).")
-
 
 
 def save(directory: str | os.PathLike, state: TrainState, *, keep: int | None = 3) -> pathlib.Path:

@@ -357,8 +357,12 @@ def auto_config(state_or_model: Any, *, nodes: int | None = None, local: int | N
     (unless ``verbose=False``) and returns the chosen ``ZeroPPConfig``. Other keyword
     arguments go to ``plan`` (``hardware``, ``tokens_per_device``, ``base``, ``tie``,
     ``configs``, ``allow_int4_weights``, ``tensor_parallel``: degrees to rank too, with the
-    model's shape on one rank at each; the chosen degree is printed with the mesh to build). None means not given; 0 nodes, a negative
-    bandwidth or a budget given as a string raise naming the argument. qgZ's error
+    model's shape on one rank at each; the chosen degree is printed with the mesh to build;
+    ``lowered``: a step of the ``TrainState`` lowered, ``step.lower(state, batch)``, whose
+    compiled memory gives the activations, module docstring). For a ``TrainState``, lower
+    a step first: without one its activations are not counted (the table says so). None
+    means not given; 0 nodes, a negative bandwidth or a budget given as a string raise
+    naming the argument. qgZ's error
     feedback and per-step signs are never chosen here: a ``base`` with them on gives them
     to the qgZ candidates, priced with the feedback's memory.
     """

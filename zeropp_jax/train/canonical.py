@@ -90,10 +90,19 @@ def _put(x: Any, sharding: NamedSharding) -> Any:
     return jax.device_put(x, sharding) if isinstance(x, jax.Array) else x
 
 
-def _move(state: TrainState, engine: Engine, where: TrainState) -> TrainState:
+def _shape_only(x: jax.Array, source: UnitLayout, target: UnitLayout,
+                sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    """What ``_rewrite`` would give, as shape, dtype and sharding only."""
+    del source
+    return jax.ShapeDtypeStruct(target.global_shape, x.dtype, sharding=sharding)
+
+
+def _move(state: TrainState, engine: Engine, where: TrainState, rewrite: Any = _rewrite
+          ) -> TrainState:
     """``state`` (on its engine's layouts) rewritten onto ``engine``'s layouts, every array
     leaf onto the sharding of the matching leaf of ``where`` (a tree of ``TrainState``'s
-    structure whose leaves are ``NamedSharding``s, or arrays carrying them)."""
+    structure whose leaves are ``NamedSharding``s, or arrays carrying them). ``rewrite``
+    moves a unit buffer (``_rewrite``; ``_shape_only`` for its shape alone)."""
     old = state.engine
     sharding = lambda s: getattr(s, "sharding", s)  # noqa: E731 — an array, or a sharding
 
@@ -101,10 +110,10 @@ def _move(state: TrainState, engine: Engine, where: TrainState) -> TrainState:
         name = unit_of(path, old.layouts)
         if name is None or spec == jax.sharding.PartitionSpec():
             return _put(x, sharding(to))
-        return _rewrite(x, old.layouts[name], engine.layouts[name], sharding(to))
+        return rewrite(x, old.layouts[name], engine.layouts[name], sharding(to))
 
     params = ShardedParams(
-        {k: _rewrite(v, old.layouts[k], engine.layouts[k], sharding(where.params.units[k]))
+        {k: rewrite(v, old.layouts[k], engine.layouts[k], sharding(where.params.units[k]))
          for k, v in state.params.units.items()}, True, state.params.feedback)
     specs = jax.tree_util.tree_leaves(old.opt_specs)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state.opt_state)
@@ -114,8 +123,8 @@ def _move(state: TrainState, engine: Engine, where: TrainState) -> TrainState:
     frozen = state.frozen
     if frozen is not None:  # stored as they are (not quantized: refused with a model axis)
         frozen = frozen.replace(values={
-            k: _rewrite(v, old.frozen_layouts[k], engine.frozen_layouts[k],
-                        sharding(where.frozen.values[k]))
+            k: rewrite(v, old.frozen_layouts[k], engine.frozen_layouts[k],
+                       sharding(where.frozen.values[k]))
             for k, v in frozen.values.items()})
     small = lambda x, to: jax.tree_util.tree_map(  # noqa: E731
         lambda a, t: _put(a, sharding(t)), x, to)
@@ -132,21 +141,36 @@ def _shardings(state: TrainState, spec_of: Any) -> Any:
         lambda x: spec_of(x) if isinstance(x, jax.Array) else x, state)
 
 
-def to_canonical(state: TrainState) -> TrainState:
-    """A tensor-parallel ``state`` in the canonical layout (``canonical_engine``), each
-    leaf in the memory kind it has in ``state`` (an offloaded buffer stays in pinned host
-    memory)."""
-    engine = canonical_engine(state.engine)
+def _canonical_shardings(state: TrainState, engine: Engine) -> TrainState:
+    """Where each leaf of ``state`` goes in the canonical layout: a unit buffer (2-D
+    tensor-parallel slices, or a 1-D flat buffer) split over all of ``engine``'s devices,
+    scalars and collections whole; each in the memory kind it has in ``state``."""
 
     def spec_of(x: jax.Array) -> NamedSharding:
-        # Unit buffers (2-D tensor-parallel slices, or 1-D flat buffers) become one flat
-        # buffer split over all devices; scalars and collections stay whole.
         split = x.ndim >= 1 and isinstance(x.sharding, NamedSharding) and any(
             a is not None for a in x.sharding.spec)
         return NamedSharding(engine.mesh, SHARDED if split else REPLICATED,
                              memory_kind=x.sharding.memory_kind)
 
-    return _move(state, engine, _shardings(state, spec_of))
+    return _shardings(state, spec_of)
+
+
+def to_canonical(state: TrainState) -> TrainState:
+    """A tensor-parallel ``state`` in the canonical layout (``canonical_engine``), each
+    leaf in the memory kind it has in ``state`` (an offloaded buffer stays in pinned host
+    memory)."""
+    engine = canonical_engine(state.engine)
+    return _move(state, engine, _canonical_shardings(state, engine))
+
+
+def canonical_template(state: TrainState) -> TrainState:
+    """``to_canonical(state)`` as a template to restore into, without computing it: its
+    unit buffers (parameters, their optimizer buffers, frozen values) are
+    ``jax.ShapeDtypeStruct``s carrying their canonical shardings and memory kinds, so a
+    restore neither allocates nor rewrites a copy of the template's values; the small
+    leaves (counters, collections) are moved as they are."""
+    engine = canonical_engine(state.engine)
+    return _move(state, engine, _canonical_shardings(state, engine), _shape_only)
 
 
 def from_canonical(state: TrainState, template: TrainState) -> TrainState:

@@ -1062,7 +1062,7 @@ def restore(
         raise TypeError(f"restore expects a zeropp_jax.TrainState template, got "
                         f"{type(state).__name__}")
     if canonical.is_sliced(state.engine):  # read as stored, then into tensor slices
-        restored = restore(directory, canonical.to_canonical(state), step=step)
+        restored = restore(directory, canonical.canonical_template(state), step=step)
         return canonical.from_canonical(restored, state)
     _same_arguments("checkpoint.restore", {
         "directory": str(pathlib.Path(directory).absolute()), "step": step})

@@ -125,6 +125,40 @@ def test_one_process_holds_a_directory_under_any_spelling(tmp_path):
     assert said == "held", said
 
 
+_FORKER = """
+import importlib.util, os, pathlib, sys
+spec = importlib.util.spec_from_file_location("writer_lock", {module!r})
+lock = importlib.util.module_from_spec(spec)
+sys.modules["writer_lock"] = lock
+spec.loader.exec_module(lock)
+d = pathlib.Path({directory!r})
+assert lock.claim(d) is None
+pid = os.fork()
+if pid == 0:  # a forked worker: not the writer, and its exit leaves the lock in place
+    got = lock.claim(d)
+    print("held" if got is None else f"refused by {{got.pid}}", flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_process_forked_by_the_writer_neither_holds_nor_frees_the_directory(tmp_path):
+    lock = _writer_lock()
+    code = _FORKER.format(module=str(LOCK_MODULE), directory=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == f"refused by {proc.pid}"
+        assert proc.stdout.readline().strip() == "held"
+        holder = lock.claim(tmp_path)  # the forked child has exited: still held
+        assert holder is not None and holder.pid == proc.pid, holder
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # -- two real writers racing -------------------------------------------------------------------
 
 # Each writer: a one-device state of a tiny model, one warm-up save (so that the race

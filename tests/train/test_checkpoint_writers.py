@@ -10,6 +10,7 @@ import os
 import pathlib
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -88,7 +89,7 @@ def test_a_held_directory_is_refused_naming_the_holder_and_taken_over_when_it_di
         holder = lock.claim(tmp_path)
         assert holder is not None and holder.pid == proc.pid, holder
         msg = _refusal(tmp_path, holder)
-        assert f"process {proc.pid} on host {os.uname().nodename}" in msg, msg
+        assert f"process {proc.pid} on host {socket.gethostname()}" in msg, msg
         assert "different directory" in msg and f"stop process {proc.pid}" in msg, msg
     finally:
         proc.kill()  # SIGKILL: no cleanup runs, the lock file stays behind
@@ -238,7 +239,7 @@ def test_two_writers_racing_never_lose_a_reported_checkpoint(tmp_path):
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
     results = {r: json.loads((tmp_path / f"result_{r}.json").read_text()) for r in "AB"}
-    host = os.uname().nodename
+    host = socket.gethostname()
     for rnd, (a, b) in zip(rounds, OFFSETS):
         d = tmp_path / rnd["dir"]
         got = {r: [o for o in results[r]["out"] if o["dir"] == rnd["dir"]] for r in "AB"}

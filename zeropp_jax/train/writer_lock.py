@@ -87,8 +87,9 @@ def _me() -> dict:
 
 def _read_holder(fd: int) -> Holder:
     """Who holds the lock on ``fd``'s file, from what it wrote there. The holder writes it
-    right after taking the lock: an empty or partial file is read again, briefly."""
-    for _ in range(20):
+    right after taking the lock: an empty or partial file is read again, for up to 2 s (a
+    loaded machine may pause the holder between the two)."""
+    for _ in range(200):
         try:
             got = json.loads(os.pread(fd, 1 << 16, 0).decode())
             return Holder(*(got.get(k) for k in ("pid", "host", "started", "since",

@@ -1078,6 +1078,72 @@ def _gpu_cluster_units(data: dict) -> str:
                    "hidden"], out)
 
 
+def qgz_gap(data: dict, view: str | None) -> str:
+    """``benchmarks/qgz_gap.py``: the 4-bit gradient loss gap split over qgZ's hops and
+    techniques (view None), AdamW's second moment against its prediction ("nu"), and the
+    spread of runs that differ only in rounding ("noise")."""
+    rows = data["rows"]
+    seeds = sorted({int(s) for r in rows for s in r["vs_zero3_pct"]})
+    s = data["settings"]
+
+    def cell(r: dict, seed: int) -> str:
+        v = r["vs_zero3_pct"].get(str(seed), r["vs_zero3_pct"].get(seed))
+        return "—" if v is None else f"{v:+.2f}%"
+
+    if view is None:
+        header = (["configuration", "what it isolates"] + [f"seed {x}" for x in seeds]
+                  + ["mean", "cross-node bytes vs ZeRO-3"])
+        body = []
+        for r in rows:
+            if r["config"] == "zero3":
+                continue
+            mean = r["mean_vs_zero3_pct"]
+            b = r["bytes_vs_zero3"]
+            body.append([r["config"], r["what"], *[cell(r, x) for x in seeds],
+                         "—" if mean is None else f"{mean:+.2f}%",
+                         "—" if b is None else _x(b, 3)])
+        z = data["zero3_val_loss"]
+        caption = (
+            f"Final validation loss against ZeRO-3 of the same seed (ZeRO-3: "
+            + ", ".join(f"{float(v):.4f} at seed {k}" for k, v in sorted(z.items()))
+            + f"). {s['steps']} steps, global batch {s['batch']} x {s['seq_len']} bytes, "
+            f"{s['layers']} layers, d_model {s['d_model']}, peak lr {s['lr']}, "
+            f"{s['nodes']} nodes x {s['local']} devices, bf16; "
+            f"{data['machine']['cpu']}. Target: within {data['target_pct']}% at "
+            f"cross-node bytes <= {data['bytes_budget']:.2f}x ZeRO-3's.")
+        return _table(header, body) + "\n\n" + caption
+    if view == "nu":
+        header = ["configuration", "seed", "step", "sqrt(nu) vs ZeRO-3", "RMS of mu vs ZeRO-3",
+                  "predicted sqrt(nu) vs ZeRO-3"]
+        body = []
+        for r in rows:
+            for seed, by_step in sorted(r["nu_vs_zero3"].items()):
+                if r["config"] == "zero3":
+                    continue
+                for step, v in sorted(by_step.items(), key=lambda kv: int(kv[0])):
+                    pred = r.get("predicted_sqrt_nu")
+                    body.append([r["config"], seed, step, f"{v['sqrt_nu']:.4f}",
+                                 f"{v['mu_rms']:.4f}", "—" if pred is None else f"{pred:.4f}"])
+        if not body:
+            raise TableError("qgz_gap: no run recorded its optimizer moments")
+        return _table(header, body) + (
+            "\n\nsqrt(nu) summed over every parameter, the run's over ZeRO-3's at the same "
+            "step; predicted: sqrt(1 + E[e^2] / E[g^2]), e the variant's reduce-scatter error "
+            "measured on ZeRO-3's own gradients at its checkpoints.")
+    if view == "noise":
+        nf = data["noise_floor"]
+        if not nf or not nf.get("runs"):
+            raise TableError("qgz_gap: no noise-floor runs")
+        body = [[r["run"], f"{r['val_loss']:.4f}"] for r in nf["runs"]]
+        for r in data.get("reproduced", []):
+            body.append([f"{r['config']} (seed {r['seed']}), this machine vs "
+                         f"{r['tracked_source']}", f"{r['diff_pct']:+.3f}%"])
+        spread = nf.get("spread_pct")
+        return _table(["ZeRO-3 run, seed " + str(nf["seed"]), "final val loss"], body) + (
+            "" if spread is None else f"\n\nSpread (max - min): {spread:.3f}%.")
+    raise TableError(f"qgz_gap: unknown view {view!r}; views: nu, noise")
+
+
 def _no_view(view: str | None, shape: str) -> None:
     if view is not None:
         raise TableError(f"{shape} results have one table; drop '/{view}'")
@@ -1112,6 +1178,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("weak_scaling", {"entries", "floors_s", "rows_per_device"}, weak_scaling),
     ("trace_overlap", {"trace_summaries"}, trace_overlap),
     ("cluster_floor", {"args", "results"}, cluster_floor),
+    ("qgz_gap", {"rows", "predicted_nu", "lowered_bytes_per_step", "bytes_budget"}, qgz_gap),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "gpu_cluster": ["grid", "unrolled", "largest"],
@@ -1120,7 +1187,8 @@ VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "qgz_accuracy": [None, "smoothing", "formats", "weights", "feedback"],
          "memory": ["state", "paper", "depth"],
          "quantization": ["block_vs_tensor", "sweep"],
-         "int4_weights": [None, "round_trip"]}
+         "int4_weights": [None, "round_trip"],
+         "qgz_gap": [None, "nu", "noise"]}
 
 
 def shape_of(data: Any, name: str) -> tuple[str, Callable[[dict, str | None], str]]:

@@ -121,3 +121,53 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert data["failures"] == [] and data["kernels"]["passed"] == data["kernels"]["total"]
     md = (tmp_path / "gpu_check.md").read_text().splitlines()
     assert sum(line.startswith("|---") for line in md) == 3  # the (a), (b) and (c) tables
+
+
+def test_qgz_hops_transport_matches_qgz_and_bounds_each_hop():
+    """benchmarks/qgz_hops.py (the hop-selective qgZ behind benchmarks/qgz_gap.py) on a 2x4
+    mesh: with both hops INT4 it is the library's qgZ bit for bit; with neither
+    hop quantized its only error is the bf16 rounding of the node partial sums; with only
+    the cross-node hop quantized its error is within that hop's INT4 rounding bound."""
+    import secrets
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import zeropp_jax as zpp
+    from benchmarks.qgz_hops import hop_reduce_scatter
+    from zeropp_jax.comm.qgz import qgz_reduce_scatter
+
+    nodes, local, block = 2, 4, 256
+    num = nodes * local
+    mesh = zpp.make_mesh(nodes, local)
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    n = num * block * 2
+    x = rng.standard_t(3, size=(num, n)).astype(np.float32)  # heavy tails, as gradients
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))  # exactly bf16
+    xs = jax.device_put(jnp.asarray(x, jnp.bfloat16), NamedSharding(mesh, P(("node", "local"))))
+
+    def run(f):
+        return np.asarray(jax.jit(jax.shard_map(lambda v: f(v[0]), mesh=mesh,
+                                                in_specs=P(("node", "local")),
+                                                out_specs=P(("node", "local"))))(xs))
+
+    got = run(lambda v: hop_reduce_scatter(v, hop1_bits=4, hop2_bits=4))
+    want = run(lambda v: qgz_reduce_scatter(v))
+    assert np.array_equal(got, want), f"seed {seed}: INT4 on both hops is not qgZ"
+    exact = x.astype(np.float64).sum(0)
+    partial = x.astype(np.float64).reshape(nodes, local, n).sum(1)  # [nodes, n]
+    # No quantization: each node's fp32 partial sum rounded to bf16 once (relative 2**-8),
+    # then an fp32 sum (2**-24 per add, a few adds).
+    err = np.abs(run(lambda v: hop_reduce_scatter(v, hop1_bits=None, hop2_bits=None)) - exact)
+    bound = 2.0 ** -8 * np.abs(partial).sum(0) + 2.0 ** -20 * np.abs(x).sum(0)
+    assert np.all(err <= bound), f"seed {seed}: {np.max(err / bound):.3f} of the bf16 bound"
+    # Cross-node hop only, INT4: each node's partial sums quantized in blocks of 256 along
+    # each destination slice, round to nearest: at most absmax/7/2 per element and node
+    # (pallas_kernels/quantize.py; 1e-5 for its fp32 rounding), plus the fp32 sums.
+    err = np.abs(run(lambda v: hop_reduce_scatter(v, hop1_bits=None, hop2_bits=4)) - exact)
+    absmax = np.abs(partial).reshape(nodes, -1, block).max(-1, keepdims=True)
+    q_bound = np.broadcast_to(absmax / 14, (nodes, n // block, block)).reshape(nodes, n).sum(0)
+    bound = q_bound * (1 + 1e-5) + 2.0 ** -20 * np.abs(x).sum(0)
+    assert np.all(err <= bound), f"seed {seed}: {np.max(err / bound):.3f} of the INT4 bound"
+    assert np.max(err / bound) > 0.1, f"seed {seed}: no INT4 error at all (hop not quantized?)"

@@ -14,7 +14,6 @@ the same.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -64,10 +63,10 @@ def canonical_engine(engine: Engine) -> Engine:
                                memo={})
 
 
-@functools.lru_cache(maxsize=512)
 def _rewriter(source: UnitLayout, target: UnitLayout, sharding: NamedSharding) -> Any:
-    """The jitted rewrite of one unit's buffer (cached: the layouts and sharding fix the
-    program, so a unit's moments, and later restores into the same template, share it)."""
+    """The jitted rewrite of one unit's buffer (the layouts and sharding fix the program:
+    ``_rewrite`` keeps it in the target engine's memo, so a unit's moments, and later
+    restores into the same template, share it)."""
     host = sharding.memory_kind == compat.HOST_MEMORY
 
     def rewrite(v: jax.Array) -> jax.Array:
@@ -78,11 +77,15 @@ def _rewriter(source: UnitLayout, target: UnitLayout, sharding: NamedSharding) -
 
 
 def _rewrite(x: jax.Array, source: UnitLayout, target: UnitLayout,
-             sharding: NamedSharding) -> jax.Array:
+             sharding: NamedSharding, memo: dict) -> jax.Array:
     """A unit's global buffer in ``source``'s layout -> the same values in ``target``'s, on
     ``sharding`` (memory kind included). An offloaded buffer is rewritten in device memory,
-    one unit at a time, and goes back to pinned host memory if ``sharding`` says so."""
-    return _rewriter(source, target, sharding)(x)
+    one unit at a time, and goes back to pinned host memory if ``sharding`` says so.
+    ``memo``: where the rewrite programs are kept (the target engine's)."""
+    key = ("canonical_rewrite", source, target, sharding)
+    if key not in memo:
+        memo[key] = _rewriter(source, target, sharding)
+    return memo[key](x)
 
 
 def _put(x: Any, sharding: NamedSharding) -> Any:
@@ -91,9 +94,9 @@ def _put(x: Any, sharding: NamedSharding) -> Any:
 
 
 def _shape_only(x: jax.Array, source: UnitLayout, target: UnitLayout,
-                sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+                sharding: NamedSharding, memo: dict) -> jax.ShapeDtypeStruct:
     """What ``_rewrite`` would give, as shape, dtype and sharding only."""
-    del source
+    del source, memo
     return jax.ShapeDtypeStruct(target.global_shape, x.dtype, sharding=sharding)
 
 
@@ -110,10 +113,12 @@ def _move(state: TrainState, engine: Engine, where: TrainState, rewrite: Any = _
         name = unit_of(path, old.layouts)
         if name is None or spec == jax.sharding.PartitionSpec():
             return _put(x, sharding(to))
-        return rewrite(x, old.layouts[name], engine.layouts[name], sharding(to))
+        return rewrite(x, old.layouts[name], engine.layouts[name], sharding(to),
+                       engine.memo)
 
     params = ShardedParams(
-        {k: rewrite(v, old.layouts[k], engine.layouts[k], sharding(where.params.units[k]))
+        {k: rewrite(v, old.layouts[k], engine.layouts[k], sharding(where.params.units[k]),
+                   engine.memo)
          for k, v in state.params.units.items()}, True, state.params.feedback)
     specs = jax.tree_util.tree_leaves(old.opt_specs)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state.opt_state)
@@ -124,7 +129,7 @@ def _move(state: TrainState, engine: Engine, where: TrainState, rewrite: Any = _
     if frozen is not None:  # stored as they are (not quantized: refused with a model axis)
         frozen = frozen.replace(values={
             k: rewrite(v, old.frozen_layouts[k], engine.frozen_layouts[k],
-                       sharding(where.frozen.values[k]))
+                       sharding(where.frozen.values[k]), engine.memo)
             for k, v in frozen.values.items()})
     small = lambda x, to: jax.tree_util.tree_map(  # noqa: E731
         lambda a, t: _put(a, sharding(t)), x, to)

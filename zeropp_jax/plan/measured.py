@@ -60,7 +60,7 @@ class CompiledMemory:
       temporaries: ``temp_size_in_bytes``: everything else live at the peak (gathered
         weights, activations, the loss's arrays, gradients).
       tokens_per_device: tokens each data-parallel rank trains in that step: the model
-        call's token ids (``model_call_tokens``), else the batch's (``batch_tokens``).
+        call's token ids (``model_call_ids``), else the batch's (``batch_tokens``).
       batch_bytes_per_device: the device's slice of the batch (within ``arguments``).
       backend: ``"cpu"`` or ``"gpu"``: the devices it was compiled for.
     """
@@ -70,6 +70,7 @@ class CompiledMemory:
     tokens_per_device: float
     batch_bytes_per_device: float
     backend: str
+    sequence: int = 0  # the model call's sequence length (0: not known)
 
     @property
     def total(self) -> float:
@@ -121,21 +122,24 @@ def compiled_memory(step: Any, state: Any) -> CompiledMemory:
     batch = args[1] if len(args) > 1 else ()
     tokens, batch_bytes = batch_tokens(batch, nodes * local)
     leaves = [x for x in jax.tree_util.tree_leaves(batch) if getattr(x, "shape", ())]
-    if leaves:
-        rows = leaves[0].shape[0] / (nodes * local)
-        tokens = model_call_tokens(state.engine, rows) or tokens
+    ids = model_call_ids(state.engine, leaves[0].shape[0] / (nodes * local)) if leaves \
+        else None
+    if ids is not None:
+        tokens = float(ids[0] * ids[1])
     if not tokens:
         raise ValueError("the compiled step's batch (its second argument) has no array to "
                          "count tokens from: give a step called as step(state, batch)")
     platform = state.engine.mesh.devices.flat[0].platform
     return CompiledMemory(float(stats.argument_size_in_bytes), float(stats.temp_size_in_bytes),
-                          tokens, batch_bytes, "cpu" if platform == "cpu" else "gpu")
+                          tokens, batch_bytes, "cpu" if platform == "cpu" else "gpu",
+                          ids[1] if ids is not None else 0)
 
 
-def model_call_tokens(engine: Any, rows: float) -> float | None:
-    """Tokens per device the model was called on in the step traced last with ``rows``
-    rows per device: the largest integer array of shape ``[rows, seq, ...]`` among the
-    model call's arguments (``rows x seq``), as the engine recorded the call (the
+def model_call_ids(engine: Any, rows: float) -> tuple[int, int] | None:
+    """``(rows, seq)``: the token ids per device the model was called on in the step
+    traced last with ``rows`` rows per device, the largest integer array of shape
+    ``[rows, seq, ...]`` among the model call's arguments, as the engine recorded the
+    call (the
     ``"resident"`` answers of ``units.apply.find_resident``, keyed by the call's argument
     shapes and dtypes). None if no such call was recorded.
 
@@ -152,15 +156,15 @@ def model_call_tokens(engine: Any, rows: float) -> float | None:
                 integer = np.issubdtype(np.dtype(x[1]), np.integer)
             except TypeError:
                 return []
-            return [x[0][0] * x[0][1]] if integer and x[0][0] == rows else []
+            return [x[0][:2]] if integer and x[0][0] == rows else []
         if isinstance(x, tuple):
             return [n for y in x for n in found(y)]
         return []
 
     for key in reversed(list(traced)):
-        sizes = found(key)
-        if sizes:
-            return float(max(sizes))
+        shapes = found(key)
+        if shapes:
+            return max(shapes, key=lambda s: s[0] * s[1])
     return None
 
 
@@ -203,4 +207,4 @@ def calibrated_shape(shape: ModelShape, config: ZeroPPConfig, nodes: int, local:
 
 
 __all__ = ["CompiledMemory", "LOWERED_KEY", "batch_tokens", "calibrated_shape",
-           "compiled_memory", "model_call_tokens", "step_of_state"]
+           "compiled_memory", "model_call_ids", "step_of_state"]

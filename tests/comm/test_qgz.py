@@ -559,7 +559,8 @@ def test_hadamard_beats_plain_qgz_on_outlier_blocks():
     bound = _hadamard_bound(x, nodes, local, bits, block, hadamard_signs(None, block))
     assert np.all(rotated <= bound), (seed, float(np.max(rotated / bound)))
     assert np.all(bound < lower), (seed, float(np.max(bound / lower)))
-    assert np.all(lower <= plain), (seed, float(np.max(lower / plain)))
+    # (equal where the outlier comes back exactly: float64 norms, summed in other orders)
+    assert np.all(lower <= plain * (1 + 1e-12)), (seed, float(np.max(lower / plain)))
 
 
 @pytest.mark.bitwise_programs

@@ -23,9 +23,10 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from zeropp_jax.plan import measured
+from zeropp_jax.plan import auto, measured
 from zeropp_jax.plan.auto import plan
 from zeropp_jax.plan.cost_model import Hardware, Link
+from zeropp_jax.plan.workload import config_workload
 
 CONFIGS = {"zero3": zpp.ZeroPPConfig(), "zeropp": zpp.ZeroPPConfig.zeropp()}
 # A slow network and free compute: ZeRO++ moves fewer bytes, so it is the faster
@@ -34,6 +35,18 @@ SLOW = Hardware(2, 4, Link(1e10, 1e-5), Link.gbps(0.1, 1e-4), flops_per_s=1e15)
 # Batches of 16 and 32 sequences of zoo.SEQ = 8 tokens over 8 devices: 16 and 32 tokens a
 # device.
 ROWS = (16, 32)
+
+
+# Traced transports shared by every plan of this module (each ``plan`` call keeps its own
+# memo otherwise): the keys name all a trace depends on (transport, padded length, dtype,
+# mesh), so every candidate is costed as before, each transport traced once.
+_MEMO: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _shared_traces(monkeypatch):
+    monkeypatch.setattr(auto, "config_workload",
+                        lambda *a, memo=None, **k: config_workload(*a, memo=_MEMO, **k))
 
 
 def _step(entry):
@@ -109,15 +122,9 @@ def test_a_lowered_state_is_planned_at_its_compiled_memory(compiled_steps):
     ``measured.LOWERED_KEY``), ``plan(state, ...)`` with no ``lowered=`` predicts that
     step's compiled memory; without one the plan's last line says the activations were
     not counted, and how to count them. GPT-2 and the NNX model: the slow tests below."""
-    import zoo
-
-    entry = zoo.get("hf_llama")
     for config in CONFIGS:
-        _, step, tokens, seed = compiled_steps("hf_llama", config, ROWS[0])
-        with zoo.hf_compat():
-            state = zpp.TrainState.create(model=entry.model, params=entry.params,
-                                          tx=optax.adam(1e-3), mesh=zpp.make_mesh(2, 4),
-                                          config=CONFIGS[config])
+        state, step, tokens, seed = compiled_steps("hf_llama", config, ROWS[0])
+        # Planned first as if no step had been lowered, then with the step recorded.
         state.engine.memo.pop(measured.LOWERED_KEY, None)
         blind = plan(state, nodes=2, local=4, configs=[CONFIGS[config]],
                      tokens_per_device=tokens)

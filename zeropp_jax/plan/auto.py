@@ -487,4 +487,4 @@ def _hardware(hardware: Hardware | None, nodes: int | None, local: int | None,
     return hw
 
 
-__all__ = ["Candidate", "Plan", "auto_config", "candidate_configs", "plan"]
+__all__ = ["MEMORY_MARGIN", "Candidate", "Plan", "auto_config", "candidate_configs", "plan"]

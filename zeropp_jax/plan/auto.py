@@ -95,6 +95,14 @@ class Candidate:
     fits: bool
     wire_mb: float = 0.0  # MB each node sends across nodes per step
     tensor_parallel: int = 1  # the "model" axis size it is costed for (make_mesh(model=))
+    # The fraction of its predicted memory it must have to spare to fit the budget
+    # (MEMORY_MARGIN when priced from another configuration's compiled step, else 0).
+    margin: float = 0.0
+
+    @property
+    def memory_needed(self) -> float:
+        """The predicted bytes per device, with its margin: what the budget must hold."""
+        return self.prediction.memory_bytes * (1 + self.margin)
 
     @property
     def label(self) -> str:
@@ -294,7 +302,7 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
             MEMORY_MARGIN
         fits = (memory_budget_bytes is None
                 or p.memory_bytes * (1 + spare) <= memory_budget_bytes)
-        return Candidate(config, p, fits, w.cross_bytes_per_node / 1e6, t)
+        return Candidate(config, p, fits, w.cross_bytes_per_node / 1e6, t, spare)
 
     candidates = [costed(c, t) for t, cs in per_degree.items() for c in cs]
     if (not given and not any(c.fits for c in candidates) and hw.host is not None
@@ -311,11 +319,13 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
     candidates.sort(key=lambda c: c.cost)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        least = min(candidates, key=lambda c: c.prediction.memory_bytes)
+        least = min(candidates, key=lambda c: c.memory_needed)
+        margin = (f" ({least.prediction.memory_bytes:,.0f} predicted, {least.margin:.0%} to "
+                  "spare: it is not the compiled configuration)" if least.margin else "")
         raise ValueError(
             f"no configuration fits memory_budget_bytes={memory_budget_bytes:,.0f}: the "
-            f"smallest, {least.label}, needs {least.prediction.memory_bytes:,.0f} bytes per "
-            "device. Raise the budget, add devices, or lower the per-device batch "
+            f"smallest, {least.label}, needs {least.memory_needed:,.0f} bytes per "
+            f"device{margin}. Raise the budget, add devices, or lower the per-device batch "
             "(activations)")
     best = fitting[0].cost
     tied = [c for c in fitting if c.cost <= best * (1 + tie)]

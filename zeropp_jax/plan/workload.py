@@ -298,7 +298,10 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
     engine's. Units holding only ``embedding``
     leaves need no weights in backward. ``flops_per_token`` defaults to 6 x the trainable
     parameters (forward 2, backward 4). A tensor-parallel state gives one rank's shape
-    (every unit one slice)."""
+    (every unit one slice). Activations: ``activation_bytes_per_token`` as given (0: none
+    counted); the state does not say what its model keeps for backward, which
+    ``plan(state, lowered=step.lower(state, batch))`` measures from the compiled step
+    (``plan.measured.calibrated_shape``)."""
     engine = state.engine
     units = [(name, lay.n) for name, lay in engine.layouts.items()]
     frozen = tuple((name, lay.n) for name, lay in engine.frozen_layouts.items())

@@ -103,7 +103,10 @@ def compiled_steps():
                 state = zpp.TrainState.create(model=entry.model, params=entry.params,
                                               tx=optax.adam(1e-3), mesh=zpp.make_mesh(2, 4),
                                               config=CONFIGS[config])
-                compiled = _step(entry).lower(state, batch).compile()
+                lowered = _step(entry).lower(state, batch)
+                # train_step's .lower leaves the step on the engine, where plan() finds it.
+                assert state.engine.memo[measured.LOWERED_KEY] is lowered
+                compiled = lowered.compile()
             out[key] = (state, compiled, rows * seq / 8, seed)
         return out[key]
 

@@ -279,18 +279,37 @@ def _make_step(fn: Callable[..., Any], *, donate_state: bool, batch_spec: P,
             )
         return state.engine
 
+    def remember(engine: Engine, args: tuple) -> None:
+        """Leave on the engine how to lower this step again (abstract arguments: no
+        buffers kept), for the planner to read its compiled memory
+        (``plan.measured.step_of_state``; the key is its ``LOWERED_KEY``)."""
+        if not read_only and engine.memo.get("lowered_step_args") is None:
+            shapes = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if isinstance(x, jax.Array) else x, args)
+            engine.memo["lowered_step_args"] = shapes
+            engine.memo["lowered_step"] = lambda: jitted.lower(*shapes)
+
     @functools.wraps(fn)
     def wrapper(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = _check(state)
-        return pacer(engine.mesh,
-                     lambda: jitted(state, engine.shard_batch(batch, batch_spec), *extra))
+
+        def call() -> Any:
+            sharded = engine.shard_batch(batch, batch_spec)
+            remember(engine, (state, sharded, *extra))
+            return jitted(state, sharded, *extra)
+
+        return pacer(engine.mesh, call)
 
     def lower(state: TrainState, batch: PyTree, *extra: Any) -> Any:
         engine = _check(state)
         # Lowering runs nothing across processes: one process may lower alone (to read its
         # communication report) without the batch check its peers would have to answer.
-        return jitted.lower(state, engine.shard_batch(batch, batch_spec, check_processes=False),
-                            *extra)
+        sharded = engine.shard_batch(batch, batch_spec, check_processes=False)
+        lowered = jitted.lower(state, sharded, *extra)
+        if not read_only:
+            engine.memo["lowered_step"] = lowered  # the planner's (plan.measured)
+        return lowered
 
     wrapper.lower = lower  # type: ignore[attr-defined]
     wrapper.jitted = jitted  # type: ignore[attr-defined]

@@ -160,18 +160,39 @@ def _max_diff(a, b):
                for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
-def test_weights_read_through_variables_stay_gathered_and_are_exact(mesh):
+def _with_fresh_seed(body):
+    """``body(mesh, seed)`` as a test on inputs drawn from a fresh seed, named in any
+    failure (the body alone, for a run over many seeds)."""
+
+    def test(mesh):
+        seed = secrets.randbelow(1 << 30)
+        try:
+            body(mesh, seed)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+
+    # (not functools.wraps: pytest would read the body's signature and look for a fixture
+    # named seed)
+    test.__name__, test.__qualname__, test.__doc__ = body.__name__, body.__qualname__, body.__doc__
+    test.body = body
+    return test
+
+
+@_with_fresh_seed
+def test_weights_read_through_variables_stay_gathered_and_are_exact(mesh, seed):
     model = TiedLM()
-    params = _tied_params(0)
+    params = _tied_params(seed)
     # wte as its own unit: the root reads it outside wte's call, so it must be resident.
     with pytest.warns(UserWarning, match=r"\['wte'\] are read outside their own calls"):
-        _train_both(model, params, mesh, _lm_loss, [_ids(1), _ids(2)], units=["wte", "block_*"])
+        _train_both(model, params, mesh, _lm_loss, [_ids(seed + 1), _ids(seed + 2)],
+                    units=["wte", "block_*"])
 
 
-def test_module_passed_to_units_as_attribute(mesh):
+@_with_fresh_seed
+def test_module_passed_to_units_as_attribute(mesh, seed):
     model = Seq2Seq()
-    ids = _ids(3)
-    params = _init(model, jax.random.PRNGKey(1), ids)["params"]
+    ids = _ids(seed)
+    params = _init(model, jax.random.PRNGKey(seed), ids)["params"]
 
     def loss(apply, p, batch):
         logits = apply({"params": p}, batch)
@@ -180,7 +201,7 @@ def test_module_passed_to_units_as_attribute(mesh):
     # encoder and decoder are units that use `shared` (owned by the root): the shared
     # weights come in as arguments, their gradient is the sum of three uses.
     with pytest.warns(UserWarning, match=r"\['shared'\] are read outside"):
-        _train_both(model, params, mesh, loss, [ids, _ids(4)],
+        _train_both(model, params, mesh, loss, [ids, _ids(seed + 1)],
                     units=["encoder", "decoder", "shared"])
     # The default policy: the Embed is its own unit, called (and attend-ed) from inside
     # the encoder and decoder; no warning, same result.
@@ -320,12 +341,13 @@ def _batchnorm_parity(mesh, tmp_path, seed) -> float:
     return worst
 
 
-def test_token_mean_is_the_global_token_mean_and_its_gradient(mesh):
+@_with_fresh_seed
+def test_token_mean_is_the_global_token_mean_and_its_gradient(mesh, seed):
     """A padded batch with different real-token counts per device: the mean of per-device
     means is off; token_mean is exact in value and in gradient."""
     model = TiedLM()
-    ids = _ids(5, (8, 9))
-    params = _tied_params(2)
+    ids = _ids(seed, (8, 9))
+    params = _tied_params(seed + 1)
     mask = np.zeros((8, 8), np.float32)
     for row, n in enumerate([8, 1, 3, 8, 2, 5, 8, 4]):  # real tokens per sequence
         mask[row, :n] = 1.0
@@ -405,13 +427,14 @@ class NNXNet(nnx.Module):
         return self.embed.attend(x)
 
 
-def test_nnx_state_updates_must_be_asked_for_and_match_nnx_training(mesh):
-    model = NNXNet(nnx.Rngs(0))
+@_with_fresh_seed
+def test_nnx_state_updates_must_be_asked_for_and_match_nnx_training(mesh, seed):
+    model = NNXNet(nnx.Rngs(seed))
     ref = nnx.clone(model)
     state = zpp.TrainState.create(model=model, params=None, tx=optax.sgd(0.1), mesh=mesh,
                                   config=FP32)
     assert "blocks/0" in state.describe()
-    ids = _ids(6)
+    ids = _ids(seed + 1)
 
     @zpp.train_step
     def step(state, ids):

@@ -54,8 +54,8 @@ H = {"qgz_hadamard": True}
 ROWS = {
     "zero3": dict(mode="zero3", what="baseline"),
     "zero3, two-hop reduce-scatter": dict(
-        mode="zero3", cfg={"reduce_scatter": "hierarchical"},
-        what="noise floor: ZeRO-3 with bf16 partial sums (rounding only)"),
+        mode="zero3", cfg={"reduce_scatter": "hierarchical"}, stop_after=200,
+        what="noise floor: ZeRO-3 with bf16 partial sums (rounding only), first 200 steps"),
     "qwZ + hpZ": dict(mode="qwz_hpz", what="weights only, no qgZ"),
     "zeropp + Hadamard": dict(mode="zeropp", cfg=H, what="qgZ INT4 on both hops (ZeRO++)"),
     "hop 1 only (INT4 intra, 16-bit cross)": dict(
@@ -70,6 +70,9 @@ ROWS = {
         what="only the cross-node hop quantized, to INT8"),
     "zeropp + Hadamard, qgZ first 85%": dict(
         mode="zeropp", cfg={**H, "qgz_until": 0.85}, what="full precision for the last 15%"),
+    "zero3, lr / 1.016": dict(
+        mode="zero3", lr_scale=1 / 1.016,
+        what="ZeRO-3 with the step ZeRO++'s larger nu takes (its sqrt(nu) is 1.016x)"),
     "hop 2 only, qgZ first 85%": dict(
         mode="zeropp", cfg={**H, "qgz_until": 0.85}, hops=(None, 4),
         what="both fixes together"),
@@ -82,6 +85,10 @@ TRACKED = {
     ("zeropp + Hadamard", 0, 400): ("convergence_feedback.json", "zeropp + Hadamard"),
     ("zeropp + Hadamard", 1, 400): ("convergence_feedback_seed1.json", "zeropp + Hadamard"),
     ("zeropp + Hadamard", 0, 2000): ("convergence_feedback_2000.json", "zeropp + Hadamard"),
+    ("zeropp + Hadamard (tracked run)", 0, 400): ("convergence_feedback.json",
+                                                 "zeropp + Hadamard"),
+    ("zeropp + Hadamard (tracked run)", 1, 400): ("convergence_feedback_seed1.json",
+                                                 "zeropp + Hadamard"),
     ("zeropp + Hadamard + EF", 0, 400): ("convergence_feedback.json", "zeropp + Hadamard + EF"),
     ("zeropp + Hadamard + EF", 1, 400): ("convergence_feedback_seed1.json",
                                          "zeropp + Hadamard + EF"),
@@ -99,6 +106,7 @@ TRACKED = {
     ("qwZ + hpZ", 0, 400): ("convergence.json", "qwZ + hpZ"),
 }
 TRACKED_WHAT = {
+    "zeropp + Hadamard (tracked run)": "the ZeRO++ row above, run on another machine",
     "zeropp + Hadamard + EF": "error feedback (tracked run)",
     "zeropp + Hadamard, per-step signs": "new Hadamard signs every step (tracked run)",
     "zeropp + Hadamard + EF, per-step signs": "both (tracked run)",
@@ -302,7 +310,8 @@ def setup(spec: dict):
     train_data, val_data = train_val_split(stdlib_corpus())
     first = sample_batch(train_data, a["batch"], a["seq_len"], seed=seed, step=0)
     params = jax.jit(model.init)(jax.random.PRNGKey(seed), first[:, :-1])["params"]
-    tx = optax.adamw(lr_schedule(a["lr"], steps, kind="cosine", warmup=20), weight_decay=0.01)
+    lr = a["lr"] * spec.get("lr_scale", 1.0)
+    tx = optax.adamw(lr_schedule(lr, steps, kind="cosine", warmup=20), weight_decay=0.01)
     state = zpp.TrainState.create(model=model, params=params, tx=tx, mesh=mesh, config=config)
 
     @zpp.train_step()
@@ -349,24 +358,27 @@ def worker(spec: dict) -> dict:
     cross, intra = cross_node_bytes(s)
     state, train_step = s["state"], s["train_step"]
     losses, evals, moments, times = [], [], {}, []
-    for step in range(steps):
+    # stop_after: the schedule of ``steps``, cut short (a noise-floor run for the moments).
+    end = spec.get("stop_after") or steps
+    for step in range(end):
         t0 = time.perf_counter()
         state, metrics = train_step(state, s["batch_at"](step))
         losses.append(float(metrics["loss"]))
         times.append(time.perf_counter() - t0)
         done = step + 1
-        if done % a["eval_every"] == 0 or done == steps:
+        if done % a["eval_every"] == 0 or done == end:
             evals.append({"step": done, "val_loss": s["evaluate"](state)})
             print(f"step {done}: validation loss {evals[-1]['val_loss']:.4f}", flush=True)
-        if done % a["moments_every"] == 0 or done == steps:
+        if done % a["moments_every"] == 0 or done == end:
             moments[done] = moment_stats(state)
     if spec.get("arrays"):
         np.savez(spec["arrays"], **moment_arrays(state))
     return {
         "name": spec["name"], "seed": spec["seed"], "steps": steps, "nodes": spec["nodes"],
         "local": spec["local"], "mode": spec["mode"], "cfg": spec.get("cfg") or {},
-        "hops": spec.get("hops"), "losses": losses, "eval": evals,
-        "final_val_loss": evals[-1]["val_loss"], "moments": moments,
+        "hops": spec.get("hops"), "lr_scale": spec.get("lr_scale", 1.0), "end_step": end,
+        "losses": losses, "eval": evals,
+        "final_val_loss": evals[-1]["val_loss"] if end == steps else None, "moments": moments,
         "cross_node_bytes_per_step": cross, "intra_node_bytes_per_step": intra,
         "step_time_median_s": float(np.median(times[1:])) if len(times) > 1 else times[0],
     }
@@ -388,6 +400,10 @@ def checkpoint_worker(spec: dict) -> dict:
         moments[step] = moment_stats(state)
         probes[step] = probe(state.consolidate(), s["batch_at"](step))
         print(f"step {step}: moments and probes", flush=True)
+    if spec.get("arrays"):
+        import numpy as np
+
+        np.savez(spec["arrays"], **moment_arrays(state))
     return {
         "name": spec["name"], "seed": spec["seed"], "steps": spec["steps"],
         "nodes": spec["nodes"], "local": spec["local"], "mode": spec["mode"],
@@ -438,7 +454,8 @@ def run(name: str, seed: int, args, runs_dir: pathlib.Path) -> dict:
     tag = f"{runs_dir.name}_{slug(name)}_s{seed}"
     spec = {"name": name, "seed": seed, "steps": args.steps, "nodes": args.nodes,
             "local": args.local, "mode": row["mode"], "cfg": row.get("cfg"),
-            "hops": row.get("hops"), "model": model_args(args)}
+            "hops": row.get("hops"), "model": model_args(args),
+            "lr_scale": row.get("lr_scale", 1.0), "stop_after": row.get("stop_after")}
     print(f"running {name}, seed {seed} ...", flush=True)
     t0 = time.time()
     if name == "zero3":
@@ -456,6 +473,7 @@ def run(name: str, seed: int, args, runs_dir: pathlib.Path) -> dict:
         if not summary.exists():
             _subprocess(cmd, f"{name} seed {seed} (train_gpt.py)")
         spec.update(kind="checkpoints", summary=str(summary), checkpoints=str(ckpt),
+                    arrays=str(WORK / f"{tag}_moments.npz"),
                     source=" ".join(["python", "examples/train_gpt.py", *cmd[2:]]))
     else:
         spec["arrays"] = str(WORK / f"{tag}_moments.npz")
@@ -464,8 +482,8 @@ def run(name: str, seed: int, args, runs_dir: pathlib.Path) -> dict:
     result = json.loads(path.read_text())
     result["wall_s"] = time.time() - t0
     path.write_text(json.dumps(result))
-    print(f"  final val loss {result['final_val_loss']:.4f} ({result['wall_s']:.0f} s)",
-          flush=True)
+    print(f"  val loss {result['eval'][-1]['val_loss']:.4f} at step {result['eval'][-1]['step']} "
+          f"({result['wall_s']:.0f} s)", flush=True)
     return result
 
 
@@ -477,7 +495,9 @@ def tracked(name: str, seed: int, steps: int) -> dict | None:
     data = json.loads((RESULTS / file).read_text())
     r = data["runs"][run_name]
     return {"name": name, "seed": seed, "steps": steps, "final_val_loss": r["final_val_loss"],
-            "eval": r["eval"], "source": f"benchmarks/results/{file} ({run_name!r})"}
+            "eval": r["eval"], "source": f"benchmarks/results/{file} ({run_name!r})",
+            # compared with the ZeRO-3 run of the same file (same machine and code)
+            "baseline_val_loss": data["runs"]["zero3"]["final_val_loss"]}
 
 
 def cpu_model() -> str:
@@ -502,13 +522,15 @@ def bytes_ratio(name: str, lowered: dict) -> float | None:
     reduce-scatter). Error feedback keeps its errors on the device and per-step signs change
     no byte: those rows move what ZeRO++ with Hadamard moves."""
     z = lowered["zero3"]["cross"]
+    if name in ROWS and ROWS[name]["mode"] == "zero3":
+        return lowered.get(name, lowered["zero3"])["cross"] / z
     if name in lowered and not (ROWS[name].get("cfg") or {}).get("qgz_until"):
         return lowered[name]["cross"] / z
     if name in ROWS:
         f = ROWS[name]["cfg"]["qgz_until"]
         twin = ALWAYS_ON[name]
         return (f * lowered[twin]["cross"] + (1 - f) * lowered["qwZ + hpZ"]["cross"]) / z
-    if name == "zeropp (no Hadamard)" or name in TRACKED_WHAT:
+    if name in TRACKED_WHAT:
         return lowered["zeropp + Hadamard"]["cross"] / z
     return None
 
@@ -526,6 +548,34 @@ def nu_ratio(run: dict, base: dict) -> dict:
         mu_d = sum(s["mu2"] for s in b.values())
         out[step] = {"sqrt_nu": num / den, "mu_rms": math.sqrt(mu_n / mu_d)}
     return out
+
+
+def _group(leaf: str) -> str:
+    """``block_3/attn/qkv/kernel`` -> ``attn/qkv/kernel``: a leaf's kind over the layers."""
+    parts = leaf.split("/")
+    return "/".join(parts[1:]) if parts[0].startswith("block_") else leaf
+
+
+def leaf_groups(run: dict, base: dict, variant: str | None, step: str) -> list[dict]:
+    """Per kind of parameter (summed over layers): sqrt(nu) of ``run`` over ``base``'s at
+    ``step``, and the ratio the quantization error predicts (``variant``'s probes of
+    ``base``, err^2 and g^2 summed over the probed steps)."""
+    a, b = run["moments"].get(step), base["moments"].get(step)
+    if a is None or b is None:
+        return []
+    num, den, err, g2 = {}, {}, {}, {}
+    for leaf in a:
+        k = _group(leaf)
+        num[k] = num.get(k, 0.0) + a[leaf]["sqrt_nu"]
+        den[k] = den.get(k, 0.0) + b[leaf]["sqrt_nu"]
+    for probes in (base.get("probes") or {}).values():
+        for leaf, (e, g) in (probes.get(variant) or {}).items():
+            k = _group(leaf)
+            err[k] = err.get(k, 0.0) + e
+            g2[k] = g2.get(k, 0.0) + g
+    return [{"group": k, "measured_sqrt_nu": num[k] / den[k] if den[k] else None,
+             "predicted_sqrt_nu": math.sqrt(1 + err[k] / g2[k]) if g2.get(k) else None}
+            for k in sorted(num)]
 
 
 def predicted_nu(probes: dict) -> dict:
@@ -643,15 +693,20 @@ def noise_floor(rows: dict, z: dict, args) -> dict:
             if data["settings"].get("seed") == seed and data["settings"]["steps"] == args.steps:
                 runs.append({"run": f"zero3, benchmarks/results/{file}",
                              "val_loss": data["runs"]["zero3"]["final_val_loss"]})
-    two_hop = rows.get("zero3, two-hop reduce-scatter", {}).get(seed)
-    if two_hop is not None:
-        runs.append({"run": "zero3, two-hop reduce-scatter, this machine",
-                     "val_loss": two_hop["final_val_loss"]})
     vals = [r["val_loss"] for r in runs]
+    two_hop = rows.get("zero3, two-hop reduce-scatter", {}).get(seed)
+    at = None
+    if two_hop is not None and seed in z:  # a shorter run: compare where both evaluated
+        here = {e["step"]: e["val_loss"] for e in z[seed]["eval"]}
+        last = two_hop["eval"][-1]
+        if last["step"] in here:
+            at = {"step": last["step"], "two_hop": last["val_loss"], "zero3": here[last["step"]],
+                  "diff_pct": pct(last["val_loss"], here[last["step"]])}
     if len(vals) < 2:
-        return {"seed": seed, "runs": runs, "spread_pct": None}
+        return {"seed": seed, "runs": runs, "spread_pct": None, "two_hop": at}
     mid = sum(vals) / len(vals)
     return {"seed": seed, "runs": runs, "spread_pct": 100 * (max(vals) - min(vals)) / mid,
+            "two_hop": at,
             "std_pct": 100 * (sum((v - mid) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
             / mid}
 
@@ -686,10 +741,11 @@ def summarize(rows, args, full: bool, lowered: dict) -> dict:
                  "what": ROWS[name]["what"] if name in ROWS else TRACKED_WHAT.get(name, ""),
                  "val_loss": {}, "vs_zero3_pct": {}}
         for s, r in by_seed.items():
-            if s not in z:
+            if s not in z or r["final_val_loss"] is None:
                 continue
             entry["val_loss"][s] = r["final_val_loss"]
-            entry["vs_zero3_pct"][s] = pct(r["final_val_loss"], z[s]["final_val_loss"])
+            base = r.get("baseline_val_loss", z[s]["final_val_loss"])
+            entry["vs_zero3_pct"][s] = pct(r["final_val_loss"], base)
         vals = list(entry["vs_zero3_pct"].values())
         entry["mean_vs_zero3_pct"] = sum(vals) / len(vals) if vals else None
         entry["seeds"] = sorted(entry["val_loss"])
@@ -707,6 +763,11 @@ def summarize(rows, args, full: bool, lowered: dict) -> dict:
             sum(v["err_over_g2"] for v in by_step.values()) / len(by_step) if by_step else None)
         entry["predicted_sqrt_nu"] = (math.sqrt(1 + entry["predicted_err_over_g2"])
                                       if by_step else None)
+        seed = args.seeds[0]
+        run0 = rows.get(entry["config"], {}).get(seed)
+        entry["leaf_groups"] = (leaf_groups(run0, z[seed], variant, str(args.steps))
+                                if run0 is not None and "moments" in run0 and seed in z
+                                and "moments" in z[seed] else [])
     lines = ["| config | what it isolates | " + " | ".join(f"seed {s} vs ZeRO-3" for s in seeds)
              + " | mean | cross-node bytes vs ZeRO-3 | sqrt(nu) vs ZeRO-3 at the end "
              "| predicted from the error |",

@@ -1139,9 +1139,34 @@ def qgz_gap(data: dict, view: str | None) -> str:
             body.append([f"{r['config']} (seed {r['seed']}), this machine vs "
                          f"{r['tracked_source']}", f"{r['diff_pct']:+.3f}%"])
         spread = nf.get("spread_pct")
+        th = nf.get("two_hop")
+        extra = "" if th is None else (
+            f" ZeRO-3 with the two-hop reduce-scatter (bf16 partial sums) against the flat one "
+            f"at step {th['step']}: {th['two_hop']:.4f} against {th['zero3']:.4f} "
+            f"({th['diff_pct']:+.3f}%).")
         return _table(["ZeRO-3 run, seed " + str(nf["seed"]), "final val loss"], body) + (
-            "" if spread is None else f"\n\nSpread (max - min): {spread:.3f}%.")
-    raise TableError(f"qgz_gap: unknown view {view!r}; views: nu, noise")
+            "" if spread is None else f"\n\nSpread (max - min): {spread:.3f}%.") + extra
+    if view == "leaves":
+        cols = [r for r in rows if r["config"] != "zero3" and r.get("leaf_groups")
+                and any(g["predicted_sqrt_nu"] for g in r["leaf_groups"])]
+        if not cols:
+            raise TableError("qgz_gap: no per-parameter moments with a prediction")
+        groups = [g["group"] for g in cols[0]["leaf_groups"]]
+        body = []
+        for k in groups:
+            cells = []
+            for r in cols:
+                g = next((g for g in r["leaf_groups"] if g["group"] == k), None)
+                m = "—" if g is None or g["measured_sqrt_nu"] is None else (
+                    f"{g['measured_sqrt_nu']:.3f}")
+                pr = "—" if g is None or g["predicted_sqrt_nu"] is None else (
+                    f"{g['predicted_sqrt_nu']:.3f}")
+                cells.append(f"{m} / {pr}")
+            body.append([k, *cells])
+        return _table(["parameters (all layers)", *[r["config"] for r in cols]], body) + (
+            f"\n\nsqrt(nu) against ZeRO-3's at step {s['steps']}, seed {seeds[0]}: measured / "
+            "predicted from the reduce-scatter error on ZeRO-3's gradients.")
+    raise TableError(f"qgz_gap: unknown view {view!r}; views: nu, noise, leaves")
 
 
 def _no_view(view: str | None, shape: str) -> None:
@@ -1188,7 +1213,7 @@ VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "memory": ["state", "paper", "depth"],
          "quantization": ["block_vs_tensor", "sweep"],
          "int4_weights": [None, "round_trip"],
-         "qgz_gap": [None, "nu", "noise"]}
+         "qgz_gap": [None, "nu", "noise", "leaves"]}
 
 
 def shape_of(data: Any, name: str) -> tuple[str, Callable[[dict, str | None], str]]:

@@ -678,6 +678,18 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
+def switching(lowered: dict) -> dict:
+    """``qgz_until``'s price: cross-node bytes per step against ZeRO-3's when qgZ (with
+    Hadamard, both hops) runs for a fraction ``f`` of the steps and the plain reduce-scatter
+    after, and the largest ``f`` within the budget."""
+    z = lowered["zero3"]["cross"]
+    on = lowered["zeropp + Hadamard"]["cross"] / z
+    off = lowered["qwZ + hpZ"]["cross"] / z
+    return {"qgz_on": on, "qgz_off": off,
+            "by_fraction": {f: f * on + (1 - f) * off for f in (0.5, 0.85, 0.9, 0.95)},
+            "max_fraction": (off - BYTES_BUDGET) / (off - on) if off > BYTES_BUDGET else 0.0}
+
+
 def noise_floor(rows: dict, z: dict, args) -> dict:
     """How far ZeRO-3 runs that differ only in floating-point rounding land apart: this
     machine's seed-0 ZeRO-3 against the tracked ones of the same command (written on other
@@ -793,7 +805,11 @@ def summarize(rows, args, full: bool, lowered: dict) -> dict:
             "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                         "python": platform.python_version()},
             "bytes_budget": BYTES_BUDGET, "target_pct": TARGET_PCT,
-            "rows": table_rows, "predicted_nu": predicted, "lowered_bytes_per_step": lowered,
+            "rows": table_rows, "predicted_nu": predicted,
+            # a switching row's program holds both branches: priced in "switching" instead
+            "lowered_bytes_per_step": {k: v for k, v in lowered.items()
+                                       if not (ROWS.get(k, {}).get("cfg") or {}).get("qgz_until")},
+            "switching": switching(lowered),
             "zero3_val_loss": {s: z[s]["final_val_loss"] for s in z},
             "table": "\n".join(lines)}
 

@@ -1146,6 +1146,19 @@ def qgz_gap(data: dict, view: str | None) -> str:
             f"({th['diff_pct']:+.3f}%).")
         return _table(["ZeRO-3 run, seed " + str(nf["seed"]), "final val loss"], body) + (
             "" if spread is None else f"\n\nSpread (max - min): {spread:.3f}%.") + extra
+    if view == "bytes":
+        sw = data["switching"]
+        lb = data["lowered_bytes_per_step"]
+        z = lb["zero3"]["cross"]
+        body = [[name, _x(v["cross"] / z, 3), _x(v["intra"] / lb["zero3"]["intra"], 2)]
+                for name, v in lb.items()]
+        body += [[f"zeropp + Hadamard, qgZ for the first {100 * float(f):.0f}% of steps",
+                  _x(v, 3), "—"] for f, v in sw["by_fraction"].items()]
+        return _table(["configuration", "cross-node bytes per step vs ZeRO-3",
+                       "intra-node bytes vs ZeRO-3"], body) + (
+            f"\n\nFrom each configuration's lowered step (all devices, one step). Switching "
+            f"qgZ off stays within {data['bytes_budget']:.2f}x up to the first "
+            f"{100 * sw['max_fraction']:.1f}% of steps.")
     if view == "leaves":
         cols = [r for r in rows if r["config"] != "zero3" and r.get("leaf_groups")
                 and any(g["predicted_sqrt_nu"] for g in r["leaf_groups"])]
@@ -1166,7 +1179,7 @@ def qgz_gap(data: dict, view: str | None) -> str:
         return _table(["parameters (all layers)", *[r["config"] for r in cols]], body) + (
             f"\n\nsqrt(nu) against ZeRO-3's at step {s['steps']}, seed {seeds[0]}: measured / "
             "predicted from the reduce-scatter error on ZeRO-3's gradients.")
-    raise TableError(f"qgz_gap: unknown view {view!r}; views: nu, noise, leaves")
+    raise TableError(f"qgz_gap: unknown view {view!r}; views: nu, noise, leaves, bytes")
 
 
 def _no_view(view: str | None, shape: str) -> None:
@@ -1213,7 +1226,7 @@ VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "memory": ["state", "paper", "depth"],
          "quantization": ["block_vs_tensor", "sweep"],
          "int4_weights": [None, "round_trip"],
-         "qgz_gap": [None, "nu", "noise", "leaves"]}
+         "qgz_gap": [None, "nu", "noise", "leaves", "bytes"]}
 
 
 def shape_of(data: Any, name: str) -> tuple[str, Callable[[dict, str | None], str]]:

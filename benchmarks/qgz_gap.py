@@ -103,6 +103,7 @@ TRACKED = {
     ("zeropp + Hadamard + EF, per-step signs", 1, 400): (
         "convergence_feedback_seed1.json", "zeropp + Hadamard + EF, per-step signs"),
     ("zeropp (no Hadamard)", 0, 400): ("convergence_feedback.json", "zeropp"),
+    ("zeropp + EF (no Hadamard)", 0, 400): ("convergence_feedback.json", "zeropp + EF"),
     ("qwZ + hpZ", 0, 400): ("convergence.json", "qwZ + hpZ"),
 }
 TRACKED_WHAT = {
@@ -111,6 +112,7 @@ TRACKED_WHAT = {
     "zeropp + Hadamard, per-step signs": "new Hadamard signs every step (tracked run)",
     "zeropp + Hadamard + EF, per-step signs": "both (tracked run)",
     "zeropp (no Hadamard)": "plain INT4 qgZ (tracked run)",
+    "zeropp + EF (no Hadamard)": "plain INT4 qgZ with error feedback (tracked run)",
 }
 # The row a qgZ-first-f row runs before it switches (same transport, always on).
 ALWAYS_ON = {"zeropp + Hadamard, qgZ first 85%": "zeropp + Hadamard",

@@ -1146,6 +1146,18 @@ def qgz_gap(data: dict, view: str | None) -> str:
             f"({th['diff_pct']:+.3f}%).")
         return _table(["ZeRO-3 run, seed " + str(nf["seed"]), "final val loss"], body) + (
             "" if spread is None else f"\n\nSpread (max - min): {spread:.3f}%.") + extra
+    if view == "error":
+        pred = data["predicted_nu"].get(str(seeds[0])) or data["predicted_nu"].get(seeds[0])
+        if not pred:
+            raise TableError("qgz_gap: no reduce-scatter error probes")
+        steps = sorted({int(k) for v in pred.values() for k in v})
+        body = [[name, *[_pct(by[str(t)]["err_over_g2"], 2) if str(t) in by else "—"
+                         for t in steps]] for name, by in pred.items()]
+        return _table(["reduce-scatter", *[f"step {t}" for t in steps]], body) + (
+            f"\n\nE[e^2] / E[g^2] over all parameters: e the reduce-scatter's error against the "
+            f"exact sum of the {s['nodes'] * s['local']} devices' gradients (bf16, as the step "
+            f"sends them), g that sum; ZeRO-3's parameters and next batch at each step, seed "
+            f"{seeds[0]}.")
     if view == "bytes":
         sw = data["switching"]
         lb = data["lowered_bytes_per_step"]
@@ -1179,7 +1191,7 @@ def qgz_gap(data: dict, view: str | None) -> str:
         return _table(["parameters (all layers)", *[r["config"] for r in cols]], body) + (
             f"\n\nsqrt(nu) against ZeRO-3's at step {s['steps']}, seed {seeds[0]}: measured / "
             "predicted from the reduce-scatter error on ZeRO-3's gradients.")
-    raise TableError(f"qgz_gap: unknown view {view!r}; views: nu, noise, leaves, bytes")
+    raise TableError(f"qgz_gap: unknown view {view!r}; views: nu, noise, leaves, bytes, error")
 
 
 def _no_view(view: str | None, shape: str) -> None:
@@ -1226,7 +1238,7 @@ VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
          "memory": ["state", "paper", "depth"],
          "quantization": ["block_vs_tensor", "sweep"],
          "int4_weights": [None, "round_trip"],
-         "qgz_gap": [None, "nu", "noise", "leaves", "bytes"]}
+         "qgz_gap": [None, "nu", "noise", "leaves", "bytes", "error"]}
 
 
 def shape_of(data: Any, name: str) -> tuple[str, Callable[[dict, str | None], str]]:

@@ -206,7 +206,8 @@ def _rule(eqn, vals, sites: _Sites):
 _PROGRAMS: dict = {}
 
 
-def running_error_bound(fn, *args, arg_bounds=None) -> tuple[Any, Any, dict]:
+def running_error_bound(fn, *args, arg_bounds=None, rows: int | None = None
+                        ) -> tuple[Any, Any, dict]:
     """``fn(*args)`` evaluated in float64, a bound per output element on how far any fp32
     evaluation of its operations lies from it (sums in any order), and, by primitive, the
     number of comparisons that rounding could flip: the bound holds where there are none.
@@ -219,10 +220,15 @@ def running_error_bound(fn, *args, arg_bounds=None) -> tuple[Any, Any, dict]:
 
     Returns ``(exact, bound, flips)``: ``exact`` and ``bound`` numpy trees shaped like
     ``fn``'s outputs, ``flips`` ``{primitive: count}`` of the nonzero counts. One compiled
-    program per function and argument shapes."""
+    program per function and argument shapes.
+
+    ``rows``: None takes the whole Jacobian at once (``jax.jacrev``: outputs times rounding
+    sites in memory); a number takes it that many output elements at a time (the same
+    bound, memory ``rows`` times the sites), for functions with large intermediates
+    (attention's ``[batch, heads, seq, seq]``)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     is_float = [_is_float(np.asarray(x)) for x in leaves]
-    key = (fn, treedef, tuple((np.shape(x), f or np.asarray(x).dtype)
+    key = (fn, rows, treedef, tuple((np.shape(x), f or np.asarray(x).dtype)
                               for x, f in zip(leaves, is_float)))
     if key not in _PROGRAMS:
         narrow = [np.asarray(x, np.float32) if f else np.asarray(x)
@@ -245,14 +251,27 @@ def running_error_bound(fn, *args, arg_bounds=None) -> tuple[Any, Any, dict]:
                 return vec, (outs, sites.mags, sites.gaps)
 
             eps0 = [jnp.zeros(shape, jnp.float64) for shape in shapes]
-            (jac, jac_in), (outs, mags, gaps) = jax.jacrev(
-                perturbed, argnums=(0, 1), has_aux=True)(eps0, [jnp.zeros_like(b)
-                                                                for b in flat_bounds])
+            eps_in0 = [jnp.zeros_like(b) for b in flat_bounds]
+
             def spread(j, m):  # sum over the perturbation's elements of |dy / dr| m
                 return jnp.sum(jnp.abs(j) * m[None], axis=tuple(range(1, j.ndim)))
 
-            bound = U32 * sum(w * spread(j, m) for j, m, w in zip(jac, mags, weights))
-            bound = bound + sum(spread(j, b) for j, b in zip(jac_in, flat_bounds))
+            def total(jac, jac_in, mags):
+                bound = U32 * sum(w * spread(j, m) for j, m, w in zip(jac, mags, weights))
+                return bound + sum(spread(j, b) for j, b in zip(jac_in, flat_bounds))
+
+            if rows is None:
+                (jac, jac_in), (outs, mags, gaps) = jax.jacrev(
+                    perturbed, argnums=(0, 1), has_aux=True)(eps0, eps_in0)
+                return outs, total(jac, jac_in, mags), gaps
+            vec, pullback, (outs, mags, gaps) = jax.vjp(perturbed, eps0, eps_in0,
+                                                        has_aux=True)
+
+            def row(i):  # one output element's row of the Jacobian, then its bound
+                jac, jac_in = pullback(jnp.zeros_like(vec).at[i].set(1.0))
+                return total([j[None] for j in jac], [j[None] for j in jac_in], mags)[0]
+
+            bound = jax.lax.map(row, jnp.arange(vec.size), batch_size=rows)
             return outs, bound, gaps
 
         with jax.enable_x64(True):

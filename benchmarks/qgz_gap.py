@@ -73,6 +73,9 @@ ROWS = {
     "zero3, lr / 1.016": dict(
         mode="zero3", lr_scale=1 / 1.016,
         what="ZeRO-3 with the step ZeRO++'s larger nu takes (its sqrt(nu) is 1.016x)"),
+    "zeropp + Hadamard, lr x 1.016": dict(
+        mode="zeropp", cfg=H, lr_scale=1.016,
+        what="ZeRO++ with its steps lengthened back by its sqrt(nu) ratio"),
     "hop 2 only, qgZ first 85%": dict(
         mode="zeropp", cfg={**H, "qgz_until": 0.85}, hops=(None, 4),
         what="both fixes together"),
@@ -361,7 +364,7 @@ def worker(spec: dict) -> dict:
     state, train_step = s["state"], s["train_step"]
     losses, evals, moments, times = [], [], {}, []
     # stop_after: the schedule of ``steps``, cut short (a noise-floor run for the moments).
-    end = spec.get("stop_after") or steps
+    end = min(spec.get("stop_after") or steps, steps)
     for step in range(end):
         t0 = time.perf_counter()
         state, metrics = train_step(state, s["batch_at"](step))
@@ -526,6 +529,8 @@ def bytes_ratio(name: str, lowered: dict) -> float | None:
     z = lowered["zero3"]["cross"]
     if name in ROWS and ROWS[name]["mode"] == "zero3":
         return lowered.get(name, lowered["zero3"])["cross"] / z
+    if name == "zeropp + Hadamard, lr x 1.016":  # the learning rate moves no byte
+        return lowered["zeropp + Hadamard"]["cross"] / z
     if name in lowered and not (ROWS[name].get("cfg") or {}).get("qgz_until"):
         return lowered[name]["cross"] / z
     if name in ROWS:

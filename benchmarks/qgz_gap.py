@@ -817,7 +817,16 @@ def summarize(rows, args, full: bool, lowered: dict) -> dict:
             "lowered_bytes_per_step": {k: v for k, v in lowered.items()
                                        if not (ROWS.get(k, {}).get("cfg") or {}).get("qgz_until")},
             "switching": switching(lowered),
+            "targets": [
+                {"config": e["config"], "vs_zero3_pct": e["vs_zero3_pct"],
+                 "bytes_vs_zero3": e["bytes_vs_zero3"],
+                 "met": all(v <= TARGET_PCT for v in e["vs_zero3_pct"].values())}
+                for e in table_rows
+                if e["config"] != "zero3" and ROWS.get(e["config"], {}).get("mode") != "zero3"
+                and e["bytes_vs_zero3"] is not None and e["bytes_vs_zero3"] <= BYTES_BUDGET
+                and len(e["vs_zero3_pct"]) >= 2],
             "zero3_val_loss": {s: z[s]["final_val_loss"] for s in z},
+            "zero3_source": {s: z[s].get("source", "") for s in z},
             "table": "\n".join(lines)}
 
 

@@ -1105,13 +1105,21 @@ def qgz_gap(data: dict, view: str | None) -> str:
         z = data["zero3_val_loss"]
         caption = (
             f"Final validation loss against ZeRO-3 of the same seed (ZeRO-3: "
-            + ", ".join(f"{float(v):.4f} at seed {k}" for k, v in sorted(z.items()))
+            + ", ".join(f"{float(v):.4f} at seed {k}" + (
+                " from " + data["zero3_source"][k].split(" (")[0]
+                if data.get("zero3_source", {}).get(k, "").startswith("benchmarks/") else "")
+                for k, v in sorted(z.items()))
             + f"). {s['steps']} steps, global batch {s['batch']} x {s['seq_len']} bytes, "
             f"{s['layers']} layers, d_model {s['d_model']}, peak lr {s['lr']}, "
             f"{s['nodes']} nodes x {s['local']} devices, bf16; "
             f"{data['machine']['cpu']}. Target: within {data['target_pct']}% at "
-            f"cross-node bytes <= {data['bytes_budget']:.2f}x ZeRO-3's.")
-        return _table(header, body) + "\n\n" + caption
+            f"cross-node bytes <= {data['bytes_budget']:.2f}x ZeRO-3's, on every seed.")
+        verdicts = "; ".join(
+            f"{t['config']}: " + ", ".join(f"{float(v):+.2f}%" for _, v in sorted(
+                t["vs_zero3_pct"].items())) + (" (met)" if t["met"] else " (not met)")
+            for t in data.get("targets", []))
+        return _table(header, body) + "\n\n" + caption + (
+            f" Within the bytes, on {len(seeds)} seeds: {verdicts}." if verdicts else "")
     if view == "nu":
         header = ["configuration", "seed", "step", "sqrt(nu) vs ZeRO-3", "RMS of mu vs ZeRO-3",
                   "predicted sqrt(nu) vs ZeRO-3"]

@@ -68,8 +68,9 @@ def test_trainer_flags_accum_clip_schedule_eval_save(tmp_path):
     assert all(np.isfinite(e["val_loss"]) for e in run["eval"])
     assert run["accum"] == 2 and run["config"]["gradient_clipping"] == 0.5
     assert (tmp_path / "run.png").stat().st_size > 10_000  # the loss-curve picture
-    # Saved every 2 steps, keeping the newest 3; nothing else but the saves' lock file.
-    assert sorted(p.name for p in ck.iterdir()) == [".lock", "step_00000002",
+    # Saved every 2 steps, keeping the newest 3; nothing else but the saves' lock file and
+    # the file naming the job that writes the directory.
+    assert sorted(p.name for p in ck.iterdir()) == [".lock", ".writer", "step_00000002",
                                                      "step_00000004", "step_00000006"]
     # Resuming a finished run runs nothing and says so in its JSON.
     again = _run(tmp_path, "again", "--steps", "6", "--resume", str(ck))

@@ -121,12 +121,14 @@ def _placement_ratios(mesh_shape, m, bits, seed):
     err = np.abs(out - exact)
     bound = _bound(x, nodes, local, bits, 32)
     assert np.all(err <= bound), (seed, float(np.max(err / bound)))
-    # The bound is not vacuous: errors reach a good fraction of it somewhere, and a slice
-    # sent to the wrong device would be off by the size of the sums themselves. (These two
-    # check the inputs, not the library: over 30 fresh seeds of every case the first ratio
-    # was at least 0.37, the bound at most 0.33 of the largest sum.)
+    # The bound is not vacuous: errors reach a good fraction of it somewhere (over 30 fresh
+    # seeds of every case at least 0.37), and it catches slices sent to the wrong devices:
+    # the output with its slices rotated by one device fails it on these inputs (what this
+    # checks is the draw, that it can tell a misplacement; a 768-element draw where no
+    # neighbouring sums differ by more than the bound would be one to look at).
     assert np.max(err / bound) > 0.1, (seed, float(np.max(err / bound)))
-    assert np.max(bound) < 0.5 * np.max(np.abs(exact)), seed
+    if num > 1:
+        assert np.any(np.abs(np.roll(out, 1, axis=0) - exact) > bound), seed
     return float(np.max(err / bound)), float(np.max(bound) / np.max(np.abs(exact)))
 
 
@@ -503,11 +505,16 @@ def _hadamard_ratios(mesh_shape, bits, seed):
     err = np.linalg.norm((out - exact).reshape(num, -1, block), axis=2)
     bound = _hadamard_bound(x, nodes, local, bits, block, hadamard_signs(None, block))
     assert np.all(err <= bound), (seed, float(np.max(err / bound)))
-    # Not vacuous (as in test_placement_and_error_bound; over 30 fresh seeds of each case
-    # the first ratio was at least 0.26, the bound at most 0.40 of the largest block).
-    sums = np.max(np.linalg.norm(exact.reshape(num, -1, block), axis=2))
+    # Reached to a good fraction (over 30 fresh seeds of each case at least 0.26). How small
+    # the bound is against the sums depends on how the heavy-tailed devices' blocks cancel
+    # (a check that it stays under half the largest block failed on seed 880602913 at 0.56:
+    # an observation, not a bound); that the bound is informative is proven instead by
+    # test_hadamard_beats_plain_qgz_on_outlier_blocks, where it lies below the plain path's
+    # provable error on every draw.
     assert np.max(err / bound) > 0.1, (seed, float(np.max(err / bound)))
-    assert np.max(bound) < 0.5 * sums, seed
+    rolled = np.linalg.norm((np.roll(out, 1, axis=0) - exact).reshape(num, -1, block), axis=2)
+    assert np.any(rolled > bound), seed  # slices on the wrong devices would be caught
+    sums = np.max(np.linalg.norm(exact.reshape(num, -1, block), axis=2))
     return float(np.max(err / bound)), float(np.max(bound) / sums)
 
 

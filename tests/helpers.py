@@ -563,3 +563,17 @@ def assert_training_close(losses, params, ref_losses, ref_params, ref_grads, tol
     err = np.abs(np.asarray(losses, np.float64) - np.asarray(ref_losses, np.float64))
     assert np.all(err <= bound), (err, bound)
     assert_leaves_within(params, ref_params, tols[-1])
+
+
+def zoo_train_step(entry):
+    """A zoo entry's train step written as its user writes it (the entry's loss, plain
+    ``jax.value_and_grad``), its state donated: the step whose compiled memory the planner
+    tests read."""
+
+    @zpp.train_step(donate_state=True)
+    def step(state, batch):
+        loss, g = jax.value_and_grad(
+            lambda p: entry.loss(state.apply_fn, p, batch, False))(state.params)
+        return state.apply_gradients(grads=g), {"loss": loss}
+
+    return step

@@ -23,6 +23,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from helpers import zoo_train_step
 from zeropp_jax.plan import auto, measured
 from zeropp_jax.plan.auto import plan
 from zeropp_jax.plan.cost_model import Hardware, Link
@@ -47,19 +48,6 @@ _MEMO: dict = {}
 def _shared_traces(monkeypatch):
     monkeypatch.setattr(auto, "config_workload",
                         lambda *a, memo=None, **k: config_workload(*a, memo=_MEMO, **k))
-
-
-def _step(entry):
-    """A train step of a zoo entry written as its user writes it (the entry's loss), its
-    state donated."""
-
-    @zpp.train_step(donate_state=True)
-    def step(state, batch):
-        loss, g = jax.value_and_grad(
-            lambda p: entry.loss(state.apply_fn, p, batch, False))(state.params)
-        return state.apply_gradients(grads=g), {"loss": loss}
-
-    return step
 
 
 def _compiled_bytes(compiled) -> float:
@@ -103,7 +91,7 @@ def compiled_steps():
                 state = zpp.TrainState.create(model=entry.model, params=entry.params,
                                               tx=optax.adam(1e-3), mesh=zpp.make_mesh(2, 4),
                                               config=CONFIGS[config])
-                lowered = _step(entry).lower(state, batch)
+                lowered = zoo_train_step(entry).lower(state, batch)
                 # train_step's .lower leaves the step on the engine, where plan() finds it.
                 assert state.engine.memo[measured.LOWERED_KEY] is lowered
                 compiled = lowered.compile()

@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from helpers import zoo_train_step
 from zeropp_jax.measure.comm_report import comm_report
 from zeropp_jax.plan.workload import (
     ModelShape,
@@ -64,22 +65,10 @@ def llama_steps():
                 state = zpp.TrainState.create(model=entry.model, params=entry.params,
                                               tx=optax.adam(1e-3), mesh=mesh,
                                               config=CONFIGS[name])
-                out[name] = (state, _hf_step(entry).lower(state, batch).compile(), batch)
+                out[name] = (state, zoo_train_step(entry).lower(state, batch).compile(), batch)
         return out[name]
 
     return entry, mesh, step_of
-
-
-def _hf_step(entry):
-    """A transformers model's train step, its state donated."""
-
-    @zpp.train_step(donate_state=True)
-    def step(state, batch):
-        loss, g = jax.value_and_grad(
-            lambda p: entry.loss(state.apply_fn, p, batch, False))(state.params)
-        return state.apply_gradients(grads=g), {"loss": loss}
-
-    return step
 
 
 def _llama_shape(entry, state) -> ModelShape:
@@ -246,7 +235,7 @@ def _compiled(model: str, config: zpp.ZeroPPConfig):
         with zoo.hf_compat():
             state = zpp.TrainState.create(model=entry.model, params=entry.params,
                                           tx=optax.adam(1e-3), mesh=mesh, config=config)
-            compiled = _hf_step(entry).lower(state, batch).compile()
+            compiled = zoo_train_step(entry).lower(state, batch).compile()
         c = entry.model.config
         d, heads = c.hidden_size, c.num_attention_heads
         acts = decoder_activations(d, batch["input_ids"].shape[1], c.vocab_size, heads=heads,
@@ -297,7 +286,7 @@ def test_the_memory_model_counts_a_tensor_parallel_rank(name):
             model=entry.model, params=entry.params, tx=optax.adam(1e-3),
             mesh=zpp.make_mesh(2, 2, model=2), config=CONFIGS[name],
             logical_axis_rules=zoo.MAXTEXT_RULES, param_axes=zoo.LLAMA_AXES)
-        stats = _hf_step(entry).lower(state, batch).compile().memory_analysis()
+        stats = zoo_train_step(entry).lower(state, batch).compile().memory_analysis()
     assert shape_of_state(state).tensor_parallel == 2
     model, _, _ = _llama_memory(name, entry, state, batch, 2, 2)  # each rank: two devices
     assert model.states == stats.argument_size_in_bytes

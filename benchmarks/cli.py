@@ -22,6 +22,22 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=OUT_DIR, help=OUT_HELP)
 
 
+def add_convergence_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The training run of the convergence studies (examples/train_gpt.py's flags, the
+    convergence study's defaults: a 3.3M GPT on a 2x2 mesh, 400 steps)."""
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--local", type=int, default=2)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=16)
+
+
 def mesh_parser(description: str | None, *, local: int = 4,
                 local_help: str | None = None) -> argparse.ArgumentParser:
     """The parser of a benchmark on a simulated ``(node, local)`` mesh: ``--nodes`` (default

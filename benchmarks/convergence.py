@@ -27,7 +27,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.cli import pyplot  # noqa: E402
+from benchmarks.cli import add_convergence_run_arguments, pyplot  # noqa: E402
 
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 DEFAULT_OUT = ROOT / "benchmarks" / "out"  # git-ignored; benchmarks/results only when asked
@@ -65,17 +65,7 @@ CONFIGS = {
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=2)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=16)
+    add_convergence_run_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", default=None, help="run only these config names")
     p.add_argument("--quick", action="store_true", help="tiny model, 30 steps: a smoke run")

@@ -44,6 +44,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.cli import add_convergence_run_arguments  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "out" / "qgz_gap.json"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -618,17 +619,7 @@ def main() -> None:
     p.add_argument("--no-summary", action="store_true", help="only the runs of --plan")
     p.add_argument("--summary-only", action="store_true",
                    help="run nothing: the table from the run files already there")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=2)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=16)
+    add_convergence_run_arguments(p)
     p.add_argument("--moments-every", type=int, default=100)
     args = p.parse_args()
     if args.worker is not None:

@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "quantizations left")
     p.add_argument("--qgz-signs", default="fixed", choices=["fixed", "per_step"],
                    help="qgZ's Hadamard signs: one set for the run or new every step")
+    p.add_argument("--qgz-hops", default="both", choices=["both", "cross"],
+                   help="which of qgZ's hops are quantized: both (ZeRO++) or only the one "
+                        "across nodes (16-bit inside the node)")
     p.add_argument("--non-blocked", action="store_true",
                    help="quantize with one scale per message instead of per 256-element "
                         "block (the paper's non-blocked baseline)")
@@ -110,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch {args.batch} must be divisible by --accum {args.accum}")
     if args.qgz_until is not None and args.mode not in ("qgz", "zeropp"):
         p.error("--qgz-until needs a mode with qgZ (qgz or zeropp)")
+    if args.qgz_hops != "both" and args.mode not in ("qgz", "zeropp"):
+        p.error("--qgz-hops needs a mode with qgZ (qgz or zeropp)")
     if args.stage != 3 and args.mode != "zero3":
         p.error(f"--mode {args.mode} needs --stage 3 (ZeRO++ techniques extend ZeRO-3)")
     return args
@@ -124,7 +129,8 @@ def make_config(args: argparse.Namespace):
               blockwise=not args.non_blocked, remat=args.remat, prefetch=args.prefetch,
               qgz_hadamard=args.qgz_hadamard, qwz_hadamard=args.qwz_hadamard,
               stochastic_rounding=args.stochastic_rounding,
-              qgz_error_feedback=args.qgz_error_feedback, qgz_signs=args.qgz_signs)
+              qgz_error_feedback=args.qgz_error_feedback, qgz_signs=args.qgz_signs,
+              qgz_hops=args.qgz_hops)
     if args.qgz_until is not None:
         kw.update(qgz_until=float(args.qgz_until), planned_steps=args.steps)
     if args.stage == 3:
@@ -334,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {k: getattr(config, k) for k in (
             "qwz", "hpz", "qgz", "weight_bits", "grad_bits", "blockwise", "qgz_until",
             "gradient_clipping", "weight_format", "qgz_hadamard", "qwz_hadamard",
-            "stochastic_rounding", "qgz_error_feedback", "qgz_signs")},
+            "stochastic_rounding", "qgz_error_feedback", "qgz_signs", "qgz_hops")},
     }
     print()
     print(f"zeropp_jax train_gpt — {args.mode} (stage {args.stage}) on {args.nodes} node(s) x "

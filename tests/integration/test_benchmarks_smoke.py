@@ -127,7 +127,8 @@ def test_qgz_hops_transport_matches_qgz_and_bounds_each_hop():
     """benchmarks/qgz_hops.py (the hop-selective qgZ behind benchmarks/qgz_gap.py) on a 2x4
     mesh: with both hops INT4 it is the library's qgZ bit for bit; with neither
     hop quantized its only error is the bf16 rounding of the node partial sums; with only
-    the cross-node hop quantized its error is within that hop's INT4 rounding bound."""
+    the cross-node hop quantized its error is within that hop's INT4 rounding bound, and it
+    is the library's ``qgz_hops="cross"`` bit for bit."""
     import secrets
 
     from jax.sharding import NamedSharding
@@ -171,3 +172,6 @@ def test_qgz_hops_transport_matches_qgz_and_bounds_each_hop():
     bound = q_bound * (1 + 1e-5) + 2.0 ** -20 * np.abs(x).sum(0)
     assert np.all(err <= bound), f"seed {seed}: {np.max(err / bound):.3f} of the INT4 bound"
     assert np.max(err / bound) > 0.1, f"seed {seed}: no INT4 error at all (hop not quantized?)"
+    # ... and it is the library's cross-node-only qgZ (``qgz_hops="cross"``) bit for bit.
+    assert np.array_equal(run(lambda v: hop_reduce_scatter(v, hop1_bits=None, hop2_bits=4)),
+                          run(lambda v: qgz_reduce_scatter(v, hops="cross"))), f"seed {seed}"

@@ -18,6 +18,13 @@ Algorithm 2), so stage ``s``'s node hop can overlap stage ``s+1``'s local hop wh
 backend overlaps collectives. Sub-slices are whole quantization blocks, so every stage count
 quantizes the same blocks and gives bit-identical results.
 
+Only the cross-node hop quantized (``hops="cross"``): step 1 reorders without quantizing,
+step 2 moves the gradient's own dtype (16-bit for a bf16 gradient) and step 3 sums in fp32
+and quantizes the partial sums for the first time. The cross-node bytes are qgZ's; the
+intra-node ones are a 16-bit reduce-scatter's, and each element is quantized once instead
+of twice. Where NVLink is many times faster than the network between nodes, those intra
+bytes cost little time, and the smaller error of one quantization is what they buy.
+
 One node (``N = 1``): there is no cross-node hop to save, and quantizing the node-local hop
 only adds error, so by default qgZ falls back to a full-precision reduce-scatter, as
 DeepSpeed does (``single_node="quantize"`` keeps the quantized path).
@@ -48,6 +55,9 @@ from zeropp_jax.quant.quantization import _interpret, _resolve, check_settings
 from zeropp_jax.quant.rotation import hadamard_signs, rounding_key, rounding_seed
 
 SINGLE_NODE_MODES = ("reduce_scatter", "quantize")
+# Which hops qgZ quantizes: "both" (the paper's qgZ), or "cross" (only the node hop; the
+# hop inside the node carries the gradient's own dtype, as hierarchical_reduce_scatter's).
+HOPS = ("both", "cross")
 
 
 def _reorder_quantize(x, impl, **kw):
@@ -119,14 +129,19 @@ def _sum_rows(y: jax.Array) -> jax.Array:
 
 
 def _one_stage(x, *, nodes, local, bits, block_size, stages, stage, impl, node_axis,
-               local_axis, signs=None, rkey=None):
+               local_axis, signs=None, rkey=None, hops="both"):
     """One pipeline stage: ``signs`` (or None) rotate the blocks, ``rkey`` (or None) seeds
-    stochastic rounding of this stage's two quantizations (hop 0, hop 1)."""
+    stochastic rounding of this stage's two quantizations (hop 0, hop 1). ``hops="cross"``
+    with both hops present: hop 1 unquantized (``_cross_only_stage``)."""
     kw = dict(bits=bits, block_size=block_size)
 
     def seed(hop: int):
         return None if rkey is None else rounding_seed(rkey, stage, hop)
 
+    if hops == "cross" and local > 1 and nodes > 1:
+        return _cross_only_stage(x, nodes=nodes, local=local, stages=stages, stage=stage,
+                                 impl=impl, node_axis=node_axis, local_axis=local_axis,
+                                 signs=signs, seed=seed(1), **kw)
     values, scales = _reorder_quantize(x, impl, nodes=nodes, local=local, stages=stages,
                                        stage=stage, signs=signs, seed=seed(0), **kw)
     if local > 1:
@@ -138,6 +153,26 @@ def _one_stage(x, *, nodes, local, bits, block_size, stages, stage, impl, node_a
         values, scales = _dequantize_reduce_requantize(values, scales, impl, seed=seed(1),
                                                        **kw)
     # Hop 2, across nodes: the partial sum of slice i'*L + j goes to node i'.
+    values, scales = _exchange(values, scales, nodes, node_axis)
+    return _dequantize_reduce(values, scales, impl, signs=signs, **kw)
+
+
+def _cross_only_stage(x, *, nodes, local, stages, stage, impl, node_axis, local_axis, signs,
+                      seed, bits, block_size):
+    """One stage of qgZ with only the node hop quantized: sub-slice ``stage`` of every
+    slice, reordered (Algorithm 2) and sent inside the node in ``x``'s dtype, the ``L``
+    contributions summed in fp32 (this device's partial sums ``[N * sub]``, row ``i'`` of
+    slice ``i' * L + j``), then quantized (rotated first with ``signs``) for the node hop,
+    received, dequantized, summed and rotated back. Returns fp32 ``[sub]``."""
+    num = nodes * local
+    sub = x.shape[0] // num // stages
+    part = x.reshape(num, stages, sub)[:, stage].reshape(-1)
+    y = reorder_reference(part, nodes=nodes, local=local)
+    y = from_wire(_all_to_all(to_wire(y).reshape(local, -1), local_axis), x.dtype)
+    partial = _sum_rows(y)
+    kw = dict(bits=bits, block_size=block_size)
+    values, scales = _reorder_quantize(partial, impl, nodes=1, local=1, signs=signs,
+                                       seed=seed, **kw)
     values, scales = _exchange(values, scales, nodes, node_axis)
     return _dequantize_reduce(values, scales, impl, signs=signs, **kw)
 
@@ -166,6 +201,7 @@ def qgz_reduce_scatter(
     stochastic_rounding: bool = False,
     key: jax.Array | None = None,
     feedback: tuple[jax.Array, jax.Array] | None = None,
+    hops: str = "both",
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Quantized hierarchical reduce-scatter; same placement as
     ``psum_scatter(x, (node_axis, local_axis), tiled=True)``.
@@ -194,12 +230,21 @@ def qgz_reduce_scatter(
       feedback: error feedback: fp32 ``(e1 [h1], e2 [h2])``, this device's kept errors
         (``feedback_lengths``; zeros at the first call), added before the quantizations
         (see "Error feedback" below). None: no feedback.
+      hops: ``"both"`` quantizes both hops (the paper's qgZ); ``"cross"`` only the one
+        across nodes: the hop inside the node moves ``x``'s dtype and the partial sums are
+        quantized once, for the node hop (with one node, nothing is quantized; with
+        ``local_axis`` of size 1 the two are the same). Not with ``feedback``.
     Returns:
       fp32 ``[n / P]``: the sum over all devices of this device's slice (within the
       quantization error). With ``feedback``: ``(that slice, (e1', e2') the new errors)``,
       from the same collectives and bytes.
     """
     check_settings(bits, block_size, hadamard=hadamard)
+    if hops not in HOPS:
+        raise ValueError(f"hops={hops!r}; valid values are {HOPS}")
+    if hops == "cross" and feedback is not None:
+        raise ValueError("error feedback keeps the errors of both of qgZ's quantizations: "
+                         "use hops='both' with feedback")
     if single_node not in SINGLE_NODE_MODES:
         raise ValueError(f"single_node={single_node!r}; valid values are {SINGLE_NODE_MODES}")
     if not isinstance(stages, int) or stages < 1:
@@ -218,7 +263,7 @@ def qgz_reduce_scatter(
             stages=stages, single_node=single_node, impl=_resolve(implementation),
             hadamard=hadamard, stochastic_rounding=stochastic_rounding, key=key,
             node_axis=node_axis, local_axis=local_axis)
-    if nodes == 1 and single_node == "reduce_scatter":
+    if nodes == 1 and (single_node == "reduce_scatter" or hops == "cross"):
         summed = jax.lax.psum_scatter(x, (node_axis, local_axis), scatter_dimension=0,
                                       tiled=True)
         return summed.astype(jnp.float32)
@@ -238,7 +283,7 @@ def qgz_reduce_scatter(
     parts = [
         _one_stage(x, nodes=nodes, local=local, bits=bits, block_size=block_size,
                    stages=stages, stage=s, impl=impl, node_axis=node_axis,
-                   local_axis=local_axis, signs=signs, rkey=rkey)
+                   local_axis=local_axis, signs=signs, rkey=rkey, hops=hops)
         for s in range(stages)
     ]
     out = parts[0] if stages == 1 else jnp.concatenate(parts)

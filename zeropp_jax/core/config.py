@@ -243,6 +243,13 @@ class ZeroPPConfig:
         the input), instead of to nearest. Each device draws its own bits, seeded from its
         gradient (``quant/rotation.py``). Off by default: it doubles the variance of the
         rounding error for an unbiased mean.
+      qgz_hops: with qgZ, which of its two all-to-all hops carry quantized blocks:
+        ``"both"`` (default; the ZeRO++ paper's qgZ) or ``"cross"``: only the hop between
+        nodes. The hop inside the node then moves the gradient's own dtype (16-bit for
+        bf16) and every element is quantized once instead of twice: the same cross-node
+        bytes as ``"both"``, more bytes on the fast links inside the node, about half the
+        quantization error (``comm.qgz.qgz_reduce_scatter``). Not with
+        ``qgz_error_feedback``.
       offload_optimizer: keep the optimizer state (Adam's moments: 8 bytes per parameter,
         split over all devices) in each device's pinned host memory between steps
         (DeepSpeed's ``offload_optimizer``, FSDP2's ``CPUOffloadPolicy`` for the state).
@@ -295,6 +302,7 @@ class ZeroPPConfig:
     stochastic_rounding: bool = False
     qgz_error_feedback: bool = False
     qgz_signs: str = "fixed"
+    qgz_hops: str = "both"
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_ratio: float = 1.0
@@ -361,6 +369,15 @@ class ZeroPPConfig:
         if self.qgz_signs not in ("fixed", "per_step"):
             raise ValueError(f"qgz_signs={self.qgz_signs!r} is invalid; valid values are "
                              "'fixed' and 'per_step'")
+        if self.qgz_hops not in ("both", "cross"):
+            raise ValueError(f"qgz_hops={self.qgz_hops!r} is invalid; valid values are "
+                             "'both' and 'cross'")
+        if self.qgz_hops != "both" and not self.qgz:
+            raise ValueError(f"qgz_hops={self.qgz_hops!r} chooses which of qgZ's hops are "
+                             "quantized: it needs qgz=True")
+        if self.qgz_hops == "cross" and self.qgz_error_feedback:
+            raise ValueError("qgz_error_feedback keeps the errors of both of qgZ's "
+                             "quantizations: use it with qgz_hops='both', or turn it off")
         if self.qgz_error_feedback and not self.qgz:
             raise ValueError("qgz_error_feedback keeps qgZ's quantization errors: it needs "
                              "qgz=True")

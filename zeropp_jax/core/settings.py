@@ -67,6 +67,7 @@ class Gradients:
       stochastic_rounding: unbiased rounding (``stochastic_rounding``).
       error_feedback: keep each device's quantization errors (``qgz_error_feedback``).
       signs: ``"fixed"`` or ``"per_step"`` (``qgz_signs``).
+      hops: ``"both"`` or ``"cross"``: which hops are quantized (``qgz_hops``).
       reduce_scatter: the unquantized one, ``"flat"`` or ``"hierarchical"``
         (``reduce_scatter``).
     """
@@ -80,13 +81,14 @@ class Gradients:
     stochastic_rounding: bool | None = None
     error_feedback: bool | None = None
     signs: str | None = None
+    hops: str | None = None
     reduce_scatter: str | None = None
 
     FLAT: ClassVar[Mapping[str, str]] = {
         "quantize": "qgz", "bits": "grad_bits", "pipeline_stages": "qgz_pipeline_stages",
         "until": "qgz_until", "planned_steps": "planned_steps", "hadamard": "qgz_hadamard",
         "stochastic_rounding": "stochastic_rounding", "error_feedback": "qgz_error_feedback",
-        "signs": "qgz_signs", "reduce_scatter": "reduce_scatter"}
+        "signs": "qgz_signs", "hops": "qgz_hops", "reduce_scatter": "reduce_scatter"}
 
 
 @dataclasses.dataclass(frozen=True)

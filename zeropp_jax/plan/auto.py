@@ -168,7 +168,8 @@ def candidate_configs(nodes: int, local: int, base: ZeroPPConfig | None = None, 
     k < nodes dividing it), qgZ. One node: ZeRO-3 only (nothing crosses nodes to save).
 
     Every candidate keeps ``base``'s other settings. qgZ's own options
-    (``qgz_error_feedback``, ``qgz_signs="per_step"``) are never turned on here: the qgZ
+    (``qgz_error_feedback``, ``qgz_signs="per_step"``, ``qgz_hops="cross"``) are never
+    turned on here: the qgZ
     candidates carry ``base``'s, priced as they are (error feedback's kept errors in
     their memory, ``workload.memory_breakdown``), and the candidates without qgZ drop them
     (they need qgZ)."""
@@ -177,7 +178,7 @@ def candidate_configs(nodes: int, local: int, base: ZeroPPConfig | None = None, 
     keep = {k: getattr(base, k) for k in fields
             if k not in ("qwz", "hpz", "qgz", "weight_bits", "weight_format", "hpz_group_size")}
     # What only qgZ takes, off for the candidates without it.
-    no_qgz = {"qgz_error_feedback": False, "qgz_signs": "fixed"}
+    no_qgz = {"qgz_error_feedback": False, "qgz_signs": "fixed", "qgz_hops": "both"}
     if nodes == 1:
         return [ZeroPPConfig(**{**keep, **no_qgz})]
     weights = [None, "int8", *(["int4"] if allow_int4_weights else [])]
@@ -214,7 +215,7 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
         out, so the ranking is by communication alone, and the table says so); with
         ``tensor_parallel``, each data-parallel rank (its ``T`` devices share them).
       base: other settings every candidate keeps (dtypes, prefetch, block size...);
-        qgZ's options (``qgz_error_feedback``, ``qgz_signs``) go to the qgZ candidates
+        qgZ's options (``qgz_error_feedback``, ``qgz_signs``, ``qgz_hops``) go to the qgZ candidates
         only, and the plan never turns them on itself (module docstring).
       tie: candidates within this fraction of the fastest count as tied.
       configs: the candidates to rank instead of ``candidate_configs``' (e.g. only the

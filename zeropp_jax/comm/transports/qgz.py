@@ -68,6 +68,8 @@ class QgzReduceScatter(GradientFacts):
         next reduce-scatter (``config.qgz_error_feedback``; ``reduce_sum_feedback``).
       until: qgZ for optimizer steps ``< until``, ``fallback`` after
         (``config.qgz_until_step``); None: always qgZ.
+      hops: ``"both"`` quantizes both hops; ``"cross"`` only the one across nodes
+        (``config.qgz_hops``; ``comm.qgz.qgz_reduce_scatter``).
     """
 
     bits: int
@@ -80,6 +82,7 @@ class QgzReduceScatter(GradientFacts):
     per_step_signs: bool = False
     error_feedback: bool = False
     until: int | None = None
+    hops: str = "both"
 
     @classmethod
     def from_config(cls, config: Any, fallback: GradientTransport) -> "QgzReduceScatter":
@@ -88,17 +91,23 @@ class QgzReduceScatter(GradientFacts):
                    hadamard=config.qgz_hadamard,
                    stochastic_rounding=config.stochastic_rounding,
                    per_step_signs=config.qgz_signs == "per_step",
-                   error_feedback=config.qgz_error_feedback, until=config.qgz_until_step)
+                   error_feedback=config.qgz_error_feedback, until=config.qgz_until_step,
+                   hops=config.qgz_hops)
 
     def label(self) -> str:
-        name = (f"qgz-int{self.bits}" + ("-had" if self.hadamard else "")
+        name = (f"qgz-int{self.bits}" + ("-cross" if self.hops == "cross" else "")
+                + ("-had" if self.hadamard else "")
                 + ("-step" if self.per_step_signs else ""))
         return name + ("+EF" if self.error_feedback else "")
 
     def quantized_elems(self, n: int, nodes: int, local: int) -> float:
         # The full gradient, then the node's partial sums requantized for the node hop
         # (``2 n / L``); a rotation reads the data once more. Kept errors: see the plan.
-        return (n + 2 * n / local) * (2 if self.hadamard else 1)
+        # Cross-node only: just the partial sums (with one node, nothing).
+        first = 0 if self.hops == "cross" and local > 1 else n
+        if self.hops == "cross" and nodes == 1:
+            return 0.0
+        return (first + 2 * n / local) * (2 if self.hadamard else 1)
 
     def bucketable(self) -> bool:
         # Blocks never straddle members, but one scale per slice, the rotation's signs,
@@ -124,7 +133,7 @@ class QgzReduceScatter(GradientFacts):
         """``qgz_reduce_scatter``'s settings for an ``[n]`` gradient on ``num_devices``."""
         return dict(bits=self.bits, block_size=self._block(n, num_devices), stages=self.stages,
                     implementation=self.implementation, hadamard=self.hadamard,
-                    stochastic_rounding=self.stochastic_rounding, key=key)
+                    stochastic_rounding=self.stochastic_rounding, key=key, hops=self.hops)
 
     def quantized(self, g: jax.Array, key: jax.Array | None = None) -> jax.Array:
         num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])

@@ -1011,7 +1011,8 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     if view == "memory":
         configs: dict[str, list[float]] = {}
         for r in data["rows"]:
-            configs.setdefault(r["config"], []).append(r["memory_error"])
+            if r["memory_error"] is not None:  # the peer has no memory model
+                configs.setdefault(r["config"], []).append(r["memory_error"])
         return _table(
             ["config", "rows", "within 10%", "model / compiled - 1: lowest", "highest"],
             [[c, str(len(e)), str(sum(abs(x) <= 0.10 for x in e)), f"{min(e):+.1%}",
@@ -1028,21 +1029,33 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     def pct(x: float | None) -> str:
         return "-" if x is None else _pct(x)
 
+    def model_gb(r: dict) -> str:  # the peer (gspmd_fsdp) has no memory model
+        return "-" if r["memory_predicted_bytes"] is None else gb(r["memory_predicted_bytes"])
+
+    def error(r: dict) -> str:
+        return "-" if r["memory_error"] is None else f"{r['memory_error']:+.1%}"
+
+    def pipelined(r: dict) -> str:
+        n = r.get("pipelined_collectives")  # rows of runs before it was recorded: unknown
+        return "?" if n is None else str(n)
+
     if view == "largest":
         return _table(
             ["model", "parameters", "mesh", "config", "compiled GB per GPU", "model GB",
              "error", "fits 80 GB"],
             [[r["model"], f"{r['params'] / 1e9:.1f}B", r["mesh"], r["config"],
-              gb(r["memory_compiled_bytes"]), gb(r["memory_predicted_bytes"]),
-              f"{r['memory_error']:+.1%}", "yes" if r["fits_80gb"] else "no"]
+              gb(r["memory_compiled_bytes"]), model_gb(r), error(r),
+              "yes" if r["fits_80gb"] else "no"]
              for r in rows])
     return _table(
         ["model", "mesh", "config", "XLA flags", "compiled GB per GPU", "model GB", "error",
-         "hidden 400G", "hidden 100G", "step ms 400G", "compute ms"],
+         "hidden 400G", "hidden 100G", "step ms 400G", "step ms 100G", "compute ms",
+         "pipelined collectives"],
         [[r["model"], r["mesh"], r["config"], r["flags"], gb(r["memory_compiled_bytes"]),
-          gb(r["memory_predicted_bytes"]), f"{r['memory_error']:+.1%}",
-          pct(r["hidden_fraction_400g"]), pct(r["hidden_fraction_100g"]),
-          f"{r['step_ms_400g']:.0f}", f"{r['compute_ms']:.0f}"] for r in rows])
+          model_gb(r), error(r), pct(r["hidden_fraction_400g"]),
+          pct(r["hidden_fraction_100g"]), f"{r['step_ms_400g']:.0f}",
+          f"{r['step_ms_100g']:.0f}", f"{r['compute_ms']:.0f}", pipelined(r)]
+         for r in rows])
 
 
 def _gpu_cluster_units(data: dict) -> str:
@@ -1054,7 +1067,8 @@ def _gpu_cluster_units(data: dict) -> str:
     for r in data["rows"]:
         if (r["model"], r["mesh"]) != ("7B", "16x8") or "units_400g" not in r or not (
                 (r["experiment"] == "grid" and r["flags"] == "pipelined"
-                 and r["config"] in ("zero3", "zeropp")) or r["experiment"] == "unrolled"):
+                 and r["config"] in ("zero3", "zeropp", "qwz_hpz", "zeropp_cross"))
+                or r["experiment"] == "unrolled"):
             continue
         sums: dict[tuple, list[float]] = {}
         for u in r["units_400g"]:

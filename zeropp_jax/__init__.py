@@ -32,6 +32,7 @@ from zeropp_jax.comm.frozen import FrozenShards
 from zeropp_jax.comm.placement import ShardedParams, global_norm
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import make_mesh, simulate_cpu_devices
+from zeropp_jax.core.gpu_flags import gpu_overlap_flags, use_gpu_overlap_flags
 from zeropp_jax.core.settings import (
     Gradients,
     Offload,
@@ -78,6 +79,7 @@ __all__ = [
     "eval_step",
     "generate",
     "global_norm",
+    "gpu_overlap_flags",
     "make_mesh",
     "per_example",
     "processes",
@@ -86,6 +88,7 @@ __all__ = [
     "token_mean",
     "train_step",
     "ulysses",
+    "use_gpu_overlap_flags",
     "viz",
 ]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ Shapes: tokens ``int32 [batch, seq]`` -> logits ``[batch, seq, vocab]`` in ``dty
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -64,13 +65,19 @@ def rope(x: jax.Array) -> jax.Array:
     return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(x.dtype)
 
 
+def _same(x: jax.Array) -> jax.Array:
+    return x
+
+
 class Block(nn.Module):
     shape: LlamaShape
     dtype: jnp.dtype = jnp.bfloat16
+    constrain: Callable[[jax.Array], jax.Array] = _same
 
     @nn.compact
     def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
         s, d = self.shape, self.shape.d_model
+        x = self.constrain(x)
         head = d // s.heads
         dense = lambda f, name: nn.DenseGeneral(f, use_bias=False, dtype=self.dtype,  # noqa: E731
                                                 name=name)
@@ -88,24 +95,28 @@ class Block(nn.Module):
 
 class Llama(nn.Module):
     """``scan=False``: the blocks unrolled (``layers_0``, ``layers_1``, ...), each its own
-    unit, ordered by the engine's gather order instead of a loop."""
+    unit, ordered by the engine's gather order instead of a loop. ``constrain``: applied to
+    the residual stream after the embedding and at every block's input (a plain
+    ``jax.jit`` step's activation sharding, as MaxText's logical constraints put it;
+    the identity for our engine, whose step is per device)."""
 
     shape: LlamaShape
     dtype: jnp.dtype = jnp.bfloat16
     scan: bool = True
+    constrain: Callable[[jax.Array], jax.Array] = _same
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         s = self.shape
-        x = nn.Embed(s.vocab, s.d_model, dtype=self.dtype, name="embed")(tokens)
+        x = self.constrain(nn.Embed(s.vocab, s.d_model, dtype=self.dtype, name="embed")(tokens))
         if self.scan:
             stack = nn.scan(Block, variable_axes={"params": 0},
                             split_rngs={"params": True}, length=s.layers)
-            x, _ = stack(s, self.dtype, name="layers")(x, None)
+            x, _ = stack(s, self.dtype, self.constrain, name="layers")(x, None)
         else:
             for i in range(s.layers):
-                x, _ = Block(s, self.dtype, name=f"layers_{i}")(x, None)
-        x = nn.RMSNorm(dtype=self.dtype, name="norm")(x)
+                x, _ = Block(s, self.dtype, self.constrain, name=f"layers_{i}")(x, None)
+        x = self.constrain(nn.RMSNorm(dtype=self.dtype, name="norm")(x))
         return nn.Dense(s.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
 
 

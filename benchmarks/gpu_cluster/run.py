@@ -22,10 +22,22 @@ allocated. For every model, mesh, config and set of XLA flags it reports:
 * per unit and role (gather, regather, gradient), inside and across nodes, the wire time
   and how much of it the compute stream waited for (``units_400g``).
 
+* whether XLA's collective pipeliner ran (``collective_pipeliner_ran``: a collective of the
+  compiled program carries ``"is_pipelined":true`` in its backend config; and how many,
+  ``pipelined_collectives``), so a JAX version that accepts the pipelining flags and ignores
+  them shows up as a row, not as a slower step.
+
+Beside our configs, the peer a JAX user would run instead (config ``gspmd_fsdp``): the same
+Llama under a plain ``jax.jit`` step whose parameters and AdamW state are sharded over all
+devices by ``NamedSharding`` (GSPMD FSDP, as MaxText does it: each weight split over the
+data axes along one dimension, the layer axis of the scanned stack never split), bf16
+compute on fp32 master weights cast before use, compiled and replayed the same way. It has
+no planner memory model (``memory_predicted_bytes`` null).
+
 Writes ``gpu_cluster_<device>.json`` (``--out``): ``{"device", "rows": [{"model", "mesh",
 "config", "flags", "hidden_fraction_400g", "memory_compiled_bytes",
-"memory_predicted_bytes", "compute_ratio_vs_plain", ...}]}``; ``compute_ratio_vs_plain``
-is null (it needs the program to run on a GPU).
+"memory_predicted_bytes", "compute_ratio_vs_plain", "collective_pipeliner_ran", ...}]}``;
+``compute_ratio_vs_plain`` is null (it needs the program to run on a GPU).
 """
 
 from __future__ import annotations
@@ -46,18 +58,17 @@ from benchmarks.cli import add_out_argument, write_json  # noqa: E402
 SEQ = 2048  # tokens per GPU: one sequence per device
 
 # XLA flags (per compile: ``Lowered.compile(compiler_options)``), by name.
+# "pipelined": what ``zpp.gpu_overlap_flags()`` sets (each scanned layer's all-gather moves
+# into the previous iteration and its gradient's reduce-scatter into the next: the next
+# layer's weights arrive while this one computes); "pipelined_double_buffer" also unrolls
+# each loop by two, so the scheduler sees two layers at once.
+_OVERLAP = {"xla_gpu_enable_pipelined_all_gather": True,
+            "xla_gpu_enable_pipelined_reduce_scatter": True,
+            "xla_gpu_enable_pipelined_all_reduce": True}
 FLAGS = {
     "default": {},
-    # Each scanned layer's all-gather moves into the previous iteration (and its gradient's
-    # reduce-scatter into the next): the next layer's weights arrive while this one computes.
-    "pipelined": {"xla_gpu_enable_pipelined_all_gather": True,
-                  "xla_gpu_enable_pipelined_reduce_scatter": True,
-                  "xla_gpu_enable_pipelined_all_reduce": True},
-    # Also unrolls each loop by two, so the scheduler sees two layers at once.
-    "pipelined_double_buffer": {"xla_gpu_enable_pipelined_all_gather": True,
-                                "xla_gpu_enable_pipelined_reduce_scatter": True,
-                                "xla_gpu_enable_pipelined_all_reduce": True,
-                                "xla_gpu_enable_while_loop_double_buffering": True},
+    "pipelined": _OVERLAP,
+    "pipelined_double_buffer": {**_OVERLAP, "xla_gpu_enable_while_loop_double_buffering": True},
 }
 
 
@@ -73,7 +84,90 @@ def configs() -> dict:
         # Activation checkpointing (each block keeps its input alone): the largest models.
         "zero3_remat_full": zpp.ZeroPPConfig.zero3(remat="full"),
         "zeropp_remat_full": zpp.ZeroPPConfig.zeropp(remat="full"),
+        # ZeRO++ without qgZ: INT8 weight gathers and hpZ's regather inside the node, the
+        # gradient reduce-scattered unquantized (which XLA's pipeliner can move).
+        "qwz_hpz": zpp.ZeroPPConfig(qwz=True, hpz=True),
+        # ZeRO++ with only qgZ's cross-node hop quantized (16-bit inside the node).
+        "zeropp_cross": zpp.ZeroPPConfig.zeropp(qgz_hops="cross"),
     }
+
+
+PEER = "gspmd_fsdp"  # a plain jax.jit step, state sharded by NamedSharding (no ZeroPPConfig)
+
+
+def _fsdp_spec(shape: tuple, num: int, stacked: bool):
+    """GSPMD FSDP's split of one array: the largest dimension divisible by the ``num``
+    devices over both data axes (the first, a scanned stack's layer axis, never), else
+    replicated (a norm's scale)."""
+    from jax.sharding import PartitionSpec as P
+
+    from zeropp_jax.core.mesh import AXES
+
+    dims = [i for i in range(1 if stacked else 0, len(shape)) if shape[i] % num == 0]
+    if not dims:
+        return P()
+    best = max(dims, key=lambda i: shape[i])
+    return P(*[AXES if i == best else None for i in range(len(shape))])
+
+
+def compile_gspmd_step(shape, nodes: int, local: int, options: dict, seq: int = SEQ,
+                       scan: bool = True):
+    """``(compiled, None, seconds)``: the peer's donated train step (``PEER``): the Llama
+    under ``jax.jit`` with its fp32 parameters and AdamW state split over all devices
+    (``_fsdp_spec``), the parameters cast to bf16 before the forward (so XLA gathers 16-bit
+    weights), the batch split over all devices; XLA's SPMD partitioner places every
+    collective."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.gpu_cluster.llama import Llama, loss
+    from benchmarks.gpu_cluster.target import cluster_mesh
+    from zeropp_jax.core.mesh import AXES
+
+    mesh = cluster_mesh(nodes, local)
+    num = nodes * local
+    batch_split = NamedSharding(mesh, P(AXES))
+    model = Llama(shape, scan=scan,
+                  constrain=lambda x: jax.lax.with_sharding_constraint(x, batch_split))
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0),
+                            jnp.zeros((1, seq), jnp.int32))["params"]
+    tx = optax.adamw(3e-4)
+
+    def sharded(tree):
+        def one(path, x):
+            stacked = scan and any(getattr(k, "key", None) == "layers" for k in path)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+                mesh, _fsdp_spec(x.shape, num, stacked and x.ndim > 1)))
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    params = sharded(params)
+    opt_state = sharded(jax.eval_shape(tx.init, params))
+
+    def step(params, opt_state, batch):
+        def loss_of(p):
+            p16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), p)
+            return loss(model.apply({"params": p16}, batch[:, :-1]), batch[:, 1:])
+
+        value, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state))
+    batch = jax.ShapeDtypeStruct((num, seq + 1), jnp.int32, sharding=batch_split)
+    jitted = jax.jit(step, donate_argnums=(0, 1),
+                     out_shardings=(*shardings, NamedSharding(mesh, P())))
+    start = time.perf_counter()
+    compiled = jitted.lower(params, opt_state, batch).compile(options)
+    return compiled, None, time.perf_counter() - start
+
+
+def pipelined_collectives(text: str) -> int:
+    """How many collectives of a compiled GPU program XLA's collective pipeliner moved
+    across loop iterations (``"is_pipelined":true`` in their backend config)."""
+    return text.count('"is_pipelined":true')
 
 
 def compile_step(shape, nodes: int, local: int, config, options: dict, seq: int = SEQ,
@@ -126,8 +220,12 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
     from zeropp_jax.measure.schedule import schedule_report
 
     nodes, local = map(int, mesh.split("x"))
-    shape, cfg = SHAPES[model], configs()[config]
-    compiled, _, seconds = compile_step(shape, nodes, local, cfg, FLAGS[flags], scan=scan)
+    shape = SHAPES[model]
+    if config == PEER:
+        compiled, _, seconds = compile_gspmd_step(shape, nodes, local, FLAGS[flags], scan=scan)
+    else:
+        compiled, _, seconds = compile_step(shape, nodes, local, configs()[config],
+                                            FLAGS[flags], scan=scan)
     text = compiled.as_text()
     layers = "scan" if scan else "unrolled"
     if hlo_dir is not None:
@@ -136,14 +234,19 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
     m = compiled.memory_analysis()
     used = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
-    predicted = predicted_memory(shape, cfg, nodes, local, scanned=scan)
+    predicted = (None if config == PEER else
+                 predicted_memory(shape, configs()[config], nodes, local, scanned=scan))
+    pipelined = pipelined_collectives(text)
     row = {"experiment": experiment, "model": model, "mesh": mesh, "config": config,
            "flags": flags, "layers": layers, "params": shape.params,
            "compile_s": round(seconds, 2),
-           "memory_compiled_bytes": int(used), "memory_predicted_bytes": int(predicted),
-           "memory_error": (predicted - used) / used, "fits_80gb": used <= MEMORY_BYTES,
+           "memory_compiled_bytes": int(used),
+           "memory_predicted_bytes": None if predicted is None else int(predicted),
+           "memory_error": None if predicted is None else (predicted - used) / used,
+           "fits_80gb": used <= MEMORY_BYTES,
            "argument_bytes": int(m.argument_size_in_bytes),
-           "temp_bytes": int(m.temp_size_in_bytes), "compute_ratio_vs_plain": None}
+           "temp_bytes": int(m.temp_size_in_bytes), "compute_ratio_vs_plain": None,
+           "collective_pipeliner_ran": pipelined > 0, "pipelined_collectives": pipelined}
     for gbit in (400, 100):
         r = schedule_report(text, H100_ROOFLINE, links(nodes, local, gbit))
         row[f"hidden_fraction_{gbit}g"] = r.hidden_fraction(spans_nodes=True)
@@ -171,10 +274,13 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         def pct(v):
             return "-" if v is None else f"{v:.1%}"
+        predicted = ("-" if r["memory_predicted_bytes"] is None
+                     else f"{r['memory_predicted_bytes'] / 1e9:.2f}")
+        err = "-" if r["memory_error"] is None else f"{r['memory_error']:+.1%}"
         lines.append(
             f"{r['model']:<5} {r['mesh']:<5} {r['config']:<18} {r['flags']:<24} "
             f"{r['layers']:<8} {r['memory_compiled_bytes'] / 1e9:9.2f} "
-            f"{r['memory_predicted_bytes'] / 1e9:8.2f} {r['memory_error']:+6.1%} "
+            f"{predicted:>8} {err:>6} "
             f"{pct(r['hidden_fraction_400g']):>11} {pct(r['hidden_fraction_100g']):>11} "
             f"{r['step_ms_400g']:12.1f} {r['compute_ms']:10.1f}")
     return "\n".join(lines)
@@ -190,7 +296,7 @@ def plan(args: argparse.Namespace) -> list[tuple]:
         # The same 7B at 16x8 with its blocks unrolled: no loop, so the loop flags change
         # nothing; the engine's gather order and XLA's scheduler decide.
         rows += [("7B", "16x8", config, "default", "unrolled", False)
-                 for config in ("zero3", "zeropp")]
+                 for config in ("zero3", "zeropp", PEER)]
     if "largest" in args.experiments:
         # The largest Llama shapes at 16x8 against 80 GB per H100: the default remat, and
         # activation checkpointing, which big models train with.
@@ -206,7 +312,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["1.3B", "7B"])
     p.add_argument("--meshes", nargs="+", default=["2x8", "4x8", "16x8"])
-    p.add_argument("--configs", nargs="+", default=list(configs()))
+    p.add_argument("--configs", nargs="+", default=[*configs(), PEER])
     p.add_argument("--flags", nargs="+", default=list(FLAGS), choices=list(FLAGS))
     p.add_argument("--experiments", nargs="+", default=["grid", "unrolled", "largest"],
                    choices=["grid", "unrolled", "largest"],

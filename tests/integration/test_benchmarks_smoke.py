@@ -175,3 +175,25 @@ def test_qgz_hops_transport_matches_qgz_and_bounds_each_hop():
     # ... and it is the library's cross-node-only qgZ (``qgz_hops="cross"``) bit for bit.
     assert np.array_equal(run(lambda v: hop_reduce_scatter(v, hop1_bits=None, hop2_bits=4)),
                           run(lambda v: qgz_reduce_scatter(v, hops="cross"))), f"seed {seed}"
+
+
+def test_gspmd_fsdp_peer_splits_each_weight_once_and_never_the_layer_axis():
+    """The gpu-cluster benchmark's peer (benchmarks/gpu_cluster/run.py, config gspmd_fsdp):
+    each array split over both data axes along its largest dimension the device count
+    divides, a scanned stack's layer axis never, an array with no such dimension whole; and
+    the count of pipelined collectives read from a compiled program's text."""
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.gpu_cluster.run import _fsdp_spec, pipelined_collectives
+    from zeropp_jax.core.mesh import AXES
+
+    assert _fsdp_spec((32000, 4096), 128, stacked=False) == P(AXES, None)
+    assert _fsdp_spec((32, 4096, 11008), 32, stacked=True) == P(None, None, AXES)
+    # Only the leading axis divisible: split unless it is a scanned stack's layer axis.
+    assert _fsdp_spec((64, 32, 48), 64, stacked=True) == P()
+    assert _fsdp_spec((64, 32, 48), 64, stacked=False) == P(AXES, None, None)
+    assert _fsdp_spec((32, 4096), 128, stacked=True) == P(None, AXES)
+    assert _fsdp_spec((4096,), 3, stacked=False) == P()  # a norm scale 3 does not divide
+    line = ('%ag = all-gather-start(%p), backend_config={"collective_backend_config":'
+            '{"is_sync":false,"is_pipelined":true}}')
+    assert pipelined_collectives("\n".join([line, line.replace("true}", "false}")])) == 1

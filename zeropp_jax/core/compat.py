@@ -67,6 +67,13 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    version check must be skipped where no driver exists: ``JAX_PLATFORMS=cpu``). The
    topology string is "<slices>x<hosts per slice>x<devices per host>"; its devices are
    numbered host-major, one process per host.
+14. The XLA GPU flags a scanned stack's overlap needs (``GPU_OVERLAP_FLAGS``): XLA's
+   collective pipeliner for all-gathers, reduce-scatters and all-reduces is off by default
+   and switched on by ``xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}``
+   in jaxlib 0.10.2 (checked: unknown names raise "No such compile option" when a program
+   is compiled with them, and the test suite compiles one); an open XLA issue (openxla/xla
+   #44228) reports a later GPU plugin accepting them and pipelining nothing, so
+   ``make gpu-cluster`` records per row whether the pipeliner ran.
 """
 
 from __future__ import annotations
@@ -410,3 +417,12 @@ def gpu_cluster_devices(target_config: str, nodes: int, local: int) -> list[Any]
             "'jax[cuda12]' (or cuda13) matching this jax; on a host without a GPU run with "
             f"JAX_PLATFORMS=cpu ({e})") from e
     return sorted(topology.devices, key=lambda d: d.id)
+
+
+# XLA GPU flags for a scanned stack's overlap (note 14): each layer's all-gather moves into
+# the previous loop iteration, its reduce-scatter (and all-reduce) into the next.
+GPU_OVERLAP_FLAGS: dict[str, bool] = {
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+}

@@ -1004,7 +1004,7 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     model, mesh, config and flag set), ``unrolled`` (the 7B at 16x8 with its blocks
     unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB), ``memory``
     (per config, how many rows the memory model predicts within 10%)."""
-    views = ("grid", "unrolled", "largest", "memory", "units")
+    views = ("grid", "unrolled", "largest", "memory", "units", "peer")
     if view not in views:
         raise TableError(f"gpu_cluster results need a view, one of {', '.join(views)}; "
                          f"got {view!r}")
@@ -1019,6 +1019,8 @@ def gpu_cluster(data: dict, view: str | None) -> str:
               f"{max(e):+.1%}"] for c, e in configs.items()])
     if view == "units":
         return _gpu_cluster_units(data)
+    if view == "peer":
+        return _gpu_cluster_peer(data)
     rows = [r for r in data["rows"] if r["experiment"] == view]
     if not rows:
         raise TableError(f"gpu_cluster: this run has no {view} rows")
@@ -1056,6 +1058,26 @@ def gpu_cluster(data: dict, view: str | None) -> str:
           pct(r["hidden_fraction_100g"]), f"{r['step_ms_400g']:.0f}",
           f"{r['step_ms_100g']:.0f}", f"{r['compute_ms']:.0f}", pipelined(r)]
          for r in rows])
+
+
+def _gpu_cluster_peer(data: dict) -> str:
+    """The 7B at 16x8 side by side with the peer (``gspmd_fsdp``: a plain ``jax.jit`` step,
+    state split by ``NamedSharding``): the scanned stack with the pipelined flags, and the
+    unrolled blocks, at 400 and 100 Gbit/s."""
+    keep = ("zero3", "zeropp", "qwz_hpz", "zeropp_cross", "gspmd_fsdp")
+    rows = [r for r in data["rows"] if (r["model"], r["mesh"]) == ("7B", "16x8")
+            and r["config"] in keep and ((r["layers"] == "scan" and r["flags"] == "pipelined")
+                                         or r["experiment"] == "unrolled")]
+    if not any(r["config"] == "gspmd_fsdp" for r in rows):
+        raise TableError("gpu_cluster: this run has no gspmd_fsdp rows for the 7B at 16x8")
+    rows.sort(key=lambda r: (r["layers"] != "scan", keep.index(r["config"])))
+    return _table(
+        ["layers", "config", "compiled GB per GPU", "hidden 400G", "step ms 400G",
+         "hidden 100G", "step ms 100G", "compute ms"],
+        [[r["layers"], r["config"], f"{r['memory_compiled_bytes'] / 1e9:.1f}",
+          _pct(r["hidden_fraction_400g"]), f"{r['step_ms_400g']:.0f}",
+          _pct(r["hidden_fraction_100g"]), f"{r['step_ms_100g']:.0f}",
+          f"{r['compute_ms']:.0f}"] for r in rows])
 
 
 def _gpu_cluster_units(data: dict) -> str:

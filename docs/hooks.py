@@ -1004,7 +1004,7 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     model, mesh, config and flag set), ``unrolled`` (the 7B at 16x8 with its blocks
     unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB), ``memory``
     (per config, how many rows the memory model predicts within 10%)."""
-    views = ("grid", "unrolled", "largest", "memory", "units", "peer")
+    views = ("grid", "unrolled", "largest", "memory", "units", "peer", "compute")
     if view not in views:
         raise TableError(f"gpu_cluster results need a view, one of {', '.join(views)}; "
                          f"got {view!r}")
@@ -1021,6 +1021,8 @@ def gpu_cluster(data: dict, view: str | None) -> str:
         return _gpu_cluster_units(data)
     if view == "peer":
         return _gpu_cluster_peer(data)
+    if view == "compute":
+        return _gpu_cluster_compute(data)
     rows = [r for r in data["rows"] if r["experiment"] == view]
     if not rows:
         raise TableError(f"gpu_cluster: this run has no {view} rows")
@@ -1078,6 +1080,20 @@ def _gpu_cluster_peer(data: dict) -> str:
           _pct(r["hidden_fraction_400g"]), f"{r['step_ms_400g']:.0f}",
           _pct(r["hidden_fraction_100g"]), f"{r['step_ms_100g']:.0f}",
           f"{r['compute_ms']:.0f}"] for r in rows])
+
+
+def _gpu_cluster_compute(data: dict) -> str:
+    """Each row with a kernel-class breakdown (``compute_by_class_ms``): its priced compute
+    by class, ms per step, and the roofline MFU at 400 Gbit/s."""
+    rows = [r for r in data["rows"] if r.get("compute_by_class_ms")]
+    if not rows:
+        raise TableError("gpu_cluster: no row has a compute breakdown (compute_by_class_ms)")
+    classes = list(rows[0]["compute_by_class_ms"])
+    return _table(
+        ["model", "mesh", "layers", "config", *classes, "compute ms", "MFU 400G"],
+        [[r["model"], r["mesh"], r["layers"], r["config"],
+          *[f"{r['compute_by_class_ms'][c]:.1f}" for c in classes],
+          f"{r['compute_ms']:.0f}", f"{r['mfu_roofline_400g']:.2f}"] for r in rows])
 
 
 def _gpu_cluster_units(data: dict) -> str:

@@ -4,6 +4,7 @@ compiled schedule hides.
 
     make gpu-cluster                          # everything, about 20 minutes
     python -m benchmarks.gpu_cluster.run --models 1.3B --meshes 2x8 --configs zero3
+    python -m benchmarks.gpu_cluster.run --update --out benchmarks/results ...  # replace those rows only
 
 Needs JAX's CUDA plugin (``pip install 'jax[cuda12]'`` matching the installed jax), not a
 GPU: each program is compiled by XLA's GPU compiler for an H100 SXM cluster of ``nodes x 8``
@@ -20,7 +21,10 @@ allocated. For every model, mesh, config and set of XLA flags it reports:
   compute, target >= 90% for the 7B at 16x8 and 400 Gbit/s;
 * the step's roofline compute and replayed time (not a measurement: no GPU ran);
 * per unit and role (gather, regather, gradient), inside and across nodes, the wire time
-  and how much of it the compute stream waited for (``units_400g``).
+  and how much of it the compute stream waited for (``units_400g``);
+* the compute stream's priced time by kernel class (``compute_by_class_ms``:
+  ``measure.schedule.compute_by_class``; matmul, attention, elementwise, optimizer and the
+  step's bookkeeping, quantize/dequantize/Hadamard, copies and layout changes).
 
 * whether XLA's collective pipeliner ran (``collective_pipeliner_ran``: a collective of the
   compiled program carries ``"is_pipelined":true`` in its backend config; and how many,
@@ -43,6 +47,7 @@ Writes ``gpu_cluster_<device>.json`` (``--out``): ``{"device", "rows": [{"model"
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -152,8 +157,10 @@ def compile_gspmd_step(shape, nodes: int, local: int, options: dict, seq: int = 
             return loss(model.apply({"params": p16}, batch[:, :-1]), batch[:, 1:])
 
         value, grads = jax.value_and_grad(loss_of)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+        with jax.named_scope("optimizer"):  # its kernels' class (compute_by_class)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, opt_state, value
 
     shardings = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state))
     batch = jax.ShapeDtypeStruct((num, seq + 1), jnp.int32, sharding=batch_split)
@@ -217,7 +224,7 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
             experiment: str = "grid", scan: bool = True) -> dict:
     from benchmarks.gpu_cluster.llama import SHAPES
     from benchmarks.gpu_cluster.target import H100_ROOFLINE, MEMORY_BYTES, links
-    from zeropp_jax.measure.schedule import schedule_report
+    from zeropp_jax.measure.schedule import compute_by_class, schedule_report
 
     nodes, local = map(int, mesh.split("x"))
     shape = SHAPES[model]
@@ -246,7 +253,9 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
            "fits_80gb": used <= MEMORY_BYTES,
            "argument_bytes": int(m.argument_size_in_bytes),
            "temp_bytes": int(m.temp_size_in_bytes), "compute_ratio_vs_plain": None,
-           "collective_pipeliner_ran": pipelined > 0, "pipelined_collectives": pipelined}
+           "collective_pipeliner_ran": pipelined > 0, "pipelined_collectives": pipelined,
+           "compute_by_class_ms": {k: v * 1e3 for k, v in
+                                   compute_by_class(text, H100_ROOFLINE, SEQ).items()}}
     for gbit in (400, 100):
         r = schedule_report(text, H100_ROOFLINE, links(nodes, local, gbit))
         row[f"hidden_fraction_{gbit}g"] = r.hidden_fraction(spans_nodes=True)
@@ -318,6 +327,10 @@ def main() -> None:
                    choices=["grid", "unrolled", "largest"],
                    help="the grid (models x meshes x configs x flags), the 7B at 16x8 with "
                         "unrolled blocks, the largest models at 16x8")
+    p.add_argument("--update", action="store_true",
+                   help="replace only the rows measured now in the JSON already in --out "
+                        "(same experiment, model, mesh, config, flags and layers), keeping "
+                        "the others")
     p.add_argument("--hlo-dir", type=pathlib.Path, default=None,
                    help="also write each compiled program's HLO text here")
     add_out_argument(p)
@@ -329,8 +342,23 @@ def main() -> None:
         rows.append(measure(model, mesh, config, flags, args.hlo_dir, experiment, scan))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
+    path = args.out / "gpu_cluster_h100.json"
+    if args.update and path.exists():
+        rows = updated(json.loads(path.read_text())["rows"], rows)
     write_json(args.out, "gpu_cluster_h100.json", {"device": DEVICE, "seq_len": SEQ,
                                                    "rows": rows})
+
+
+def _row_key(r: dict) -> tuple:
+    return (r["experiment"], r["model"], r["mesh"], r["config"], r["flags"], r["layers"])
+
+
+def updated(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with each row that ``new`` measured again replaced in place, and ``new``'s
+    other rows after them (``--update``)."""
+    fresh = {_row_key(r): r for r in new}
+    out = [fresh.pop(_row_key(r), r) for r in old]
+    return out + [r for r in new if _row_key(r) in fresh]
 
 
 if __name__ == "__main__":

@@ -412,6 +412,88 @@ def _fusion_bytes(ins: Instruction, fused: tuple[Instruction, ...],
     return max(written, 0.0) + sum(read)
 
 
+# Kernel classes of ``compute_by_class``, in the order a kernel is tested against them.
+KERNEL_CLASSES = ("quantize/dequantize/Hadamard", "optimizer and bookkeeping", "attention",
+                  "matmul", "copies and layout", "elementwise")
+_QUANT_NAMES = re.compile(r"quantiz|hadamard|rotate|reorder|pack_rows|unpack_rows")
+_LAYOUT = frozenset({"copy", "transpose", "concatenate", "dynamic-update-slice",
+                     "dynamic-slice", "slice", "pad", "gather", "scatter", "reshape",
+                     "broadcast", "iota", "reverse"})
+
+
+def _kernel_class(ins: Instruction, fused: tuple[Instruction, ...], seq: int) -> str:
+    """One kernel's class (``KERNEL_CLASSES``): by the JAX name stack it came from
+    (qgZ's and qwZ's quantization kernels; the engine's own scope, ``scopes.OWN``, or a
+    ``named_scope("optimizer")``: the update, norms and checks), by a ``[.., seq, seq]``
+    array among its operands or results (attention's scores), by a dot inside it (matmul),
+    by its fused root or opcode moving data only (copies and layout), else elementwise."""
+    names = [_op_name(ins.line)] + [_op_name(i.line) for i in fused]
+    if any(_QUANT_NAMES.search(n) for n in names):
+        return KERNEL_CLASSES[0]
+    if any(scopes.OWN in n or "/optimizer/" in n for n in names):
+        return KERNEL_CLASSES[1]
+    shapes = [shape for i in (ins, *fused) for _, shape in hlo_types(i.type)]
+    if any(len(sh) >= 2 and sh[-1] == seq and sh[-2] == seq for sh in shapes):
+        return KERNEL_CLASSES[2]
+    if any(i.opcode in ("dot", "convolution") for i in (ins, *fused)) or (
+            ins.opcode == "custom-call" and re.search(r"gemm|cublas|matmul", ins.line)):
+        return KERNEL_CLASSES[3]
+    body = [i for i in fused if i.opcode not in ("parameter", "tuple", "bitcast",
+                                                 "get-tuple-element", "constant")]
+    moves = body or [ins]
+    if all(i.opcode in _LAYOUT for i in moves):
+        return KERNEL_CLASSES[4]
+    return KERNEL_CLASSES[5]
+
+
+def compute_by_class(text: str, roofline: Roofline, seq: int) -> dict[str, float]:
+    """Seconds per step of the compute stream's kernels by class (``KERNEL_CLASSES``; see
+    ``_kernel_class`` for the rules), each priced as the replay prices it (roofline), loops
+    counted by their trip counts, collectives left out. ``seq``: the sequence length,
+    whose ``[seq, seq]`` arrays mark attention. Sums to the replay's ``compute_s``, except
+    that a conditional counts its costliest branch as the replay does."""
+    comps, entry = parse_module(text)
+    replay = _Replay(comps, roofline, Links(1, 1, 1.0, 1.0))
+    memo: dict[str, dict[str, float]] = {}
+
+    def walk(name: str) -> dict[str, float]:
+        if name in memo:
+            return memo[name]
+        out = dict.fromkeys(KERNEL_CLASSES, 0.0)
+
+        def add(part: dict[str, float], times: float = 1.0) -> None:
+            for k, v in part.items():
+                out[k] += times * v
+
+        for ins in comps.get(name, ()):
+            kind = ins.opcode.removesuffix("-start")
+            if kind in KINDS or ins.opcode.endswith("-done"):
+                continue
+            if ins.opcode == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.line)
+                n = int(trips.group(1)) if trips else 1
+                add(walk(ins.attr("body")), n)
+                if ins.attr("condition"):
+                    add(walk(ins.attr("condition")), n)
+            elif ins.opcode in ("call", "async-start") and ins.attr(
+                    "to_apply" if ins.opcode == "call" else "calls"):
+                add(walk(ins.attr("to_apply" if ins.opcode == "call" else "calls")))
+            elif ins.opcode == "conditional":
+                branches = re.findall(r"%([\w.\-]+)", re.search(
+                    r"branch_computations=\{([^}]*)\}", ins.line).group(1))
+                add(max((walk(b) for b in branches), key=lambda d: sum(d.values())))
+            else:
+                seconds = replay._price(ins)
+                if seconds:
+                    fused = comps.get(ins.attr("calls") or "", ()) \
+                        if ins.opcode == "fusion" else ()
+                    out[_kernel_class(ins, fused, seq)] += seconds
+        memo[name] = out
+        return out
+
+    return walk(entry)
+
+
 def schedule_report(text: str, roofline: Roofline, links: Links) -> ScheduleReport:
     """Replays the scheduled HLO module ``text`` (``compiled.as_text()``) on ``links``
     priced by ``roofline``: every collective's wire and exposed time, the step's time."""

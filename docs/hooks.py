@@ -1004,7 +1004,7 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     model, mesh, config and flag set), ``unrolled`` (the 7B at 16x8 with its blocks
     unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB), ``memory``
     (per config, how many rows the memory model predicts within 10%)."""
-    views = ("grid", "unrolled", "largest", "memory", "units", "peer", "compute")
+    views = ("grid", "unrolled", "largest", "memory", "units", "peer", "compute", "plain")
     if view not in views:
         raise TableError(f"gpu_cluster results need a view, one of {', '.join(views)}; "
                          f"got {view!r}")
@@ -1023,6 +1023,8 @@ def gpu_cluster(data: dict, view: str | None) -> str:
         return _gpu_cluster_peer(data)
     if view == "compute":
         return _gpu_cluster_compute(data)
+    if view == "plain":
+        return _gpu_cluster_plain(data)
     rows = [r for r in data["rows"] if r["experiment"] == view]
     if not rows:
         raise TableError(f"gpu_cluster: this run has no {view} rows")
@@ -1082,10 +1084,27 @@ def _gpu_cluster_peer(data: dict) -> str:
           f"{r['compute_ms']:.0f}"] for r in rows])
 
 
+def _gpu_cluster_plain(data: dict) -> str:
+    """The rows with ``compute_ratio_vs_plain`` (the 1.3B), pipelined flags: priced compute
+    against a plain ``jax.jit`` step of the same model on one H100, and by class."""
+    rows = [r for r in data["rows"] if r.get("compute_ratio_vs_plain") is not None
+            and r["flags"] == "pipelined"]
+    if not rows:
+        raise TableError("gpu_cluster: no row has compute_ratio_vs_plain")
+    classes = list(rows[0]["compute_by_class_ms"])
+    return _table(
+        ["model", "mesh", "config", "compute ms", "vs plain", *classes],
+        [[r["model"], r["mesh"], r["config"], f"{r['compute_ms']:.1f}",
+          f"{r['compute_ratio_vs_plain']:.2f}",
+          *[f"{r['compute_by_class_ms'][c]:.1f}" for c in classes]] for r in rows])
+
+
 def _gpu_cluster_compute(data: dict) -> str:
-    """Each row with a kernel-class breakdown (``compute_by_class_ms``): its priced compute
-    by class, ms per step, and the roofline MFU at 400 Gbit/s."""
-    rows = [r for r in data["rows"] if r.get("compute_by_class_ms")]
+    """The 7B at 16x8 rows with a kernel-class breakdown (``compute_by_class_ms``; the
+    peer table's): priced compute by class, ms per step, and the roofline MFU at 400
+    Gbit/s."""
+    rows = [r for r in data["rows"] if r.get("compute_by_class_ms")
+            and (r["model"], r["mesh"]) == ("7B", "16x8")]
     if not rows:
         raise TableError("gpu_cluster: no row has a compute breakdown (compute_by_class_ms)")
     classes = list(rows[0]["compute_by_class_ms"])

@@ -85,7 +85,8 @@ class Block(nn.Module):
         q = rope(dense((s.heads, head), "q")(h))
         k = rope(dense((s.kv_heads, head), "k")(h))
         v = dense((s.kv_heads, head), "v")(h)
-        a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        with jax.named_scope("attention"):  # its kernels' class (compute_by_class)
+            a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         x = x + nn.DenseGeneral(d, axis=(-2, -1), use_bias=False, dtype=self.dtype,
                                 name="o")(a)
         h = nn.RMSNorm(dtype=self.dtype, name="mlp_norm")(x)

@@ -40,13 +40,16 @@ no planner memory model (``memory_predicted_bytes`` null).
 
 Writes ``gpu_cluster_<device>.json`` (``--out``): ``{"device", "rows": [{"model", "mesh",
 "config", "flags", "hidden_fraction_400g", "memory_compiled_bytes",
-"memory_predicted_bytes", "compute_ratio_vs_plain", "collective_pipeliner_ran", ...}]}``;
-``compute_ratio_vs_plain`` is null (it needs the program to run on a GPU).
+"memory_predicted_bytes", "compute_ratio_vs_plain", "collective_pipeliner_ran", ...}]}``.
+``compute_ratio_vs_plain`` (1.3B rows): the row's priced compute over that of a plain
+``jax.jit`` step of the same model, one sequence, on one H100 (``plain_compute_ms``: the
+peer's step compiled for a single device, so no collective; same replay), null elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -171,6 +174,22 @@ def compile_gspmd_step(shape, nodes: int, local: int, options: dict, seq: int = 
     return compiled, None, time.perf_counter() - start
 
 
+@functools.lru_cache(maxsize=None)
+def plain_compute_ms(model: str, scan: bool) -> float:
+    """Priced compute (ms) of a plain ``jax.jit`` train step of ``model`` on one H100, one
+    ``SEQ``-token sequence: the peer's step (``compile_gspmd_step``) on a 1 x 1 mesh, where
+    nothing is split and nothing communicated; the replay's roofline prices."""
+    from benchmarks.gpu_cluster.llama import SHAPES
+    from benchmarks.gpu_cluster.target import H100_ROOFLINE, links
+    from zeropp_jax.measure.schedule import schedule_report
+
+    compiled, _, _ = compile_gspmd_step(SHAPES[model], 1, 1, {}, scan=scan)
+    return schedule_report(compiled.as_text(), H100_ROOFLINE, links(1, 1, 400)).compute_s * 1e3
+
+
+PLAIN_MODELS = ("1.3B",)  # the rows that get compute_ratio_vs_plain
+
+
 def pipelined_collectives(text: str) -> int:
     """How many collectives of a compiled GPU program XLA's collective pipeliner moved
     across loop iterations (``"is_pipelined":true`` in their backend config)."""
@@ -252,10 +271,10 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
            "memory_error": None if predicted is None else (predicted - used) / used,
            "fits_80gb": used <= MEMORY_BYTES,
            "argument_bytes": int(m.argument_size_in_bytes),
-           "temp_bytes": int(m.temp_size_in_bytes), "compute_ratio_vs_plain": None,
+           "temp_bytes": int(m.temp_size_in_bytes),
            "collective_pipeliner_ran": pipelined > 0, "pipelined_collectives": pipelined,
            "compute_by_class_ms": {k: v * 1e3 for k, v in
-                                   compute_by_class(text, H100_ROOFLINE, SEQ).items()}}
+                                   compute_by_class(text, H100_ROOFLINE).items()}}
     for gbit in (400, 100):
         r = schedule_report(text, H100_ROOFLINE, links(nodes, local, gbit))
         row[f"hidden_fraction_{gbit}g"] = r.hidden_fraction(spans_nodes=True)
@@ -264,6 +283,8 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
         row[f"exposed_ms_{gbit}g"] = r.exposed_s() * 1e3
         row[f"step_ms_{gbit}g"] = r.step_s * 1e3
         row["compute_ms"] = r.compute_s * 1e3
+        row["compute_ratio_vs_plain"] = (row["compute_ms"] / plain_compute_ms(model, scan)
+                                         if model in PLAIN_MODELS else None)
         row[f"mfu_roofline_{gbit}g"] = (SEQ / r.step_s * shape.train_flops_per_token(SEQ)
                                         / H100_ROOFLINE.flops_rate("bf16"))
         if gbit == 400:

@@ -421,19 +421,23 @@ _LAYOUT = frozenset({"copy", "transpose", "concatenate", "dynamic-update-slice",
                      "broadcast", "iota", "reverse"})
 
 
-def _kernel_class(ins: Instruction, fused: tuple[Instruction, ...], seq: int) -> str:
+# Attention by name: a ``jax.named_scope("attention")``, or the einsums of
+# ``jax.nn.dot_product_attention``'s XLA implementation (scores and weighted values).
+_ATTENTION_NAMES = re.compile(r"/attention/|BTNH,BSNH->BNTS|BNTS,BSNH->BTNH")
+
+
+def _kernel_class(ins: Instruction, fused: tuple[Instruction, ...]) -> str:
     """One kernel's class (``KERNEL_CLASSES``): by the JAX name stack it came from
     (qgZ's and qwZ's quantization kernels; the engine's own scope, ``scopes.OWN``, or a
-    ``named_scope("optimizer")``: the update, norms and checks), by a ``[.., seq, seq]``
-    array among its operands or results (attention's scores), by a dot inside it (matmul),
-    by its fused root or opcode moving data only (copies and layout), else elementwise."""
+    ``named_scope("optimizer")``: the update, norms and checks; ``_ATTENTION_NAMES``), by a
+    dot inside it (matmul), by its fused root or opcode moving data only (copies and
+    layout), else elementwise. A kernel fusing parts of several classes takes the first."""
     names = [_op_name(ins.line)] + [_op_name(i.line) for i in fused]
     if any(_QUANT_NAMES.search(n) for n in names):
         return KERNEL_CLASSES[0]
     if any(scopes.OWN in n or "/optimizer/" in n for n in names):
         return KERNEL_CLASSES[1]
-    shapes = [shape for i in (ins, *fused) for _, shape in hlo_types(i.type)]
-    if any(len(sh) >= 2 and sh[-1] == seq and sh[-2] == seq for sh in shapes):
+    if any(_ATTENTION_NAMES.search(n) for n in names):
         return KERNEL_CLASSES[2]
     if any(i.opcode in ("dot", "convolution") for i in (ins, *fused)) or (
             ins.opcode == "custom-call" and re.search(r"gemm|cublas|matmul", ins.line)):
@@ -446,12 +450,11 @@ def _kernel_class(ins: Instruction, fused: tuple[Instruction, ...], seq: int) ->
     return KERNEL_CLASSES[5]
 
 
-def compute_by_class(text: str, roofline: Roofline, seq: int) -> dict[str, float]:
+def compute_by_class(text: str, roofline: Roofline) -> dict[str, float]:
     """Seconds per step of the compute stream's kernels by class (``KERNEL_CLASSES``; see
     ``_kernel_class`` for the rules), each priced as the replay prices it (roofline), loops
-    counted by their trip counts, collectives left out. ``seq``: the sequence length,
-    whose ``[seq, seq]`` arrays mark attention. Sums to the replay's ``compute_s``, except
-    that a conditional counts its costliest branch as the replay does."""
+    counted by their trip counts, collectives left out. Sums to the replay's
+    ``compute_s`` (a conditional counts its costliest branch, as the replay does)."""
     comps, entry = parse_module(text)
     replay = _Replay(comps, roofline, Links(1, 1, 1.0, 1.0))
     memo: dict[str, dict[str, float]] = {}
@@ -487,7 +490,7 @@ def compute_by_class(text: str, roofline: Roofline, seq: int) -> dict[str, float
                 if seconds:
                     fused = comps.get(ins.attr("calls") or "", ()) \
                         if ins.opcode == "fusion" else ()
-                    out[_kernel_class(ins, fused, seq)] += seconds
+                    out[_kernel_class(ins, fused)] += seconds
         memo[name] = out
         return out
 

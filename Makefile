@@ -44,7 +44,7 @@ gpu-check:
 
 # ZeRO-3 and ZeRO++ compiled for an H100 cluster (2x8 to 16x8 GPUs) on this host, no GPU
 # needed: memory against the planner's model, and the compiled schedule's overlap
-# (benchmarks/gpu_cluster/run.py; about 20 minutes on 2 CPU cores). JAX's CUDA plugin goes
+# (benchmarks/gpu_cluster/run.py; about 45 minutes on 2 CPU cores). JAX's CUDA plugin goes
 # into a venv of its own (.venv-cuda, ~6 GB), so the test venv stays CPU-only.
 # Results go to benchmarks/out/; ARGS="--out benchmarks/results" updates the tracked ones.
 # Flags: make gpu-cluster ARGS="--experiments grid --models 1.3B --meshes 2x8"

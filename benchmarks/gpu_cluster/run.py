@@ -2,7 +2,7 @@
 program of a Llama-shaped model, its memory, and how much of its communication the
 compiled schedule hides.
 
-    make gpu-cluster                          # everything, about 20 minutes
+    make gpu-cluster                          # everything, about 45 minutes
     python -m benchmarks.gpu_cluster.run --models 1.3B --meshes 2x8 --configs zero3
     python -m benchmarks.gpu_cluster.run --update --out benchmarks/results ...  # replace those rows only
 

@@ -24,8 +24,7 @@ allocated. For every model, mesh, config and set of XLA flags it reports:
   and how much of it the compute stream waited for (``units_400g``);
 * the compute stream's priced time by kernel class (``compute_by_class_ms``:
   ``measure.schedule.compute_by_class``; matmul, attention, elementwise, optimizer and the
-  step's bookkeeping, quantize/dequantize/Hadamard, copies and layout changes).
-
+  step's bookkeeping, quantize/dequantize/Hadamard, copies and layout changes);
 * whether XLA's collective pipeliner ran (``collective_pipeliner_ran``: a collective of the
   compiled program carries ``"is_pipelined":true`` in its backend config; and how many,
   ``pipelined_collectives``), so a JAX version that accepts the pipelining flags and ignores
@@ -62,6 +61,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from benchmarks.cli import add_out_argument, write_json  # noqa: E402
+from zeropp_jax.core.gpu_flags import gpu_overlap_flags  # noqa: E402
 
 SEQ = 2048  # tokens per GPU: one sequence per device
 
@@ -70,13 +70,11 @@ SEQ = 2048  # tokens per GPU: one sequence per device
 # into the previous iteration and its gradient's reduce-scatter into the next: the next
 # layer's weights arrive while this one computes); "pipelined_double_buffer" also unrolls
 # each loop by two, so the scheduler sees two layers at once.
-_OVERLAP = {"xla_gpu_enable_pipelined_all_gather": True,
-            "xla_gpu_enable_pipelined_reduce_scatter": True,
-            "xla_gpu_enable_pipelined_all_reduce": True}
 FLAGS = {
     "default": {},
-    "pipelined": _OVERLAP,
-    "pipelined_double_buffer": {**_OVERLAP, "xla_gpu_enable_while_loop_double_buffering": True},
+    "pipelined": gpu_overlap_flags(),
+    "pipelined_double_buffer": {**gpu_overlap_flags(),
+                                "xla_gpu_enable_while_loop_double_buffering": True},
 }
 
 

@@ -321,19 +321,15 @@ class _Replay:
                      ) -> tuple[float, float, list[ScheduledCollective]]:
         """``(seconds, compute seconds, collectives inside)`` of one instruction."""
         if ins.opcode == "while":
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.line)
-            n = int(trips.group(1)) if trips else 1
+            n = _trip_count(ins)
             seconds, compute, inner = self.run(ins.attr("body"), min(n, 2))
             cond = self._priced(ins.attr("condition"))
             return (n * (seconds + cond), n * (compute + cond),
                     [dataclasses.replace(c, runs=c.runs * n) for c in inner])
-        if ins.opcode in ("call", "async-start") and ins.attr("to_apply" if ins.opcode ==
-                                                             "call" else "calls"):
-            return self.run(ins.attr("to_apply" if ins.opcode == "call" else "calls"))
+        if _called(ins):
+            return self.run(_called(ins))
         if ins.opcode == "conditional":
-            branches = re.findall(r"%([\w.\-]+)", re.search(
-                r"branch_computations=\{([^}]*)\}", ins.line).group(1))
-            runs = [self.run(b) for b in branches]
+            runs = [self.run(b) for b in _branches(ins)]
             return max(runs, key=lambda r: r[0])
         seconds = self._price(ins)
         return seconds, seconds, []
@@ -372,6 +368,25 @@ class _Replay:
             out = sum(math.prod(s) for _, s in hlo_types(ins.type))
             seconds += 2.0 * out * contract / self.roofline.flops_rate(dtype)
         return seconds
+
+
+def _trip_count(ins: Instruction) -> int:
+    """A ``while``'s known trip count (1 if XLA did not record one)."""
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.line)
+    return int(trips.group(1)) if trips else 1
+
+
+def _called(ins: Instruction) -> str | None:
+    """The computation a ``call`` or ``async-start`` runs, else None."""
+    if ins.opcode not in ("call", "async-start"):
+        return None
+    return ins.attr("to_apply" if ins.opcode == "call" else "calls")
+
+
+def _branches(ins: Instruction) -> list[str]:
+    """A ``conditional``'s branch computations."""
+    return re.findall(r"%([\w.\-]+)", re.search(
+        r"branch_computations=\{([^}]*)\}", ins.line).group(1))
 
 
 def _op_name(line: str) -> str:
@@ -419,8 +434,6 @@ _QUANT_NAMES = re.compile(r"quantiz|hadamard|rotate|reorder|pack_rows|unpack_row
 _LAYOUT = frozenset({"copy", "transpose", "concatenate", "dynamic-update-slice",
                      "dynamic-slice", "slice", "pad", "gather", "scatter", "reshape",
                      "broadcast", "iota", "reverse"})
-
-
 # Attention by name: a ``jax.named_scope("attention")``, or the einsums of
 # ``jax.nn.dot_product_attention``'s XLA implementation (scores and weighted values).
 _ATTENTION_NAMES = re.compile(r"/attention/|BTNH,BSNH->BNTS|BNTS,BSNH->BTNH")
@@ -473,18 +486,13 @@ def compute_by_class(text: str, roofline: Roofline) -> dict[str, float]:
             if kind in KINDS or ins.opcode.endswith("-done"):
                 continue
             if ins.opcode == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.line)
-                n = int(trips.group(1)) if trips else 1
-                add(walk(ins.attr("body")), n)
+                add(walk(ins.attr("body")), _trip_count(ins))
                 if ins.attr("condition"):
-                    add(walk(ins.attr("condition")), n)
-            elif ins.opcode in ("call", "async-start") and ins.attr(
-                    "to_apply" if ins.opcode == "call" else "calls"):
-                add(walk(ins.attr("to_apply" if ins.opcode == "call" else "calls")))
+                    add(walk(ins.attr("condition")), _trip_count(ins))
+            elif _called(ins):
+                add(walk(_called(ins)))
             elif ins.opcode == "conditional":
-                branches = re.findall(r"%([\w.\-]+)", re.search(
-                    r"branch_computations=\{([^}]*)\}", ins.line).group(1))
-                add(max((walk(b) for b in branches), key=lambda d: sum(d.values())))
+                add(max((walk(b) for b in _branches(ins)), key=lambda d: sum(d.values())))
             else:
                 seconds = replay._price(ins)
                 if seconds:

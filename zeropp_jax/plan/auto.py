@@ -169,10 +169,9 @@ def candidate_configs(nodes: int, local: int, base: ZeroPPConfig | None = None, 
 
     Every candidate keeps ``base``'s other settings. qgZ's own options
     (``qgz_error_feedback``, ``qgz_signs="per_step"``, ``qgz_hops="cross"``) are never
-    turned on here: the qgZ
-    candidates carry ``base``'s, priced as they are (error feedback's kept errors in
-    their memory, ``workload.memory_breakdown``), and the candidates without qgZ drop them
-    (they need qgZ)."""
+    turned on here: the qgZ candidates carry ``base``'s, priced as they are (error
+    feedback's kept errors in their memory, ``workload.memory_breakdown``), and the
+    candidates without qgZ drop them (they need qgZ)."""
     base = base or ZeroPPConfig()
     fields = {f.name for f in dataclasses.fields(ZeroPPConfig)}
     keep = {k: getattr(base, k) for k in fields

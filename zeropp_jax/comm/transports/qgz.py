@@ -103,10 +103,10 @@ class QgzReduceScatter(GradientFacts):
     def quantized_elems(self, n: int, nodes: int, local: int) -> float:
         # The full gradient, then the node's partial sums requantized for the node hop
         # (``2 n / L``); a rotation reads the data once more. Kept errors: see the plan.
-        # Cross-node only: just the partial sums (with one node, nothing).
-        first = 0 if self.hops == "cross" and local > 1 else n
+        # Cross-node only: just the partial sums (with one node, nothing at all).
         if self.hops == "cross" and nodes == 1:
             return 0.0
+        first = 0 if self.hops == "cross" and local > 1 else n
         return (first + 2 * n / local) * (2 if self.hadamard else 1)
 
     def bucketable(self) -> bool:

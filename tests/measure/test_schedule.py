@@ -282,3 +282,86 @@ def test_compute_by_class_splits_the_replays_compute_exactly():
                             'kind=kCustom, calls=%gemm, metadata={op_name="l/vmap(BTNH,BSNH->BNTS)/dot_general"}')
     by = compute_by_class(scores, ROOF)
     assert by["attention"] == pytest.approx(t["mm"], rel=1e-12) and by["matmul"] == 0.0
+
+
+def _fmha_line(name: str, backward: bool, mask: str, b: int, h: int, sq: int, sk: int,
+               d: int, dv: int) -> str:
+    """A cuDNN fused attention call as XLA's GPU compiler prints it (the fields the replay
+    reads, from a compiled ``jax.nn.dot_product_attention(implementation="cudnn")``)."""
+    q, k, v = f"bf16[{b},{sq},{h},{d}]", f"bf16[{b},{sk},{h},{d}]", f"bf16[{b},{sk},{h},{dv}]"
+    config = ('backend_config={"operation_queue_id": "0", "cudnn_fmha_backend_config": '
+              '{"fmha_scale": 0.125, "intermediate_tensor_shape": {"element_type": "BF16", '
+              f'"dimensions": ["{b}", "{h}", "{sq}", "{sk}"], "tuple_shapes": [], '
+              f'"layout": {{"minor_to_major": ["3", "2", "1", "0"]}}}}, '
+              f'"is_flash_attention": true, "mask_type": "{mask}"}}}}')
+    if backward:
+        out = (f"(bf16[{b},{h},{sq},{d}]{{3,1,2,0}}, bf16[{b},{h},{sk},{d}]{{3,1,2,0}}, "
+               f"bf16[{b},{h},{sk},{dv}]{{3,1,2,0}}, u8[0]{{0}})")
+        target, operands = "__cudnn$fmhaSoftmaxBackward", "%q, %k, %v, %o, %g"
+    else:
+        out = f"(bf16[{b},{h},{sq},{dv}]{{3,1,2,0}}, f32[{b},{h},{sq}]{{2,1,0}}, u8[0]{{0}})"
+        target, operands = "__cudnn$fmhaSoftmax", "%q, %k, %v"
+    return (f"  %{name} = {out} custom-call({operands}), custom_call_target=\"{target}\", "
+            f"operand_layout_constraints={{{q}{{3,2,1,0}}, {k}{{3,2,1,0}}, {v}{{3,2,1,0}}}}, "
+            f'metadata={{op_name="jit(f)/dot_product_attention_{"bwd" if backward else "fwd"}"}}, '
+            + config)
+
+
+@pytest.mark.parametrize("mask", ["CAUSAL", "NO_MASK", "PADDING_CAUSAL"])
+def test_fused_attention_is_priced_by_its_matmul_flops(mask):
+    """A cuDNN fused attention call costs the FLOPs of the products it runs, counted from
+    the shapes (``fused_attention_flops``): the forward's scores and weighted values, the
+    backward's recomputed scores and four gradients; half of each under a causal mask. It
+    is attention in ``compute_by_class``."""
+    from zeropp_jax.measure.schedule import (compute_by_class, fused_attention_flops,
+                                             parse_instruction)
+
+    b, h, sq, sk, d, dv = 2, 8, 512, 256, 64, 32
+    half = 0.5 if "CAUSAL" in mask else 1.0
+    fwd = parse_instruction(_fmha_line("fwd", False, mask, b, h, sq, sk, d, dv))
+    bwd = parse_instruction(_fmha_line("bwd", True, mask, b, h, sq, sk, d, dv))
+    scores = b * h * sq * sk
+    assert fused_attention_flops(fwd) == half * (2 * scores * d + 2 * scores * dv)
+    # scores again (d), dV = P^T dO (dv), dP = dO V^T (dv), dQ = dS K (d), dK = dS^T Q (d)
+    assert fused_attention_flops(bwd) == half * 2 * scores * (3 * d + 2 * dv)
+    assert fused_attention_flops(parse_instruction(MODULE.splitlines()[-3])) == 0.0
+
+    def module(line: str) -> str:
+        return ("HloModule m, is_scheduled=true\n\nENTRY %main (q: bf16[1]) -> bf16[1] {\n"
+                "  %q = bf16[1]{0} parameter(0)\n" + line + "\n"
+                "  ROOT %r = bf16[1]{0} parameter(1)\n}\n")
+
+    for ins, line in ((fwd, _fmha_line("fwd", False, mask, b, h, sq, sk, d, dv)),
+                      (bwd, _fmha_line("bwd", True, mask, b, h, sq, sk, d, dv))):
+        by = compute_by_class(module(line), ROOF)
+        flops_s = fused_attention_flops(ins) / ROOF.flops_rate("bf16")
+        assert by["attention"] == pytest.approx(max(flops_s, ins.nbytes / ROOF.memory_bytes_per_s),
+                                                rel=1e-12)
+        assert flops_s > ins.nbytes / ROOF.memory_bytes_per_s  # priced by its FLOPs here
+        assert sum(by.values()) == by["attention"]
+
+
+def test_a_cublas_matmul_call_is_priced_by_its_flops():
+    """A dot XLA hands to cuBLAS (a ``__cublas$lt$matmul`` custom call, not a fused dot)
+    costs ``2 * output elements * contracted size`` FLOPs at its operand type's rate, as a
+    fused dot does; it is matmul in ``compute_by_class``."""
+    from zeropp_jax.measure.schedule import compute_by_class
+
+    m, k, n = 512, 256, 1024
+    gemm = (f'  %g = (bf16[{m},{n}]{{1,0}}, s8[4096]{{0}}) custom-call(%x, %w), '
+            'custom_call_target="__cublas$lt$matmul", backend_config={"operation_queue_id":'
+            '"0","gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":'
+            '["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],'
+            '"rhs_batch_dimensions":[]}}}')
+    module = ("HloModule m, is_scheduled=true\n\n"
+              f"ENTRY %main (x: bf16[{m},{k}], w: bf16[{k},{n}]) -> bf16[1] {{\n"
+              f"  %x = bf16[{m},{k}]{{1,0}} parameter(0)\n"
+              f"  %w = bf16[{k},{n}]{{1,0}} parameter(1)\n{gemm}\n"
+              "  ROOT %r = bf16[1]{0} parameter(2)\n}\n")
+    flops_s = 2 * m * n * k / ROOF.flops_rate("bf16")
+    nbytes = (m * n * 2 + 4096 + m * k * 2 + k * n * 2) / ROOF.memory_bytes_per_s
+    assert flops_s > nbytes  # priced by its FLOPs at these prices
+    r = schedule_report(module, ROOF, LINKS)
+    assert r.compute_s == pytest.approx(flops_s, rel=1e-12)
+    by = compute_by_class(module, ROOF)
+    assert by["matmul"] == pytest.approx(flops_s, rel=1e-12) and sum(by.values()) == by["matmul"]

@@ -269,6 +269,7 @@ class _Replay:
         self.comps, self.roofline, self.links = comps, roofline, links
         self.memo: dict[str, tuple[float, float, list[ScheduledCollective]]] = {}
         self.sizes = {i.name: i.nbytes for body in comps.values() for i in body}
+        self.types = {i.name: i.type for body in comps.values() for i in body}
 
     def run(self, name: str, iterations: int = 1
             ) -> tuple[float, float, list[ScheduledCollective]]:
@@ -346,9 +347,33 @@ class _Replay:
             seconds = self._matmul_s(fused)
             nbytes = _fusion_bytes(ins, fused, operand_bytes)
         else:
-            seconds = self._matmul_s((ins,))
+            seconds = self._matmul_s((ins,)) + self._attention_s(ins) + self._gemm_s(ins)
             nbytes = ins.nbytes + sum(operand_bytes)
         return max(seconds, nbytes / self.roofline.memory_bytes_per_s)
+
+    def _gemm_s(self, ins: Instruction) -> float:
+        """Seconds of a cuBLAS matmul call (``__cublas$gemm``, ``__cublas$lt$matmul``: what
+        XLA emits for a dot it does not fuse into a Triton kernel), priced as a dot:
+        ``2 * output elements * contracted size`` FLOPs at the rate of its left operand's
+        type; 0 for any other instruction."""
+        if ins.opcode != "custom-call" or "__cublas$" not in ins.line or not ins.operands:
+            return 0.0
+        dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.line.replace(" ", ""))
+        lhs = hlo_types(self.types.get(ins.operands[0], ""))
+        if not dims or not lhs:
+            return 0.0
+        dtype, shape = lhs[0]
+        contract = math.prod(shape[int(d)] for d in re.findall(r"\d+", dims.group(1)))
+        out = math.prod(hlo_types(ins.type)[0][1])  # (result, workspace)
+        return 2.0 * out * contract / self.roofline.flops_rate(dtype)
+
+    def _attention_s(self, ins: Instruction) -> float:
+        """Seconds of a cuDNN fused attention call (``fused_attention_flops``) at the
+        peak rate of its output's type; 0 for any other instruction."""
+        flops = fused_attention_flops(ins)
+        if not flops:
+            return 0.0
+        return flops / self.roofline.flops_rate(hlo_types(ins.type)[0][0])
 
     def _matmul_s(self, body: tuple[Instruction, ...]) -> float:
         """Seconds of the dots in ``body`` (and in computations its fusions call) at the
@@ -368,6 +393,39 @@ class _Replay:
             out = sum(math.prod(s) for _, s in hlo_types(ins.type))
             seconds += 2.0 * out * contract / self.roofline.flops_rate(dtype)
         return seconds
+
+
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+
+
+def fused_attention_flops(ins: Instruction) -> float:
+    """Matmul FLOPs of a cuDNN fused attention call (``__cudnn$fmha...``; 0 for any other
+    instruction), which the roofline prices as matmuls, as it does a flash attention's:
+    over scores ``[B, H, Sq, Sk]`` (its ``intermediate_tensor_shape``) and head dimensions
+    ``D`` (queries and keys) and ``Dv`` (values), the forward runs two products,
+    ``2 B H Sq Sk (D + Dv)``; the backward (``...Backward``) five, the scores recomputed
+    and the gradients of the probabilities, values, queries and keys,
+    ``2 B H Sq Sk (3 D + 2 Dv)``. A causal mask halves both: the kernel skips the blocks
+    above the diagonal."""
+    target = _FMHA.search(ins.line)
+    if target is None:
+        return 0.0
+    config = ins.line.replace(" ", "")
+    scores = re.search(r'"intermediate_tensor_shape":\{[^{}]*?"dimensions":\[([^\]]*)\]',
+                       config)
+    if scores is None:
+        return 0.0
+    b, h, sq, sk = (int(x) for x in re.findall(r"\d+", scores.group(1)))
+    outs = [shape for _, shape in hlo_types(ins.type) if shape]
+    backward = "Backward" in target.group(1)
+    # Forward: (out [B, H, Sq, Dv], ...); backward: (dq [.., D], dk [.., D], dv [.., Dv], ...).
+    d, dv = (outs[0][-1], outs[2][-1]) if backward else (None, outs[0][-1])
+    if d is None:
+        dims = re.search(r"operand_layout_constraints=\{\w+\[([\d,]+)\]", ins.line)
+        d = int(dims.group(1).split(",")[-1]) if dims else dv
+    flops = 2.0 * b * h * sq * sk * ((3 * d + 2 * dv) if backward else (d + dv))
+    causal = re.search(r'"mask_type":"\w*CAUSAL', config)
+    return flops / 2 if causal else flops
 
 
 def _trip_count(ins: Instruction) -> int:
@@ -450,7 +508,7 @@ def _kernel_class(ins: Instruction, fused: tuple[Instruction, ...]) -> str:
         return KERNEL_CLASSES[0]
     if any(scopes.OWN in n or "/optimizer/" in n for n in names):
         return KERNEL_CLASSES[1]
-    if any(_ATTENTION_NAMES.search(n) for n in names):
+    if any(_ATTENTION_NAMES.search(n) for n in names) or fused_attention_flops(ins):
         return KERNEL_CLASSES[2]
     if any(i.opcode in ("dot", "convolution") for i in (ins, *fused)) or (
             ins.opcode == "custom-call" and re.search(r"gemm|cublas|matmul", ins.line)):

@@ -1100,11 +1100,12 @@ def _gpu_cluster_plain(data: dict) -> str:
 
 
 def _gpu_cluster_compute(data: dict) -> str:
-    """The 7B at 16x8 rows with a kernel-class breakdown (``compute_by_class_ms``; the
-    peer table's): priced compute by class, ms per step, and the roofline MFU at 400
-    Gbit/s."""
+    """The 7B at 16x8 rows with a kernel-class breakdown (``compute_by_class_ms``), the
+    scanned stack with the pipelined flags and the unrolled blocks: priced compute by
+    class, ms per step, and the roofline MFU at 400 Gbit/s."""
     rows = [r for r in data["rows"] if r.get("compute_by_class_ms")
-            and (r["model"], r["mesh"]) == ("7B", "16x8")]
+            and (r["model"], r["mesh"]) == ("7B", "16x8") and r["experiment"] != "largest"
+            and (r["layers"] != "scan" or r["flags"] == "pipelined")]
     if not rows:
         raise TableError("gpu_cluster: no row has a compute breakdown (compute_by_class_ms)")
     classes = list(rows[0]["compute_by_class_ms"])

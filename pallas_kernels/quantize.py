@@ -147,7 +147,7 @@ _HI_MASK = 0xFFFFF000
 
 def _dequantize_product(q: jax.Array, scale: jax.Array) -> jax.Array:
     """``fl(q * scale)`` for fp32 ``q`` holding 8-bit integers and fp32 ``scale`` of the same
-    shape, in a form no FMA contraction can alter.
+    shape or broadcastable to it, in a form no FMA contraction can alter.
 
     ``hi`` is ``scale`` cut to 12 significant bits and ``lo = scale - hi`` (exact) holds the
     other 12, so ``q * hi`` and ``q * lo`` are exact (at most 8 + 12 bits) and their rounded
@@ -272,8 +272,10 @@ def dequantize_reference(
     if signs is None:
         out = q.astype(jnp.float32) * scales.astype(jnp.float32)[:, None]
     else:
-        scale = jnp.broadcast_to(scales.astype(jnp.float32)[:, None], q.shape)
-        out = unrotate_rows(_dequantize_product(q.astype(jnp.float32), scale),
+        # hi and lo per block, broadcast by the products: no full-size scale array (a
+        # compiler may hoist such a broadcast out of a scanned stack's loop and hold it).
+        out = unrotate_rows(_dequantize_product(q.astype(jnp.float32),
+                                                scales.astype(jnp.float32)[:, None]),
                             check_signs(signs, block_size))
     return out.astype(dtype).reshape(n)
 

@@ -65,6 +65,13 @@ def rope(x: jax.Array) -> jax.Array:
     return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1).astype(x.dtype)
 
 
+# The attention kernel: cuDNN's fused flash attention (``jax.nn.dot_product_attention``'s
+# ``implementation="cudnn"``), which XLA's GPU compiler builds for an H100 without one
+# attached; its scores stay on chip. ``None`` is XLA's own attention, which keeps the
+# [heads, seq, seq] scores and probabilities in memory (fp32 in the backward).
+ATTENTION = "cudnn"
+
+
 def _same(x: jax.Array) -> jax.Array:
     return x
 
@@ -73,6 +80,7 @@ class Block(nn.Module):
     shape: LlamaShape
     dtype: jnp.dtype = jnp.bfloat16
     constrain: Callable[[jax.Array], jax.Array] = _same
+    attention: str | None = ATTENTION
 
     @nn.compact
     def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
@@ -86,7 +94,8 @@ class Block(nn.Module):
         k = rope(dense((s.kv_heads, head), "k")(h))
         v = dense((s.kv_heads, head), "v")(h)
         with jax.named_scope("attention"):  # its kernels' class (compute_by_class)
-            a = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            a = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation=self.attention)
         x = x + nn.DenseGeneral(d, axis=(-2, -1), use_bias=False, dtype=self.dtype,
                                 name="o")(a)
         h = nn.RMSNorm(dtype=self.dtype, name="mlp_norm")(x)
@@ -105,6 +114,7 @@ class Llama(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
     scan: bool = True
     constrain: Callable[[jax.Array], jax.Array] = _same
+    attention: str | None = ATTENTION
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -113,10 +123,11 @@ class Llama(nn.Module):
         if self.scan:
             stack = nn.scan(Block, variable_axes={"params": 0},
                             split_rngs={"params": True}, length=s.layers)
-            x, _ = stack(s, self.dtype, self.constrain, name="layers")(x, None)
+            x, _ = stack(s, self.dtype, self.constrain, self.attention, name="layers")(x, None)
         else:
             for i in range(s.layers):
-                x, _ = Block(s, self.dtype, self.constrain, name=f"layers_{i}")(x, None)
+                x, _ = Block(s, self.dtype, self.constrain, self.attention,
+                             name=f"layers_{i}")(x, None)
         x = self.constrain(nn.RMSNorm(dtype=self.dtype, name="norm")(x))
         return nn.Dense(s.vocab, use_bias=False, dtype=self.dtype, name="head")(x)
 

@@ -68,13 +68,15 @@ SEQ = 2048  # tokens per GPU: one sequence per device
 # XLA flags (per compile: ``Lowered.compile(compiler_options)``), by name.
 # "pipelined": what ``zpp.gpu_overlap_flags()`` sets (each scanned layer's all-gather moves
 # into the previous iteration and its gradient's reduce-scatter into the next: the next
-# layer's weights arrive while this one computes); "pipelined_double_buffer" also unrolls
-# each loop by two, so the scheduler sees two layers at once.
+# layer's weights arrive while this one computes; each loop unrolled by two, so the
+# buffers carried across iterations alternate); "pipelined_single_buffer": the same
+# without the unrolling, where XLA copies those buffers every iteration.
+_DOUBLE_BUFFER = "xla_gpu_enable_while_loop_double_buffering"
 FLAGS = {
     "default": {},
     "pipelined": gpu_overlap_flags(),
-    "pipelined_double_buffer": {**gpu_overlap_flags(),
-                                "xla_gpu_enable_while_loop_double_buffering": True},
+    "pipelined_single_buffer": {k: v for k, v in gpu_overlap_flags().items()
+                                if k != _DOUBLE_BUFFER},
 }
 
 
@@ -228,11 +230,12 @@ def compile_step(shape, nodes: int, local: int, config, options: dict, seq: int 
 
 def predicted_memory(shape, config, nodes: int, local: int, scanned: bool = True) -> float:
     """The planner's peak bytes per device for this step (``memory_breakdown``)."""
+    from benchmarks.gpu_cluster.llama import ATTENTION
     from zeropp_jax.plan.workload import memory_breakdown, transformer_shape
 
     model = transformer_shape(shape.layers, shape.d_model, shape.vocab, SEQ, ffn=shape.ffn,
                               heads=shape.heads, kv_heads=shape.kv_heads, gated=True,
-                              scanned=scanned)
+                              scanned=scanned, fused_attention=ATTENTION is not None)
     return memory_breakdown(config, model, nodes, local, SEQ, backend="gpu",
                             batch_bytes_per_device=(SEQ + 1) * 4).total
 

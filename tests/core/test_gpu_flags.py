@@ -51,7 +51,8 @@ def test_sets_xla_flags_first_thing_and_keeps_the_users():
     flags = json.loads(out.strip().splitlines()[-1])
     assert flags == ["--xla_gpu_enable_pipelined_all_reduce=false",
                      "--xla_gpu_enable_pipelined_all_gather=true",
-                     "--xla_gpu_enable_pipelined_reduce_scatter=true"]
+                     "--xla_gpu_enable_pipelined_reduce_scatter=true",
+                     "--xla_gpu_enable_while_loop_double_buffering=true"]
 
 
 def test_the_gpu_cluster_benchmark_compiles_with_these_flags():

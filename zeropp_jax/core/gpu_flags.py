@@ -4,7 +4,10 @@ A scanned stack of layers (``nn.scan``, ``nnx.scan``) compiles to one loop whose
 one layer, and with XLA's default flags each layer's gather waits at the top of its
 iteration. XLA's collective pipeliner moves each layer's all-gather into the previous
 iteration and its gradient's reduce-scatter into the next, so they run while a layer
-computes; it is off by default. ``use_gpu_overlap_flags()`` turns it on for the process
+computes; it is off by default. Alone it copies the buffers it carries across iterations
+(a layer's prefetched weights, its gradient) every iteration; unrolling the loop by two
+(double buffering) lets them alternate instead. ``use_gpu_overlap_flags()`` turns both on
+for the process
 (through ``XLA_FLAGS``, read when JAX's GPU backend starts); ``gpu_overlap_flags()`` gives
 the same settings as ``compiler_options`` for one ``jax.jit(...).lower(...).compile``.
 On a host without GPUs the flags change nothing.
@@ -20,7 +23,8 @@ from zeropp_jax.core.compat import GPU_OVERLAP_FLAGS, backends_are_initialized
 def gpu_overlap_flags() -> dict[str, bool]:
     """XLA options for overlapping a scanned stack's collectives with its compute, as
     ``compiler_options`` (``lowered.compile(gpu_overlap_flags())``): XLA's collective
-    pipeliner for all-gathers, reduce-scatters and all-reduces. A new dict each call."""
+    pipeliner for all-gathers, reduce-scatters and all-reduces, and its while-loop double
+    buffering. A new dict each call."""
     return dict(GPU_OVERLAP_FLAGS)
 
 

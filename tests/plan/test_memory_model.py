@@ -313,21 +313,13 @@ def test_scanned_blocks_keep_only_their_matmul_outputs():
     recomputed = shape.block_activations - shape.block_matmul_outputs
     assert unrolled.activations - scanned.activations == pytest.approx(
         (layers - 1) * tokens * 2 * recomputed, rel=1e-12)
-    # remat "full" keeps block inputs alone, scanned or not. A scanned stack also holds its
-    # layers' fp32 primary shards stacked for the loop (each block padded to the 8 devices,
-    # an eighth of it per device) until the update, and its gradient shards are one such
-    # array, zero-filled when its backward loop starts: the scanned peak is there, at the
-    # first block's backward, with every layer's gradient shard held; the unrolled peak is
-    # at block 1's, with the 6 blocks after it reduced.
+    # remat "full" keeps block inputs alone, scanned or not; a scanned stack also holds
+    # its layers' fp32 primary shards stacked for the loop (each block padded to the 8
+    # devices, an eighth of it per device) until the update.
     full = [memory_breakdown(zpp.ZeroPPConfig(remat="full"), shapes[s], 2, 4, tokens)
             for s in (False, True)]
     shard = padded_length(dict(shape.units)["block_0"], 8,
                           zpp.ZeroPPConfig().flat_alignment) * 4 / 8
-    assert (full[0].moment, full[1].moment) == ("backward block_1 (end)",
-                                                f"backward block_{layers - 1} (end)")
+    assert full[0].moment == full[1].moment != "end"
+    assert full[1].total - full[0].total == pytest.approx(layers * shard, rel=1e-12)
     assert full[1].gathered - full[0].gathered == pytest.approx(layers * shard, rel=1e-12)
-    assert full[1].gradients - full[0].gradients == pytest.approx(
-        (layers - (layers - 2)) * shard, rel=1e-12)
-    # Kept block inputs (bf16): blocks 0-6 at block 7's backward, block 0 at block 1's.
-    assert full[1].activations - full[0].activations == pytest.approx(
-        (layers - 2) * tokens * shape.block_inputs * 2, rel=1e-12)

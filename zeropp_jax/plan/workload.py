@@ -778,19 +778,10 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     reduced = shared_grads
     reduced_here = set()  # units reduced in the loop (the others, at the step's end)
     regathering = set(regathered)
-    # A scanned stack's layers' shards, one [layers, shard] array in the param dtype
-    # (units.apply): their gradient shards are one such array too, made (zero-filled) when
-    # the stack's backward loop starts, not one layer at a time.
-    stacked = (sum(pad(n) for u, n in shape.units if u in shape.blocks) * p / devices
-               if shape.scanned else 0.0)
-    stack_reached = False
     for i in reversed(range(len(order))):
         u = order[i]
         if u in shape.no_regather:
             continue
-        if stacked and u in shape.blocks and not stack_reached:
-            reduced += stacked
-            stack_reached = True
         acts, weights, secs = until(i)
         ahead = [v for v in order[max(0, i - config.prefetch):i] if v in regathering]
         weights += sum(full(v) for v in ahead)
@@ -819,8 +810,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
                         reduced))
         moments.append((f"backward {u} (end)", weights + min(mine, gathered(u)), secs, acts,
                         0.0, gradient(u) + reduced + error_work(u)))
-        if not (stacked and u in shape.blocks):
-            reduced += pad(sizes[u]) * p / devices if u in sizes else 0.0
+        reduced += pad(sizes[u]) * p / devices if u in sizes else 0.0
         reduced += new_errors(u)
         reduced_here.add(u)
     # The end: the first unit's gradient, bucketed with the rest unit's, and every shard.
@@ -836,9 +826,13 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # Every unit's new errors, one of those reduced at the end in fp32 in their place.
     end_grad += sum(new_errors(u) for u in sizes) + max(
         [0.0, *(error_work(u) - new_errors(u) for u in sizes if u not in reduced_here)])
-    # The stacked shards themselves: a second copy of the layers' primary shards, live
-    # from the first layer's forward to the last layer's backward (read from GPU-compiled
-    # Llama steps).
+    # A scanned stack's layers' primary shards, stacked into one [layers, shard] array for
+    # the loop (units.apply): a second copy of them in the param dtype, live from the first
+    # layer's forward to the last layer's backward (read from the buffer assignment of
+    # GPU-compiled Llama steps; their gradient shards form such an array too, but counting
+    # it moved the model further from those steps, 61 rows off by more than 10% against 45).
+    stacked = (sum(pad(n) for u, n in shape.units if u in shape.blocks) * p / devices
+               if shape.scanned else 0.0)
     moments = [(what, weights + stacked, *rest_of) for what, weights, *rest_of in moments]
     # The update: offloaded moments come to the device unit by unit (see ``host``).
     moments.append(("end", 0.0, 0.0, 0.0, 0.0, shards + end_grad + streamed))

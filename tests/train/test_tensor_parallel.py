@@ -787,7 +787,10 @@ def test_frozen_parameters_split_like_the_trainable_ones(tmp_path):
     grads = state.engine.consolidate(out["grads"])
     trainable = {k: v for k, v in ref_grads.items() if k != "wte"}
     trainable["block_0"] = {k: v for k, v in ref_grads["block_0"].items() if k != "attn"}
-    assert_rounding_close((out["loss"], grads), (ref_loss, trainable), rho)
+    try:
+        assert_rounding_close((out["loss"], grads), (ref_loss, trainable), rho)
+    except AssertionError as e:  # the measured rho is an observation: name the draw
+        raise AssertionError(f"seed {seed}: {e}") from e
     got = after.consolidate()
     for a, b in zip(jax.tree_util.tree_leaves((got["wte"], got["block_0"]["attn"])),
                     jax.tree_util.tree_leaves((values["wte"], values["block_0"]["attn"]))):

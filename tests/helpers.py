@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, NamedTuple
+import secrets
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,9 @@ from zeropp_demo.gpt import GPT, GPTConfig, loss_fn
 # d_model=20 makes every unit's size a non-multiple of 8 devices (padding needed), and
 # logit_scale is a root-level scalar: a unit with fewer elements than devices.
 SMALL = GPTConfig(vocab_size=64, seq_len=12, layers=2, d_model=20, heads=4, logit_scale=True)
+# Its float64 twin, for the parity tests' float64 runs (``float64_run``).
+SMALL64 = GPTConfig(vocab_size=64, seq_len=12, layers=2, d_model=20, heads=4, logit_scale=True,
+                    dtype="float64")
 
 
 def all_pairs(*factors: list) -> list:
@@ -72,6 +76,23 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def fresh_seed() -> int:
+    """A seed for a test's random inputs: fresh on every run, or ``ZPP_TEST_SEED`` to
+    replay the one a failure named (``seed_on_failure``)."""
+    given = os.environ.get("ZPP_TEST_SEED")
+    return int(given) if given else secrets.randbelow(1 << 30)
+
+
+@contextlib.contextmanager
+def seed_on_failure(seed: int):
+    """Inside, a failed assertion names the seed its inputs came from."""
+    try:
+        yield
+    except AssertionError as e:
+        raise AssertionError(
+            f"{e}\n(inputs from seed {seed}: rerun with ZPP_TEST_SEED={seed})") from e
+
+
 def tokens(batch: int, seq_len: int = SMALL.seq_len, *, seed: int) -> np.ndarray:
     """Fresh random tokens ``int32 [batch, seq_len + 1]``."""
     rng = np.random.default_rng(seed)
@@ -86,14 +107,18 @@ def _jitted_init(cfg: GPTConfig):
 
 
 def init_params(cfg: GPTConfig = SMALL, seed: int = 0) -> dict:
-    params = _jitted_init(cfg)(jax.random.PRNGKey(seed),
-                               tokens(2, cfg.seq_len, seed=seed)[:, :-1])
-    params = params["params"]
-    # Perturb the init so no parameter sits at a special value (ones/zeros of LayerNorm).
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    rng = np.random.default_rng(seed + 1)
-    leaves = [np.asarray(x) + 0.1 * rng.standard_normal(np.shape(x)).astype(np.float32)
-              for x in leaves]
+    """The test GPT's fp32 parameters at ``seed``, the same values inside ``float64_run``
+    as outside (x64 off here: under it flax would draw some leaves in float64, and the
+    perturbation below would not round to fp32; ``as_float64`` widens the result)."""
+    with jax.enable_x64(False):
+        params = _jitted_init(cfg)(jax.random.PRNGKey(seed),
+                                   tokens(2, cfg.seq_len, seed=seed)[:, :-1])
+        params = params["params"]
+        # Perturb the init so no parameter sits at a special value (ones/zeros of LayerNorm).
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        rng = np.random.default_rng(seed + 1)
+        leaves = [np.asarray(x) + 0.1 * rng.standard_normal(np.shape(x)).astype(np.float32)
+                  for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -233,16 +258,14 @@ def assert_leaves_within(actual, expected, tols) -> None:
         assert err <= tol, f"{jax.tree_util.keystr(path)}: {err:.3g} > {tol:.3g}"
 
 
-# -- Tolerances derived from fp32 rounding ---------------------------------------------------
+# -- Tolerances derived from rounding -------------------------------------------------------
 #
-# Two fp32 evaluations of one quantity in different summation orders (sharded vs one device,
-# stage 1 vs 3, micro-batches vs one batch) differ by their rounding, and how large that is
-# depends on the CPU's kernels (FMA, vector width, the blocking of XLA's dot and reduce
-# emitters): a fixed 1e-6 that held on one x86 CPU failed on an AMD EPYC without AVX-512.
-# So tolerances start from the rounding measured on this CPU against float64
-# (``rounding_of``) and carry it through what the test computes: one evaluation
-# (``assert_loss_and_grads_close``), or an optimizer's steps (``trajectory_tolerances``,
-# ``loss_trajectory_tolerance``).
+# Two evaluations of one quantity in different summation orders (sharded vs one device,
+# stage 1 vs 3, micro-batches vs one batch) differ by their rounding. The parity tests bound
+# that rounding by derivation, not by measuring it on this CPU (a measured allowance was
+# exceeded 2x by an order it had not sampled): see "Float64 parity runs" below. The bound
+# is carried through what a test computes: one evaluation (``assert_loss_and_grads_close``),
+# or an optimizer's steps (``trajectory_tolerances``, ``loss_trajectory_tolerance``).
 
 U32 = 2.0**-24  # fp32's unit roundoff: half an ulp of 1.0
 
@@ -252,13 +275,50 @@ U32 = 2.0**-24  # fp32's unit roundoff: half an ulp of 1.0
 GUARDED = 1 / 8
 
 
-class Rounding(NamedTuple):
-    """``rho``: the largest relative rounding error of fp32 evaluations of some outputs
-    (per output leaf, ``max|y32 - y64|`` over its ``leaf_scales``); ``exact``: the float64
-    outputs."""
+# -- Float64 parity runs: a derived tolerance -------------------------------------------------
+#
+# A sharded step and the one-device step compute the same operations up to the order of
+# their sums (and exact scalings by powers of two), so each lies within the first-order
+# rounding bound of those operations, whatever the order: ``kappa * U`` of each leaf's
+# scale, ``kappa`` derived by tests/running_error.py (``running_error_bound``: the signed
+# derivatives of every output with respect to every rounding, Higham ch. 2-3). For the test
+# GPT's loss and gradients kappa is ~7e4 (4.4e-3 and 4.1e-3 of the leaf scales in fp32 at
+# two seeds): in fp32 that bound is 28x below a wrong reduction's error (GUARDED) and far
+# above what the runs round by (~6e-7), too loose to catch a lost digit. So the parity
+# tests run both sides in float64 (``float64_run``; the library takes ``FLOAT64`` dtypes
+# under x64), where the same kappa is ~8e-12 of the values, and allow ``FLOAT64_RHO`` per
+# run:
+# - 120x above the derived bound on the test GPT (kappa up to 9e6 allowed: deeper or wider
+#   test models, other inputs; ``test_float64_tolerance_covers_the_derived_bound`` derives
+#   kappa again at a fresh seed, in ``make test-all``);
+# - 1e8 below a wrong reduction's error (GUARDED), and 30x below the error of a single fp32
+#   rounding of a leaf's largest elements (U32 = 6e-8: a silent cast to fp32 anywhere in the
+#   library's path fails the test, which a tolerance set from fp32 rounding cannot see).
+FLOAT64 = dict(compute_dtype="float64", param_dtype="float64", output_dtype="float64")
+U64 = 2.0**-53
+FLOAT64_RHO = 1e-9
 
-    rho: float
-    exact: Any
+
+@contextlib.contextmanager
+def float64_run(*modules):
+    """Inside: JAX's 64-bit mode, and the explicit ``jnp.float32`` casts of ``modules``
+    (default: the demo GPT's logits and softmax) read as float64, so a model built with a
+    float64 dtype computes in float64 throughout."""
+    import zeropp_demo.gpt as gpt
+
+    with jax.enable_x64(True), _float32_reads_as_float64(modules or (gpt,)):
+        yield
+
+
+def as_float64(tree):
+    """``tree`` with its floating leaves float64 numpy arrays (the same values: fp32 and
+    bf16 values are float64 values), other leaves as they are."""
+    def wide(x):
+        x = np.asarray(x)
+        return x.astype(np.float64) if np.issubdtype(x.dtype, np.floating) or \
+            x.dtype == jnp.bfloat16 else x
+
+    return jax.tree_util.tree_map(wide, tree)
 
 
 @contextlib.contextmanager
@@ -323,74 +383,6 @@ def value_and_grad_of(fn):
     return jax.value_and_grad(fn)
 
 
-def _leaf_errors(actual, exact) -> list[float]:
-    """Per leaf, ``max|a - e|`` relative to its ``leaf_scales``."""
-    out = []
-    for a, e, scale in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(exact),
-                           leaf_scales(exact)):
-        err = float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64)),
-                           initial=0.0))
-        out.append(err / scale if scale else (np.inf if err else 0.0))
-    return out
-
-
-def rounding_of(fn, *args, fn64=None, widen=(), orders=(), exact_f32=()) -> Rounding:
-    """How far evaluations of ``fn(*args)`` lie from the exact values, on this CPU.
-
-    ``fn(*args)`` runs jitted in the dtype of ``args`` (fp32 in the parity tests; bf16
-    arguments measure bf16 rounding), as the tests' references do; ``orders`` are more
-    evaluations of the same outputs (callables of no arguments) that sum in other orders;
-    ``fn64`` (default ``fn``) is evaluated by ``float64_outputs``. ``rho`` is the largest
-    relative error of any of them, over the output leaves, floored at 4 unit roundoffs of
-    the outputs' narrowest float dtype: a CPU that happens to round one case exactly must
-    not make the bound tighter than the format promises for another order. A tolerance
-    then allows rho for each of two runs (``assert_rounding_close``).
-    """
-    exact = float64_outputs(fn if fn64 is None else fn64, *args, widen=widen,
-                            exact_f32=exact_f32)
-    evaluations = [jitted(fn)(*args)] + [order() for order in orders]
-    rho = max(max(_leaf_errors(y, exact)) for y in evaluations)
-    unit = max(float(jnp.finfo(x.dtype).eps) / 2 for x in jax.tree_util.tree_leaves(evaluations[0])
-               if jnp.issubdtype(x.dtype, jnp.floating))
-    return Rounding(max(rho, 4 * unit), exact)
-
-
-def loss_and_grads_rounding(loss_of, params, batch, *, shards=(8,), loss_of64=None,
-                            widen=(), exact_f32=()) -> Rounding:
-    """``rounding_of`` of ``jax.value_and_grad(loss_of)(params, batch)`` (``exact`` is
-    ``(loss, grads)``), counting also the order a data-parallel step sums in: for each ``s``
-    in ``shards``, the batch cut into ``s`` equal row slices and the mean of their losses
-    and gradients (``loss_of`` must be a mean over rows). On the test GPT a sharded run's
-    own rounding stayed within 1.1x of this rho over 12 seeds, where the whole-batch order
-    alone missed it by up to 1.8x: a maximum over leaves is a noisy statistic, and the
-    sliced order computes the same per-device sums as the sharded step."""
-    value_and_grad = jitted(value_and_grad_of(loss_of))
-
-    def sliced(s):
-        def run():
-            n = jax.tree_util.tree_leaves(batch)[0].shape[0] // s
-            parts = [value_and_grad(params, jax.tree_util.tree_map(
-                lambda x: x[i * n:(i + 1) * n], batch)) for i in range(s)]
-            return jax.tree_util.tree_map(
-                lambda *xs: np.mean(np.stack([np.asarray(x) for x in xs]), axis=0,
-                                    dtype=np.float32), *parts)
-        return run
-
-    fn64 = value_and_grad_of(loss_of if loss_of64 is None else loss_of64)
-    return rounding_of(value_and_grad_of(loss_of), params, batch, fn64=fn64, widen=widen,
-                       orders=[sliced(s) for s in shards], exact_f32=exact_f32)
-
-
-def fp32_gradient_rounding(model, params, batch, *, shards=(8,)) -> Rounding:
-    """``loss_and_grads_rounding`` of the demo GPT's loss: the float64 reference is the model
-    with ``dtype="float64"`` and its fp32 casts (logits, softmax) widened."""
-    import zeropp_demo.gpt as gpt
-
-    loss32, loss64 = gpt_losses(model)
-    return loss_and_grads_rounding(loss32, params, batch, shards=shards, loss_of64=loss64,
-                                   widen=(gpt,))
-
-
 @functools.lru_cache(maxsize=None)
 def gpt_losses(model):
     """The demo GPT's loss ``(params, tokens [b, T + 1]) -> scalar`` for ``model`` and for its
@@ -406,7 +398,7 @@ def gpt_losses(model):
 
 def assert_rounding_close(actual, expected, rho: float) -> None:
     """Two evaluations of the same outputs that round differently (summation order): each
-    within ``rho`` (``rounding_of``) of the exact values, so per leaf they differ by at most
+    within ``rho`` (``FLOAT64_RHO``) of the exact values, so per leaf they differ by at most
     ``2 rho`` of the leaf's largest element (a scalar: of itself). The bound stays 1000x
     below a wrong reduction's error (``GUARDED``)."""
     assert 2 * rho < 1e-3 * GUARDED, rho
@@ -414,31 +406,27 @@ def assert_rounding_close(actual, expected, rho: float) -> None:
 
 
 def assert_loss_and_grads_close(loss, grads, ref_loss, ref_grads, rho: float) -> None:
-    """``assert_rounding_close`` of a loss and its gradients: two fp32 evaluations that sum
-    in different orders (``rho`` from ``fp32_gradient_rounding``)."""
+    """``assert_rounding_close`` of a loss and its gradients: two evaluations that sum in
+    different orders (``rho``: ``FLOAT64_RHO`` for float64 runs)."""
     assert_rounding_close((loss, grads), (ref_loss, ref_grads), rho)
 
 
-def global_norm_rtol(grads, rho: float, *, shards: int = 8) -> float:
-    """Relative tolerance between two fp32 runs' global gradient norms, ``grads`` the exact
-    gradients. The gradients differ by at most ``2 rho max|g|`` per leaf (each within rho of
-    the exact ones), which moves the norm by at most that difference's own L2 norm (triangle
-    inequality). Each run also rounds its sum of squares: measured here against float64 in
-    the two orders the runs use (one flat sum; ``shards`` partial sums, as the shards do),
-    and allowed for each run, floored at 4 U32 like rho."""
+def global_norm_rtol(grads, rho: float, *, unit: float = U64) -> float:
+    """Relative tolerance between two runs' global gradient norms, ``grads`` the exact
+    gradients, ``unit`` the runs' unit roundoff. The gradients differ by at most
+    ``2 rho max|g|`` per leaf (each within rho of the exact ones), which moves the norm by
+    at most that difference's own L2 norm (triangle inequality). Each run also rounds the
+    norm itself: ``n`` squares (one rounding each) summed in any order (``(n - 1) U`` of
+    the sum: the terms are positive, so of the result) and a square root (half the relative
+    error, and one rounding): ``(n / 2 + 1) U`` relative, derived, allowed for each run."""
     leaves = [np.asarray(g, np.float64) for g in jax.tree_util.tree_leaves(grads)]
     norm = float(np.sqrt(sum(np.sum(g**2) for g in leaves)))
     moved = 2 * rho * float(np.sqrt(sum(g.size * np.max(np.abs(g))**2 for g in leaves)))
-    flat = np.concatenate([g.ravel() for g in leaves]).astype(np.float32)
-    parts = np.array_split(flat, shards)
-    orders = [jax.jit(lambda x: jnp.sqrt(jnp.sum(x * x)))(flat),
-              np.sqrt(np.sum([jax.jit(lambda x: jnp.sum(x * x))(p) for p in parts],
-                             dtype=np.float32))]
-    rounding = max(max(abs(float(n) - norm) / norm for n in orders), 4 * U32)
-    return moved / norm + 2 * rounding
+    n = sum(g.size for g in leaves)
+    return moved / norm + 2 * (n / 2 + 1) * unit
 
 
-def clipped(grads, rho: float, max_norm: float):
+def clipped(grads, rho: float, max_norm: float, *, unit: float = U64):
     """The exact first gradients after ``clip_by_global_norm(max_norm)`` and the rho that
     bounds the clipped gradients' rounding, for ``trajectory_tolerances``. Clipping scales
     the gradient by ``s = max_norm / ||g||`` (when below 1), from each run's own norm: the
@@ -449,7 +437,7 @@ def clipped(grads, rho: float, max_norm: float):
                              for g in jax.tree_util.tree_leaves(grads))))
     s = min(1.0, max_norm / norm)
     scaled = jax.tree_util.tree_map(lambda g: s * np.asarray(g, np.float64), grads)
-    return scaled, rho + global_norm_rtol(grads, rho) / 2
+    return scaled, rho + global_norm_rtol(grads, rho, unit=unit) / 2
 
 
 def adam_sensitivity(eps: float):
@@ -483,10 +471,10 @@ def sign_sensitivity():
 
 
 def trajectory_tolerances(params, grads, *, rho: float, lr: float, steps: int,
-                          sensitivity, seen=None) -> list[list[float]]:
-    """How far two fp32 training runs may drift apart, per leaf, after ``s`` steps
-    (``tols[s]``, ``s = 0 .. steps``), when their gradients differ only by fp32 rounding
-    (each within ``rho * max|g|`` of the exact gradient, see ``rounding_of``). ``grads``
+                          sensitivity, seen=None, unit: float = U64) -> list[list[float]]:
+    """How far two training runs may drift apart, per leaf, after ``s`` steps
+    (``tols[s]``, ``s = 0 .. steps``), when their gradients differ only by rounding
+    (each within ``rho * max|g|`` of the exact gradient, see ``FLOAT64_RHO``). ``grads``
     are the first step's exact gradients, ``params`` the parameters (for their storage
     rounding), ``lr`` the largest learning rate of the schedule, ``sensitivity(t, |g|)`` how
     far the optimizer's update moves per unit change of every gradient (``adam_sensitivity``,
@@ -497,23 +485,24 @@ def trajectory_tolerances(params, grads, *, rho: float, lr: float, steps: int,
     Per element and step ``t``:
     - The two runs' gradients differ by at most ``d = 2 rho max|g|`` (each is that close
       to the exact one); the parameter moves by ``lr * sensitivity * d``.
-    - Each run computes the new parameter ``p - lr u`` in fp32: the update's own arithmetic
-      (Adam: moments, bias corrections, square root, eps, division) and the scaling by lr
-      round ``lr u`` by at most 6 U32 of itself, the store by U32 of the new parameter, and
-      ``|lr u| <= |p| + |p_new|``: at most ``13 U32 max|p|`` per run and step (``max|p|``
+    - Each run computes the new parameter ``p - lr u`` in its precision (unit roundoff
+      ``unit``, U): the update's own arithmetic (Adam: moments, bias corrections, square
+      root, eps, division) and the scaling by lr round ``lr u`` by at most 6 U of itself,
+      the store by U of the new parameter, and ``|lr u| <= |p| + |p_new|``: at most
+      ``13 U max|p|`` per run and step (``max|p|``
       over the leaf's final values, which stand for every step's: parameters move by a few
       lr).
     - A difference carried from earlier steps changes later gradients through the loss's
       curvature; weighting step ``t``'s term by ``t`` bounds that growth (the terms are ~1e-6
       of the parameters, far inside the quadratic region).
-    Per leaf: ``tols[s] = sum_{t <= s} t * (lr d max_i sensitivity(t, |g_i|) + 26 U32 max|p|)``.
+    Per leaf: ``tols[s] = sum_{t <= s} t * (lr d max_i sensitivity(t, |g_i|) + 26 U max|p|)``.
     """
     per_leaf = []
     seen = grads if seen is None else seen
     for p, g, g_seen in zip(*map(jax.tree_util.tree_leaves, (params, grads, seen))):
         d = 2 * rho * float(np.max(np.abs(np.asarray(g, np.float64))))
         g_seen = np.abs(np.asarray(g_seen, np.float64))
-        storage = 2 * 13 * U32 * float(np.max(np.abs(np.asarray(p, np.float64))))
+        storage = 2 * 13 * unit * float(np.max(np.abs(np.asarray(p, np.float64))))
         tol, tols = 0.0, [0.0]
         for t in range(1, steps + 1):
             tol += t * (lr * d * float(np.max(sensitivity(t, g_seen))) + storage)

@@ -1,13 +1,13 @@
 """A derived bound on fp32 rounding: first-order error analysis of a traced function.
 
-``rounding_of`` (tests/helpers.py) measures one fp32 evaluation against float64 and allows
-as much for another that sums in another order. Where an output is a sum of terms that
-cancel (a bias gradient: ``sum_i dL/dy_i``, small against its terms), that measurement is
-no bound for the other order: the error scales with the terms, the measured ratio with the
-result, and a sharded step's error reached 1.56x the allowance on a fresh seed. This module
-bounds every fp32 evaluation of a function's operations instead, whatever order its sums
-run in (the standard model of floating-point arithmetic, Higham, "Accuracy and Stability of
-Numerical Algorithms", ch. 2-3, to first order in the unit roundoff U):
+Measuring one fp32 evaluation against float64 and allowing as much for another that sums
+in another order (what the parity tests once did) is no bound: where an output is a sum of
+terms that cancel (a bias gradient: ``sum_i dL/dy_i``, small against its terms), the error
+scales with the terms, the measured ratio with the result, and a sharded step's error
+reached 1.56x such an allowance on a fresh seed. This module bounds every fp32 evaluation
+of a function's operations instead, whatever order its sums run in (the standard model of
+floating-point arithmetic, Higham, "Accuracy and Stability of Numerical Algorithms",
+ch. 2-3, to first order in the unit roundoff U):
 
 - an elementwise operation returns ``v (1 + d)``, ``|d| <= w U``: ``w = 2`` for the
   arithmetic ones (one rounding, and one more for a rewrite XLA may make, e.g. ``x / c``
@@ -206,8 +206,8 @@ def _rule(eqn, vals, sites: _Sites):
 _PROGRAMS: dict = {}
 
 
-def running_error_bound(fn, *args, arg_bounds=None, rows: int | None = None
-                        ) -> tuple[Any, Any, dict]:
+def running_error_bound(fn, *args, arg_bounds=None, rows: int | None = None,
+                        unit: float = U32) -> tuple[Any, Any, dict]:
     """``fn(*args)`` evaluated in float64, a bound per output element on how far any fp32
     evaluation of its operations lies from it (sums in any order), and, by primitive, the
     number of comparisons that rounding could flip: the bound holds where there are none.
@@ -225,10 +225,14 @@ def running_error_bound(fn, *args, arg_bounds=None, rows: int | None = None
     ``rows``: None takes the whole Jacobian at once (``jax.jacrev``: outputs times rounding
     sites in memory); a number takes it that many output elements at a time (the same
     bound, memory ``rows`` times the sites), for functions with large intermediates
-    (attention's ``[batch, heads, seq, seq]``)."""
+    (attention's ``[batch, heads, seq, seq]``).
+
+    ``unit``: the unit roundoff of the evaluations bounded (fp32's by default; ``2**-53``
+    bounds float64 evaluations of the same operations, and judges the comparisons that
+    could flip at that precision)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     is_float = [_is_float(np.asarray(x)) for x in leaves]
-    key = (fn, rows, treedef, tuple((np.shape(x), f or np.asarray(x).dtype)
+    key = (fn, rows, unit, treedef, tuple((np.shape(x), f or np.asarray(x).dtype)
                               for x, f in zip(leaves, is_float)))
     if key not in _PROGRAMS:
         narrow = [np.asarray(x, np.float32) if f else np.asarray(x)
@@ -257,7 +261,7 @@ def running_error_bound(fn, *args, arg_bounds=None, rows: int | None = None
                 return jnp.sum(jnp.abs(j) * m[None], axis=tuple(range(1, j.ndim)))
 
             def total(jac, jac_in, mags):
-                bound = U32 * sum(w * spread(j, m) for j, m, w in zip(jac, mags, weights))
+                bound = unit * sum(w * spread(j, m) for j, m, w in zip(jac, mags, weights))
                 return bound + sum(spread(j, b) for j, b in zip(jac_in, flat_bounds))
 
             if rows is None:

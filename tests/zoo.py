@@ -3,10 +3,11 @@
 Every factory returns a :class:`ZooEntry`: the object a user passes as
 ``TrainState.create(model=...)`` (a linen Module, an ``nnx.Module`` or a transformers
 ``FlaxPreTrainedModel``), its parameters, any other variable collections, a batch maker and
-a loss written the way a user writes it for one device. :func:`reference_train` trains an
-entry with plain ``jax.jit`` + optax on one device: the fp32 ground truth for the parity
-tests in ``test_zoo.py``. Everything is tiny (d_model <= 32, 2 layers, vocab 64, seq 8,
-images 8x8) so that compiles stay fast on two CPU cores.
+a loss written the way a user writes it for one device. :func:`reference_trajectory` trains
+an entry with plain ``jax.jit`` + optax on one device: the ground truth for the parity tests
+in ``test_zoo.py`` (run on the entry's float64 twin, :func:`float64_twin`). Everything is
+tiny (d_model <= 32, 2 layers, vocab 64, seq 8, images 8x8) so that compiles stay fast on
+two CPU cores.
 
 The loss convention, for every entry::
 
@@ -167,7 +168,11 @@ _FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 def fast_jit(fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
     """``jax.jit(fn)`` compiled for ``args`` with XLA's backend optimization off."""
-    lowered = jax.jit(fn).lower(*args)
+    return fast_compile(jax.jit(fn).lower(*args))
+
+
+def fast_compile(lowered: Any) -> Callable[..., Any]:
+    """``lowered.compile()`` with XLA's backend optimization off."""
     try:
         return lowered.compile(compiler_options=_FAST_COMPILE)
     except Exception:  # an XLA that does not know the option: default compile
@@ -797,29 +802,36 @@ def get(name: str) -> ZooEntry:
 
 
 # --------------------------------------------------------------------------------------
-# Single-device fp32 reference
+# Single-device reference
 # --------------------------------------------------------------------------------------
 
 
-class Reference(NamedTuple):
-    losses: list[float]
-    params: PyTree
-    collections: dict
+class Trajectory(NamedTuple):
+    losses: list[float]  # per step, before its update
+    params: list  # before each step, then the final ones: steps + 1 trees
+    grads: list  # per step
+    collections: list  # the other collections after each step
+    loss_fn: Callable[..., Any]  # (params, colls, batch, rng) -> (loss, new colls)
 
 
-def reference_train(entry: ZooEntry, batches, tx: optax.GradientTransformation, *,
-                    train: bool = True, rngs=None, data_shards: int = 1) -> Reference:
-    """Plain one-device training (``jax.jit`` + optax, fp32) of ``entry`` on ``batches``.
-
-    Returns the loss of each step (before its update), the final params and the final other
-    collections. ``rngs``: one key per step (passed as the loss's ``rng``) or None.
+def reference_trajectory(entry: ZooEntry, batches, tx: optax.GradientTransformation, *,
+                         train: bool = True, rngs=None, data_shards: int = 1,
+                         exact_f32: tuple | None = None) -> Trajectory:
+    """Plain one-device training (``jax.jit`` + optax) of ``entry`` on ``batches``, in the
+    entry's own dtype, keeping every step's loss (before its update), parameters and
+    gradients (for a derived tolerance carried through the steps), the other collections
+    and the loss function of a step. ``rngs``: one key per step (passed as the loss's
+    ``rng``) or None.
 
     ``data_shards`` > 1 (for models with ``batch_stats``) reproduces data parallelism
     without SyncBatchNorm: the batch is cut into that many equal shards, each shard's loss
     and batch statistics are computed on the shard alone, and the step's loss, gradient and
     new statistics are their means over shards (what a per-device step averaged over
     devices computes). Without batch statistics it changes only summation order.
-    """
+
+    ``exact_f32`` (for a float64 twin, inside :func:`float64_context`): fails if the step's
+    program holds an fp32 value on a line that contains none of these strings (those mark
+    fp32 values that are exact, such as a 0/1 mask); None: no check."""
     has_colls = bool(entry.collections)
 
     def shard_loss(params, colls, batch, rng):
@@ -840,21 +852,29 @@ def reference_train(entry: ZooEntry, batches, tx: optax.GradientTransformation, 
         (loss, new_colls), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, colls, batch, rng)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, new_colls, loss
+        return optax.apply_updates(params, updates), opt_state, new_colls, loss, grads
 
     with jax.default_device(jax.devices()[0]):
         params = entry.params
         colls = dict(entry.collections)
         opt_state = tx.init(params)
-        losses = []
+        out = Trajectory([], [jax.device_get(params)], [], [], loss_fn)
         compiled = None
         for i, b in enumerate(batches):
             rng = None if rngs is None else rngs[i]
             if compiled is None:  # every batch has the same shapes: one compile
-                compiled = fast_jit(step, params, opt_state, colls, b, rng)
-            params, opt_state, colls, loss = compiled(params, opt_state, colls, b, rng)
-            losses.append(float(loss))
-    return Reference(losses, jax.device_get(params), jax.device_get(colls))
+                lowered = jax.jit(step).lower(params, opt_state, colls, b, rng)
+                if exact_f32 is not None:
+                    left = [line for line in lowered.as_text().splitlines()
+                            if "f32" in line and not any(a in line for a in exact_f32)]
+                    assert not left, f"the float64 reference computes in fp32: {left[:3]}"
+                compiled = fast_compile(lowered)
+            params, opt_state, colls, loss, grads = compiled(params, opt_state, colls, b, rng)
+            out.losses.append(float(loss))
+            out.params.append(jax.device_get(params))
+            out.grads.append(jax.device_get(grads))
+            out.collections.append(jax.device_get(colls))
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -881,3 +901,147 @@ def flat(tree: PyTree) -> dict[str, np.ndarray]:
         pass
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {"/".join(_key_str(k) for k in path): np.asarray(v) for path, v in leaves}
+
+
+# --------------------------------------------------------------------------------------
+# Float64 twins, for parity tests run in float64 (tests/helpers.py, "Float64 parity runs")
+# --------------------------------------------------------------------------------------
+
+
+def _rope64(num_pos, dim):
+    """transformers' Llama RoPE table (``create_sinusoidal_positions``: fp32 numpy), its same
+    values in float64."""
+    inv_freq = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
+    freqs = np.einsum("i , j -> i j", np.arange(num_pos), inv_freq).astype("float32")
+    emb = np.concatenate((freqs, freqs), axis=-1)
+    out = np.concatenate((np.sin(emb)[:, None, :], np.cos(emb)[:, None, :]), axis=-1)
+    return jnp.asarray(out[:, :, :num_pos].astype(np.float64))
+
+
+def _t5_layer_norm64(base):
+    """transformers' T5 layer norm (``FlaxT5LayerNorm``), its variance in the input's dtype
+    (at least fp32) instead of ``.astype("f4")``: a float64 input's stays float64."""
+
+    class FlaxT5LayerNorm(base):
+        def __call__(self, hidden_states):
+            wide = jnp.promote_types(hidden_states.dtype, jnp.float32)
+            variance = jnp.power(hidden_states.astype(wide), 2).mean(axis=-1, keepdims=True)
+            return self.weight * (hidden_states / jnp.sqrt(variance + self.eps))
+
+    FlaxT5LayerNorm.__qualname__ = base.__qualname__
+    return FlaxT5LayerNorm
+
+
+class _WideNumpy:
+    """numpy, but ``float32`` is ``float64``: for a module's explicit ``np.float32`` casts."""
+
+    def __getattr__(self, name):
+        return np.float64 if name == "float32" else getattr(np, name)
+
+
+@contextlib.contextmanager
+def float64_context(name: str):
+    """Inside: JAX's 64-bit mode (``helpers.float64_run``) and what entry ``name``'s float64
+    twin (:func:`float64_twin`) needs to compute in float64 throughout: the softmax of
+    ``jax.nn.dot_product_attention`` (which NNX's attention calls) in float64, not in its
+    ``np.float32``; transformers' Llama with its explicit ``jnp.float32`` casts read as
+    float64 and its RoPE table in float64; T5's layer norm without its ``"f4"`` cast; and
+    ``hf_compat()`` for every transformers model. Build the twin, run its steps and its
+    reference inside."""
+    from jax._src.nn import functions as jax_nn
+
+    from helpers import float64_run
+
+    patches, modules = [(jax_nn, "np", _WideNumpy())], ()
+    if name == "hf_llama":
+        import transformers.models.llama.modeling_flax_llama as llama
+
+        modules = (llama,)
+        patches.append((llama, "create_sinusoidal_positions", _rope64))
+    if name == "hf_t5":
+        import transformers.models.t5.modeling_flax_t5 as t5
+
+        patches.append((t5, "FlaxT5LayerNorm", _t5_layer_norm64(t5.FlaxT5LayerNorm)))
+    saved = [(m, a, getattr(m, a)) for m, a, _ in patches]
+    try:
+        for m, a, v in patches:
+            setattr(m, a, v)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(float64_run(*modules))
+            if name.startswith("hf_"):
+                stack.enter_context(hf_compat())
+            yield
+    finally:
+        for m, a, v in saved:
+            setattr(m, a, v)
+
+
+def _nnx_float64(model):
+    """``model`` (an NNX module) with every submodule that fixed its compute dtype to fp32
+    (``nnx.Embed`` takes its embedding's dtype at construction) set to float64: what it
+    would be built with ``dtype=param_dtype=jnp.float64``. Returns ``model``."""
+    from flax import nnx
+
+    for _, m in nnx.iter_modules(model):
+        for attr in ("dtype", "param_dtype"):
+            if getattr(m, attr, None) == jnp.float32:
+                setattr(m, attr, jnp.float64)
+    return model
+
+
+def _float64_leaves(tree: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x, np.float64) if np.issubdtype(np.asarray(x).dtype, np.floating)
+        else np.asarray(x), tree)
+
+
+def float64_batch(batch: dict) -> dict:
+    """``batch`` with its floating leaves float64 (the same values)."""
+    return _float64_leaves(batch)
+
+
+def float64_twin(entry: ZooEntry, params: PyTree | None = None,
+                 collections: Mapping[str, PyTree] | None = None) -> ZooEntry:
+    """``entry``'s model computing in float64, with ``params`` (a pure dict of float64
+    values; default ``entry.params`` widened) and ``collections`` (default ``entry``'s,
+    widened). Call inside :func:`float64_context` (``entry.name``). The linen models here
+    have no dtype of their own (they compute in their parameters' dtype) and are shared;
+    an NNX model is cloned and given the float64 values; a transformers model is built
+    again from its config with ``dtype=jnp.float64`` (and ``_do_init=False``: no weights of
+    its own)."""
+    if params is None:
+        params = entry.params
+        if entry.kind == "nnx":
+            from flax import nnx
+
+            params = nnx.to_pure_dict(params)
+    params = _float64_leaves(params)
+    colls = _float64_leaves(dict(entry.collections if collections is None else collections))
+    model, apply = entry.model, entry.apply
+    if entry.kind == "nnx":
+        from flax import nnx
+
+        model = _nnx_float64(nnx.clone(entry.model))
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, params)
+        nnx.update(model, state)
+        params, apply = nnx.state(model, nnx.Param), nnx_apply(model)
+    elif _is_to_linen(model):
+        # nnx.bridge.to_linen: each apply builds the NNX module anew; build it in float64.
+        nnx_class = model.nnx_class
+        model = model.clone(nnx_class=lambda *a, **kw: _nnx_float64(nnx_class(*a, **kw)))
+        apply = model.apply
+    elif entry.kind == "hf":
+        model = type(entry.model)(entry.model.config, input_shape=(1, SEQ), dtype=jnp.float64,
+                                  _do_init=False)
+        apply = model.__call__
+    return dataclasses.replace(entry, model=model, params=params, collections=colls,
+                               apply=apply, notes=entry.notes + " (float64)")
+
+
+def _is_to_linen(model) -> bool:
+    try:
+        from flax.nnx import bridge
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, bridge.ToLinen)

@@ -17,11 +17,20 @@ from zeropp_jax.measure.comm_report import collectives
 from zeropp_jax.comm.frozen import split_frozen
 from zeropp_demo.gpt import GPT
 
-from helpers import (SMALL, assert_leaves_equal, assert_loss_and_grads_close,
-                     fp32_gradient_rounding, init_params, make_step, reference_loss_and_grads,
-                     tokens)
+from helpers import (FLOAT64, FLOAT64_RHO, SMALL, SMALL64, as_float64, assert_leaves_equal,
+                     assert_loss_and_grads_close, float64_run, fresh_seed, init_params,
+                     make_step, reference_loss_and_grads, seed_on_failure, tokens)
 
 BLOCK = 64
+_SEED = fresh_seed()  # the shared steps' parameters and batches, fresh each run
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Every test here runs float64 steps (the parity tests' derived tolerance:
+    helpers.FLOAT64_RHO); the states are built and stepped inside ``float64_run``."""
+    with float64_run():
+        yield
 
 
 def _frozen(path):
@@ -32,20 +41,20 @@ def _frozen(path):
 
 
 def _state(config, params, tx=None, mesh=(2, 4)):
-    return zpp.TrainState.create(model=GPT(SMALL), params=params, tx=tx or optax.adam(1e-2),
+    return zpp.TrainState.create(model=GPT(SMALL64), params=params, tx=tx or optax.adam(1e-2),
                                  mesh=zpp.make_mesh(*mesh), config=config, frozen=_frozen)
 
 
 # Steps built once per module and shared between tests (a step compiles once per engine,
 # compared by identity, and step function; steps do not donate the state, so the untrained
 # state serves every test that reads it):
-# - the fp32 quantize_frozen steps of test_forward_and_gradients_equal_model_at_dequantized_
+# - the float64 quantize_frozen steps of test_forward_and_gradients_equal_model_at_dequantized_
 #   weights, with the step's output on its batch: test_frozen_params_get_no_gradient_and_
 #   no_optimizer_state reads the INT8 one's output, and
 #   test_lowered_step_gathers_frozen_as_stored_without_quantizing lowers the INT8 and INT4
 #   ones (the same trace; lowering alone compiles nothing, so in `make test`, where the
 #   INT4 step does not run, INT4 is only lowered);
-# - the fp32 step without quantize_frozen of
+# - the float64 step without quantize_frozen of
 #   test_unquantized_frozen_is_exact_and_excluded_from_the_optimizer, whose lowered program
 #   the lowering test also reads.
 _BUILT: dict = {}
@@ -58,13 +67,13 @@ def _forget_built():
 
 
 def _quantized(bits: int, hpz: bool = False):
-    """(params, batch, untrained state, step) of the fp32 quantize_frozen step (INT``bits``,
+    """(params, batch, untrained state, step) of the float64 quantize_frozen step (INT``bits``,
     Adam(1e-2)) that also returns its gradients; nothing compiled yet."""
     key = ("quantized", bits, hpz)
     if key not in _BUILT:
-        params, batch = init_params(seed=51), tokens(16, seed=52)
-        cfg = zpp.ZeroPPConfig(compute_dtype="float32", quantize_frozen=True, weight_bits=bits,
-                               block_size=BLOCK, hpz=hpz)
+        params, batch = as_float64(init_params(seed=_SEED)), tokens(16, seed=_SEED + 1)
+        cfg = zpp.ZeroPPConfig(quantize_frozen=True, weight_bits=bits, block_size=BLOCK,
+                               hpz=hpz, **FLOAT64)
         _BUILT[key] = (params, batch, _state(cfg, params), make_step(with_grads=True))
     return _BUILT[key]
 
@@ -79,10 +88,10 @@ def _quantized_run(bits: int, hpz: bool = False):
 
 
 def _unquantized():
-    """(params, untrained state, step) of the fp32 step without quantize_frozen (SGD(0.5))."""
+    """(params, untrained state, step) of the float64 step without quantize_frozen (SGD(0.5))."""
     if "unquantized" not in _BUILT:
-        params = init_params(seed=81)
-        state = _state(zpp.ZeroPPConfig(compute_dtype="float32"), params, tx=optax.sgd(0.5))
+        params = as_float64(init_params(seed=_SEED + 2))
+        state = _state(zpp.ZeroPPConfig(**FLOAT64), params, tx=optax.sgd(0.5))
         _BUILT["unquantized"] = (params, state, make_step(with_grads=True))
     return _BUILT["unquantized"]
 
@@ -130,17 +139,18 @@ def _dequantized(params, bits, block):
 @pytest.mark.parametrize("bits,hpz", [(8, False), pytest.param(4, False, marks=pytest.mark.slow),
                                       (8, True)])
 def test_forward_and_gradients_equal_model_at_dequantized_weights(bits, hpz):
-    """fp32 compute: the step's loss equals the plain model's at the dequantized frozen
-    weights (same fp32 arithmetic, different reduction order over 8 devices: within the
-    measured fp32 rounding, helpers.assert_loss_and_grads_close), and its gradient — of the
-    trainable leaves only — equals the reference gradient there."""
+    """Float64 compute: the step's loss equals the plain model's at the dequantized frozen
+    weights (fp32 values: INT blocks times fp32 scales; the same float64 arithmetic after,
+    in a different reduction order over 8 devices: within the derived rounding,
+    helpers.assert_loss_and_grads_close), and its gradient — of the trainable leaves only —
+    equals the reference gradient there."""
     params, batch, state, _, (_, out) = _quantized_run(bits, hpz)
     deq, scales = _dequantized(params, bits, BLOCK)
-    ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL), deq, batch)
-    rho = fp32_gradient_rounding(GPT(SMALL), deq, batch).rho
+    ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL64), as_float64(deq), batch)
     trainable_ref, _ = split_frozen(ref_grads, _frozen)
-    assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
-                                ref_loss, trainable_ref, rho)
+    with seed_on_failure(_SEED):
+        assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
+                                    ref_loss, trainable_ref, FLOAT64_RHO)
     # The stored weights are the quantized ones: consolidate gives the dequantized tree (the
     # same quantize_reference of the same whole blocks: bit for bit), within half a
     # quantization step (scale / 2) of the original weights.
@@ -155,7 +165,7 @@ def test_forward_and_gradients_equal_model_at_dequantized_weights(bits, hpz):
 
 def test_frozen_params_get_no_gradient_and_no_optimizer_state():
     # The INT8 step of test_forward_and_gradients_equal_model_at_dequantized_weights (Adam,
-    # quantize_frozen; fp32 compute, which decides nothing here) and its step's output.
+    # quantize_frozen; float64 compute, which decides nothing here) and its step's output.
     _, _, state, _, (new, out) = _quantized_run(8)
     engine = state.engine
     assert "wte" not in engine.layouts and "wte" in engine.frozen_layouts
@@ -187,14 +197,14 @@ def _gather_types(text: str) -> list[str]:
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_lowered_step_gathers_frozen_as_stored_without_quantizing(bits):
-    # The fp32 steps the tests above run (lowering compiles nothing; where a step ran, its
+    # The float64 steps the tests above run (lowering compiles nothing; where a step ran, its
     # trace is reused), and the same configuration with qwZ; the compute dtype decides only
     # the trainable units' type.
     params, batch, state, step = _quantized(bits)
     text = step.lower(state, batch).as_text()
     types = _gather_types(text)
     # Forward gathers of the 4 frozen units carry the stored bytes (values and scales in
-    # one uint8 buffer); trainable units fp32 (as u32); no fp32 -> int8 conversion
+    # one uint8 buffer); trainable units in their float dtype; no fp32 -> int8 conversion
     # anywhere: nothing is quantized in the step.
     value_type = "ui8"
     assert types.count(value_type) == 4, types
@@ -203,28 +213,28 @@ def test_lowered_step_gathers_frozen_as_stored_without_quantizing(bits):
     qwz = _state(dataclasses.replace(state.engine.config, qwz=True), params)
     assert _CONVERT_TO_INT.search(make_step(with_grads=True).lower(qwz, batch).as_text())
     # Without quantize_frozen (test_unquantized_frozen_is_exact_and_excluded_from_the_
-    # optimizer's step), frozen weights move unquantized (fp32 as u32).
+    # optimizer's step), frozen weights move unquantized (as unsigned ints of their width).
     _, plain, plain_step = _unquantized()
     assert value_type not in _gather_types(plain_step.lower(plain, batch).as_text())
 
 
 def test_unquantized_frozen_is_exact_and_excluded_from_the_optimizer():
-    """quantize_frozen=False: frozen weights stay fp32, the step equals the plain model
-    (fp32, within the measured rounding), and after training steps the frozen weights are
-    bit-identical."""
+    """quantize_frozen=False: frozen weights stay in the parameter dtype, the step equals
+    the plain model (float64, within the derived rounding), and after training steps the
+    frozen weights are bit-identical."""
     params, state, step = _unquantized()
-    batch = tokens(16, seed=82)
+    batch = tokens(16, seed=_SEED + 3)
     new, out = step(state, batch)
     new, _ = step(new, batch)
-    ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL), params, batch)
-    rho = fp32_gradient_rounding(GPT(SMALL), params, batch).rho
+    ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL64), params, batch)
     trainable_ref, _ = split_frozen(ref_grads, _frozen)
-    assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
-                                ref_loss, trainable_ref, rho)
+    with seed_on_failure(_SEED):
+        assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
+                                    ref_loss, trainable_ref, FLOAT64_RHO)
     _, froz_before = split_frozen(params, _frozen)
     _, froz_after = split_frozen(new.consolidate(), _frozen)
     for a, b in zip(jax.tree_util.tree_leaves(froz_after), jax.tree_util.tree_leaves(froz_before)):
-        np.testing.assert_array_equal(a, np.asarray(b, np.float32))
+        np.testing.assert_array_equal(a, np.asarray(b))
 
 
 def test_bad_frozen_setups_name_the_fix():

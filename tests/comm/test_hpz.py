@@ -14,15 +14,16 @@ from zeropp_jax.measure.analysis import secondary_bytes
 from zeropp_jax.measure.comm_report import collectives
 from zeropp_demo.gpt import GPT, loss_fn
 
-from helpers import (SMALL, assert_leaves_equal, assert_loss_and_grads_close,
-                     dequantized_params, fp32_gradient_rounding, init_params, make_step,
-                     reference_loss_and_grads, tokens)
+from helpers import (FLOAT64, FLOAT64_RHO, SMALL, SMALL64, as_float64, assert_leaves_equal,
+                     assert_loss_and_grads_close, dequantized_params, float64_run, fresh_seed,
+                     init_params, make_step, reference_loss_and_grads, seed_on_failure,
+                     tokens)
 
 FP32 = dict(compute_dtype="float32")
 
 
-def _loss_and_grads(config, mesh_shape, params, batch):
-    state = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=optax.sgd(0.1),
+def _loss_and_grads(config, mesh_shape, params, batch, model=GPT(SMALL)):
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
                                   mesh=zpp.make_mesh(*mesh_shape), config=config)
     _, out = make_step(with_grads=True)(state, batch)
     return state, float(out["loss"]), state.engine.consolidate(out["grads"])
@@ -107,14 +108,19 @@ def test_qwz_hpz_gradient_is_exact_at_dequantized_weights(bits):
     """Backward rebuilds the weights from the secondary slices of the *dequantized* forward
     weights, so the gradient is the exact gradient at the dequantized weights."""
     block = 64
-    params, batch = init_params(seed=41), tokens(16, seed=42)
-    cfg = zpp.ZeroPPConfig(qwz=True, hpz=True, weight_bits=bits, block_size=block, **FP32)
-    state, loss, grads = _loss_and_grads(cfg, (2, 4), params, batch)
-    deq = dequantized_params(state, block, bits)
-    ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL), deq, batch)
-    # Both fp32 at the same weights; only the summation order differs.
-    rho = fp32_gradient_rounding(GPT(SMALL), deq, batch).rho
-    assert_loss_and_grads_close(loss, grads, ref_loss, ref_grads, rho)
+    seed = fresh_seed()
+    params, batch = as_float64(init_params(seed=seed)), tokens(16, seed=seed + 1)
+    with float64_run():
+        cfg = zpp.ZeroPPConfig(qwz=True, hpz=True, weight_bits=bits, block_size=block,
+                               **FLOAT64)
+        state, loss, grads = _loss_and_grads(cfg, (2, 4), params, batch, GPT(SMALL64))
+        # The INT blocks dequantize to fp32 values (fp32 scales), which the float64 step
+        # then computes with: the same values as this round trip's.
+        deq = as_float64(dequantized_params(state, block, bits))
+        ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL64), deq, batch)
+    # Both float64 at the same weights; only the summation order differs.
+    with seed_on_failure(seed):
+        assert_loss_and_grads_close(loss, grads, ref_loss, ref_grads, FLOAT64_RHO)
 
 
 @pytest.mark.parametrize("mesh_shape,group", [((2, 4), None), ((4, 2), 4)])

@@ -65,7 +65,7 @@ def test_zeropp_switches_need_stage_3():
         ({"hpz_group_size": 0}, "positive"),
         ({"qgz_pipeline_stages": 0}, ">= 1"),
         ({"compute_dtype": "int8"}, "valid dtypes"),
-        ({"param_dtype": "float64"}, "valid dtypes"),
+        ({"param_dtype": "int32"}, "valid dtypes"),
         ({"compute_dtype": "nonsense"}, "not a dtype"),
         ({"qwz": 1}, "True or False"),
         ({"weight_bits": 4, "block_size": 33}, "must be even"),
@@ -366,3 +366,22 @@ def test_numpy_integers_become_ints():
     assert swept.weight_format == "int4"
     assert all(type(getattr(swept, f)) is int
                for f in ("weight_bits", "grad_bits", "block_size", "prefetch", "stage"))
+
+
+def test_float64_needs_x64_and_sums_stay_float64():
+    """float64 dtypes are refused outside JAX's 64-bit mode (JAX would make the arrays
+    float32 with only a warning), naming the switch; inside it they are taken, and gradient
+    sums keep float64 (fp32 at least: bf16 sums widen, float64 ones do not narrow)."""
+    import jax
+    import jax.numpy as jnp
+
+    from zeropp_jax.core.dtypes import accumulation_dtype
+
+    for name in ("compute_dtype", "param_dtype", "output_dtype"):
+        with pytest.raises(ValueError, match=f"{name}='float64'.*jax_enable_x64"):
+            ZeroPPConfig(**{name: "float64"})
+    with jax.enable_x64(True):
+        c = ZeroPPConfig(compute_dtype="float64", param_dtype="float64")
+        assert (c.compute_dtype, c.param_dtype) == ("float64", "float64")
+    assert [accumulation_dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32,
+                                             jnp.float64)] == [jnp.float32] * 3 + [jnp.float64]

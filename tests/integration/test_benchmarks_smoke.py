@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from benchmarks import gpu_check, overhead
+from helpers import fresh_seed, seed_on_failure
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -81,21 +82,27 @@ def test_overhead_counts_matmul_instructions_not_metadata():
 def test_overhead_remat_gpt_has_gpt_params_and_loss():
     from zeropp_demo.gpt import GPT, GPTConfig
 
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
     cfg = GPTConfig(vocab_size=32, seq_len=8, layers=2, d_model=16, heads=2)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 8)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 8)), jnp.int32)
     model, remat = GPT(cfg), overhead.remat_gpt_class()(cfg)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)["params"]
     remat_params = jax.eval_shape(remat.init, jax.random.PRNGKey(0), tokens)["params"]
     assert jax.tree_util.tree_structure(remat_params) == jax.tree_util.tree_structure(params)
     params = jax.tree_util.tree_map(  # random values: no need to run init
-        lambda s: jnp.asarray(np.random.default_rng(s.size).normal(size=s.shape), s.dtype),
-        params)
+        lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), params)
 
     def losses(p, x):  # both models in one program: one compile
         return model.apply({"params": p}, x), remat.apply({"params": p}, x)
 
     plain_out, remat_out = jax.jit(losses)(params, tokens)
-    np.testing.assert_allclose(remat_out, plain_out, rtol=1e-5, atol=1e-5)
+    # Bit for bit: the same operations on the same inputs. RematGPT mirrors GPT.__call__
+    # op for op, and a forward that is not differentiated lowers jax.checkpoint to its
+    # body inlined (no optimization barrier: those guard only the recomputation in a
+    # backward), so the two halves of the program are the same ops.
+    with seed_on_failure(seed):
+        np.testing.assert_array_equal(remat_out, plain_out)
 
 
 @pytest.mark.slow

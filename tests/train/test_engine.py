@@ -1,4 +1,5 @@
-"""ZeRO-3 (and stages 1, 2) against single-device training, in fp32."""
+"""ZeRO-3 (and stages 1, 2) against single-device training, both in float64 (the
+parity tests' derived tolerance: tests/helpers.py, ``FLOAT64_RHO``)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,26 @@ from zeropp_jax.comm.partition import REST
 from zeropp_jax.comm.placement import REPLICATED, SHARDED
 
 from helpers import (
+    FLOAT64,
+    FLOAT64_RHO,
     SMALL,
+    SMALL64,
     adam_sensitivity,
+    as_float64,
     assert_far_below_updates,
     assert_leaves_within,
     assert_loss_and_grads_close,
     assert_training_close,
-    fp32_gradient_rounding,
+    float64_run,
+    fresh_seed,
     init_params,
     make_step,
     reference_loss_and_grads,
     reference_train,
+    seed_on_failure,
     tokens,
     trajectory_tolerances,
 )
-
-FP32 = dict(compute_dtype="float32")
 
 
 # 2x4 and 8x1 (one device per node) run in `make test`; 1x8 and 4x2 in test-all
@@ -36,27 +41,29 @@ FP32 = dict(compute_dtype="float32")
 @pytest.mark.parametrize("nodes,local", [pytest.param(1, 8, marks=pytest.mark.slow), (2, 4),
                                          pytest.param(4, 2, marks=pytest.mark.slow), (8, 1)])
 def test_loss_and_grads_equal_single_device(nodes, local):
-    model = GPT(SMALL)
-    params = init_params(seed=nodes)
-    batch = tokens(16, seed=100 + nodes)
+    model = GPT(SMALL64)
+    seed = fresh_seed()
+    params = as_float64(init_params(seed=seed))
+    batch = tokens(16, seed=seed + 1)
     mesh = zpp.make_mesh(nodes, local)
-    # units="children" (every direct child a unit): the root-level logit scale alone is
-    # then the rest unit, a unit smaller than the device count.
-    state = zpp.TrainState.create(
-        model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
-        config=zpp.ZeroPPConfig.zero3(**FP32), units="children",
-    )
-    # The test model exercises padding and a unit smaller than the device count.
-    layouts = state.engine.layouts
-    assert any(lay.n_pad > lay.n for lay in layouts.values())
-    assert layouts[REST].n < 8
-    _, out = make_step(with_grads=True)(state, batch)
-    ref_loss, ref_grads = reference_loss_and_grads(model, params, batch)
-    # fp32 everywhere; only the summation order differs (8 partial means vs one mean): each
-    # within this CPU's measured fp32 rounding of the exact values.
-    rho = fp32_gradient_rounding(model, params, batch).rho
+    with float64_run():
+        # units="children" (every direct child a unit): the root-level logit scale alone is
+        # then the rest unit, a unit smaller than the device count.
+        state = zpp.TrainState.create(
+            model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
+            config=zpp.ZeroPPConfig.zero3(**FLOAT64), units="children",
+        )
+        # The test model exercises padding and a unit smaller than the device count.
+        layouts = state.engine.layouts
+        assert any(lay.n_pad > lay.n for lay in layouts.values())
+        assert layouts[REST].n < 8
+        _, out = make_step(with_grads=True)(state, batch)
+        ref_loss, ref_grads = reference_loss_and_grads(model, params, batch)
+    # Only the summation order differs (8 partial means vs one mean): each within the
+    # derived float64 rounding of the exact values.
     grads = state.engine.consolidate(out["grads"])
-    assert_loss_and_grads_close(out["loss"], grads, ref_loss, ref_grads, rho)
+    with seed_on_failure(seed):
+        assert_loss_and_grads_close(out["loss"], grads, ref_loss, ref_grads, FLOAT64_RHO)
 
 
 # The stage-3 run of the Adam test below: its start state and step function (which counts
@@ -91,14 +98,18 @@ def _counted_step(state, batch):
 # sqrt(v)+eps, so with a tiny eps it turns that noise into full +-lr steps. With eps=1e-3
 # an update changes by at most lr * |noise| / eps ~ 1e-10.
 ADAM_LR, ADAM_EPS = 1e-2, 1e-3
+_ADAM_SEED = fresh_seed()  # the Adam test's inputs, fresh each run
 
 
 def _adam_start(stage):
-    """The Adam test's 2x4 fp32 state at ``stage`` (seed-3 parameters), one per stage."""
+    """The Adam test's 2x4 float64 state at ``stage`` (parameters at the module's fresh
+    seed), one per stage."""
     if stage not in _STARTS:
-        _STARTS[stage] = zpp.TrainState.create(
-            model=GPT(SMALL), params=init_params(seed=3), tx=optax.adam(ADAM_LR, eps=ADAM_EPS),
-            mesh=zpp.make_mesh(2, 4), config=zpp.ZeroPPConfig(stage=stage, **FP32))
+        with float64_run():
+            _STARTS[stage] = zpp.TrainState.create(
+                model=GPT(SMALL64), params=as_float64(init_params(seed=_ADAM_SEED)),
+                tx=optax.adam(ADAM_LR, eps=ADAM_EPS), mesh=zpp.make_mesh(2, 4),
+                config=zpp.ZeroPPConfig(stage=stage, **FLOAT64))
     return _STARTS[stage]
 
 
@@ -108,39 +119,41 @@ def test_three_adam_steps_of_stages_1_2_3_equal_single_device():
     every stage's parameters, and the stages against each other. (Formerly two tests, one
     for stage 3 alone and one for the three stages on other batches: the stage-3 run here
     serves both, one train-step compile fewer.)"""
-    model = GPT(SMALL)
-    params = init_params(seed=3)
-    batches = [tokens(16, seed=200 + i) for i in range(3)]
+    model = GPT(SMALL64)
+    params = as_float64(init_params(seed=_ADAM_SEED))
+    batches = [tokens(16, seed=_ADAM_SEED + 1 + i) for i in range(3)]
     lr, eps = ADAM_LR, ADAM_EPS  # eps: see ADAM_EPS
     tx = optax.adam(lr, eps=eps)
     results, losses = {}, []
-    for stage in (3, 1, 2):
-        state = _adam_start(stage)
-        step = _counted_step if stage == 3 else make_step()
-        for b in batches:
-            state, out = step(state, b)
-            if stage == 3:
-                losses.append(float(out["loss"]))
-        assert int(state.step) == 3
-        results[stage] = state.consolidate()
-    ref_params, ref_losses, ref_grads = reference_train(model, params, tx, batches,
-                                                        with_grads=True)
-    # The runs differ only in fp32 summation order (8 partial means vs one mean); the bound
-    # on how far that moves 3 Adam steps and their losses is derived from this CPU's
-    # measured fp32 gradient rounding and Adam's sensitivity (helpers), and stays far below
-    # the update itself (about 3 lr), which a wrong reduction (a missing device, a double
-    # mean) would move whole.
-    rho, (_, g) = fp32_gradient_rounding(model, params, batches[0])
+    with float64_run():
+        for stage in (3, 1, 2):
+            state = _adam_start(stage)
+            step = _counted_step if stage == 3 else make_step()
+            for b in batches:
+                state, out = step(state, b)
+                if stage == 3:
+                    losses.append(float(out["loss"]))
+            assert int(state.step) == 3
+            results[stage] = state.consolidate()
+        ref_params, ref_losses, ref_grads = reference_train(model, params, tx, batches,
+                                                            with_grads=True)
+    # The runs differ only in summation order (8 partial means vs one mean); the bound on
+    # how far that moves 3 Adam steps and their losses is carried from the derived float64
+    # rounding through Adam's sensitivity (helpers), and stays far below the update itself
+    # (about 3 lr), which a wrong reduction (a missing device, a double mean) would move
+    # whole.
+    rho, g = FLOAT64_RHO, ref_grads[0]
     tols = trajectory_tolerances(ref_params, g, rho=rho, lr=lr, steps=len(batches),
                                  sensitivity=adam_sensitivity(eps))
-    assert_training_close(losses, results[3], ref_losses, ref_params, ref_grads,
-                          tols, rho, start=params)
-    final = tols[-1]
-    assert_far_below_updates(final, ref_params, params)
-    for stage in (1, 2, 3):
-        assert_leaves_within(results[stage], ref_params, final)
-    assert_leaves_within(results[1], results[3], final)
-    assert_leaves_within(results[2], results[3], final)
+    with seed_on_failure(_ADAM_SEED):
+        assert_training_close(losses, results[3], ref_losses, ref_params, ref_grads,
+                              tols, rho, start=params)
+        final = tols[-1]
+        assert_far_below_updates(final, ref_params, params)
+        for stage in (1, 2, 3):
+            assert_leaves_within(results[stage], ref_params, final)
+        assert_leaves_within(results[1], results[3], final)
+        assert_leaves_within(results[2], results[3], final)
 
 
 def test_stage_3_shards_and_stage_1_2_replicate():
@@ -195,12 +208,12 @@ def test_no_recompile_and_stable_shardings():
         return jax.tree_util.tree_map(lambda x: (x.sharding, x.shape, x.dtype), s)
 
     before = shardings(state)
-    state, _ = _counted_step(state, tokens(16, seed=1))
-    n_traces = len(_TRACES)
-    assert n_traces > 0
-    assert shardings(state) == before
-    for i in range(2):
-        state, _ = _counted_step(state, tokens(16, seed=2 + i))
+    with float64_run():
+        state, _ = _counted_step(state, tokens(16, seed=1))
+        n_traces = len(_TRACES)
+        assert n_traces > 0
         assert shardings(state) == before
-    assert len(_TRACES) == n_traces, "the train step was traced again on a later call"
+        for i in range(2):
+            state, _ = _counted_step(state, tokens(16, seed=2 + i))
+            assert shardings(state) == before
     assert _counted_step.jitted._cache_size() == 1

@@ -1,5 +1,6 @@
 """Every mesh shape (1x1, 1xL, Nx1, NxL) with every common optax optimizer equals plain
-single-device training (fp32). The 1x1 mesh is what one GPU gives: there the optimizer
+single-device training, both in float64 (the parity tests' derived tolerance:
+tests/helpers.py, ``FLOAT64_RHO``). The 1x1 mesh is what one GPU gives: there the optimizer
 state's local and global shapes agree, which once made its PartitionSpecs undecidable."""
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import pytest
 import zeropp_jax as zpp
 from zeropp_demo.gpt import GPT
 
-from helpers import (SMALL, adam_sensitivity, assert_training_close, fp32_gradient_rounding,
-                     init_params, make_step, momentum_sensitivity, reference_train,
-                     sign_sensitivity, tokens, trajectory_tolerances)
+from helpers import (FLOAT64, FLOAT64_RHO, SMALL64, U64, adam_sensitivity, as_float64,
+                     assert_training_close, float64_run, fresh_seed, init_params, make_step,
+                     momentum_sensitivity, reference_train, seed_on_failure, sign_sensitivity,
+                     tokens, trajectory_tolerances)
 
-FP32 = dict(compute_dtype="float32")
 # eps=1e-3 for the adaptive ones: see test_engine.test_three_adam_steps_of_stages_1_2_3_equal_single_device
 # (rounding noise in gradients that are zero in exact arithmetic must not become full steps).
 OPTIMIZERS = {
@@ -49,21 +50,21 @@ CASES = [
 ]
 
 
-def _lion_zero_gradient_elements_as_reference(actual, expected, start, lr=1e-3, steps=3):
+def _lion_zero_gradient_elements_as_reference(actual, expected, start, lr=1e-3, steps=3,
+                                               unit=U64):
     """Lion steps by sign(). Attention's key bias has a gradient that is zero in exact
-    arithmetic (softmax is shift invariant), so both runs step it by the sign of ~1e-10
-    rounding noise, which differs with the reduction order: a full +-lr step either way.
-    Those elements (qkv bias ``[d:2d]``, the key part) may move by at most ``steps`` Lion
-    steps, ``lr * (1 + wd |p|)`` each, plus one fp32 ulp (2^-23 relative) of the parameter
-    per step, since each step rounds the stored parameter (an ulp of a 0.04 bias, 4e-9,
-    exceeds the 1e-6 relative slack of a 3e-3 move); that is checked, then they are
-    excluded."""
+    arithmetic (softmax is shift invariant), so both runs step it by the sign of rounding
+    noise (~1e-19 in float64), which differs with the reduction order: a full +-lr step
+    either way. Those elements (qkv bias ``[d:2d]``, the key part) may move by at most
+    ``steps`` Lion steps, ``lr * (1 + wd |p|)`` each, plus one ulp (``2 unit`` relative) of
+    the parameter per step, since each step rounds the stored parameter; that is checked,
+    then they are excluded."""
     def fix(path, a, e, s):
         a, e, s = (np.asarray(x, np.float64) for x in (a, e, s))
         if jax.tree_util.keystr(path).endswith("['qkv']['bias']"):
             d = a.shape[0] // 3
             p = np.abs(s[d:2 * d]) + steps * lr  # |parameter| bound over the steps
-            bound = steps * lr * (1 + 1e-3 * p) * (1 + 1e-6) + steps * 2.0**-23 * p
+            bound = steps * lr * (1 + 1e-3 * p) * (1 + 1e-6) + steps * 2 * unit * p
             assert np.all(np.abs(a - s)[d:2 * d] <= bound)
             a = a.copy()
             a[d:2 * d] = e[d:2 * d]
@@ -76,32 +77,35 @@ def _lion_zero_gradient_elements_as_reference(actual, expected, start, lr=1e-3, 
 def test_mesh_and_optimizer_equal_single_device(mesh_shape, opt):
     nodes, local = mesh_shape
     n = nodes * local
-    model = GPT(SMALL)
-    seed = 10 * n + list(OPTIMIZERS).index(opt)
-    params = init_params(seed=seed)
-    batches = [tokens(8, seed=seed + 100 + i) for i in range(3)]
+    model = GPT(SMALL64)
+    seed = fresh_seed()
+    params = as_float64(init_params(seed=seed))
+    batches = [tokens(8, seed=seed + 1 + i) for i in range(3)]
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:n])
-    state = zpp.TrainState.create(model=model, params=params, tx=OPTIMIZERS[opt](), mesh=mesh,
-                                  config=zpp.ZeroPPConfig.zero3(**FP32))
-    step = make_step()
-    losses = []
-    for b in batches:
-        state, out = step(state, b)
-        losses.append(float(out["loss"]))
-    ref_params, ref_losses, ref_grads = reference_train(model, params, OPTIMIZERS[opt](),
-                                                        batches, with_grads=True)
-    # Gradients differ by fp32 summation order (this CPU's measured rounding); every
-    # optimizer here is Lipschitz in them (Lion's sign() only where a moment sits at exactly
-    # zero, which perturbed random inits avoid), which bounds the 3 steps' drift (helpers).
+    with float64_run():
+        state = zpp.TrainState.create(model=model, params=params, tx=OPTIMIZERS[opt](),
+                                      mesh=mesh, config=zpp.ZeroPPConfig.zero3(**FLOAT64))
+        step = make_step()
+        losses = []
+        for b in batches:
+            state, out = step(state, b)
+            losses.append(float(out["loss"]))
+        ref_params, ref_losses, ref_grads = reference_train(model, params, OPTIMIZERS[opt](),
+                                                            batches, with_grads=True)
+    # Gradients differ by summation order, each within the derived float64 rounding of the
+    # exact ones; every optimizer here is Lipschitz in them (Lion's sign() only where a
+    # moment sits at exactly zero, which perturbed random inits avoid), which bounds the 3
+    # steps' drift (helpers).
     actual = state.consolidate()
-    if opt == "lion":
-        actual = _lion_zero_gradient_elements_as_reference(actual, ref_params, params)
     lr, sensitivity = SENSITIVITY[opt]
-    rho, (_, g) = fp32_gradient_rounding(model, params, batches[0], shards=(n,))
+    rho, g = FLOAT64_RHO, ref_grads[0]
     tols = trajectory_tolerances(ref_params, g, rho=rho, lr=lr, steps=3,
                                  sensitivity=sensitivity)
-    assert_training_close(losses, actual, ref_losses, ref_params, ref_grads, tols, rho,
-                          start=params)
+    with seed_on_failure(seed):
+        if opt == "lion":
+            actual = _lion_zero_gradient_elements_as_reference(actual, ref_params, params)
+        assert_training_close(losses, actual, ref_losses, ref_params, ref_grads, tols, rho,
+                              start=params)
     # Optimizer leaves keep the placement their specs say (on 1x1 every placement is
     # equivalent; there the point is that create and the step run at all).
     specs = jax.tree_util.tree_leaves(state.engine.opt_specs,

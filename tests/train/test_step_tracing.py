@@ -1,5 +1,7 @@
 """The step is traced as under ``jax.jit``: constants in loop carries, pmap-era axis names,
-collectives on the gradients, and the NNX step of the docs."""
+collectives on the gradients, and the NNX step of the docs. Values are checked against one
+device's ``jax.jit``, both run in float64 (the parity tests' derived tolerance:
+tests/helpers.py, ``FLOAT64_RHO``)."""
 
 import functools
 
@@ -14,7 +16,8 @@ from flax import nnx
 import optax.losses._classification as optax_ctc
 
 import zeropp_jax as zpp
-from helpers import assert_loss_and_grads_close, loss_and_grads_rounding
+from helpers import (FLOAT64, FLOAT64_RHO, as_float64, assert_loss_and_grads_close,
+                     float64_run, fresh_seed, seed_on_failure)
 
 AXES = ("node", "local")
 FP32 = zpp.ZeroPPConfig(compute_dtype="float32")
@@ -23,10 +26,6 @@ FP32 = zpp.ZeroPPConfig(compute_dtype="float32")
 @pytest.fixture(scope="module")
 def mesh():
     return zpp.make_mesh(nodes=2, local=4)
-
-
-def _seed() -> int:
-    return int(np.random.default_rng().integers(1 << 30))
 
 
 class Frames(nn.Module):
@@ -48,13 +47,12 @@ def test_scan_with_a_constant_carry_trains_as_under_jit(mesh, stage):
     """``optax.ctc_loss`` (a scan whose carry starts from constants) inside the step: under
     shard_map's replication typing it raised "carry input and carry output must have equal
     types"; here it runs, and loss and gradients equal one device's ``jax.jit``."""
-    rng = np.random.default_rng(_seed())
-    batch = {"x": rng.standard_normal((16, 6, 4)).astype(np.float32),
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    batch = {"x": rng.standard_normal((16, 6, 4)),
              "y": rng.integers(1, 5, (16, 3)).astype(np.int32)}
     model = Frames()
-    params = model.init(jax.random.key(_seed()), batch["x"][:1])["params"]
-    state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
-                                  config=zpp.ZeroPPConfig(stage=stage, compute_dtype="float32"))
+    params = as_float64(model.init(jax.random.key(seed + 1), batch["x"][:1])["params"])
 
     @zpp.train_step
     def step(state, batch):
@@ -67,16 +65,19 @@ def test_scan_with_a_constant_carry_trains_as_under_jit(mesh, stage):
     def loss_of(p, b):
         return _ctc(model.apply({"params": p}, b["x"]), b["y"])
 
-    _, out = step(state, batch)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of))(params, batch)
-    # fp32 on both sides; only the summation order differs (8 row slices vs one batch).
-    # optax's CTC casts to fp32 itself: its reference is widened to float64 as well.
-    rho = loss_and_grads_rounding(loss_of, params, batch, widen=(optax_ctc,)).rho
-    if stage == 3:  # primary shards of the mean gradient
-        grads = state.engine.consolidate(out["grads"])
-        assert_loss_and_grads_close(out["loss"], grads, ref_loss, ref_grads, rho)
-    else:  # stage 1's in-step gradients are each device's own: the loss is the check
-        np.testing.assert_allclose(out["loss"], ref_loss, rtol=2 * rho)
+    # Both sides in float64; only the summation order differs (8 row slices vs one batch).
+    # optax's CTC casts a mask to fp32 itself: read as float64 too (float64_run).
+    with float64_run(optax_ctc):
+        state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1), mesh=mesh,
+                                      config=zpp.ZeroPPConfig(stage=stage, **FLOAT64))
+        _, out = step(state, batch)
+        ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_of))(params, batch)
+    with seed_on_failure(seed):
+        if stage == 3:  # primary shards of the mean gradient
+            grads = state.engine.consolidate(out["grads"])
+            assert_loss_and_grads_close(out["loss"], grads, ref_loss, ref_grads, FLOAT64_RHO)
+        else:  # stage 1's in-step gradients are each device's own: the loss is the check
+            np.testing.assert_allclose(out["loss"], ref_loss, rtol=2 * FLOAT64_RHO)
 
 
 class SyncBN(nn.Module):
@@ -110,8 +111,9 @@ def test_pmap_era_axis_name_binds_to_the_data_parallel_axes(mesh):
     """``nn.BatchNorm(axis_name="batch")`` (Flax's ImageNet example) under
     ``train_step(axis_name="batch")`` is the same program as the model written with the
     data-parallel axes: bit-identical parameters, statistics and loss."""
-    x = np.random.default_rng(_seed()).standard_normal((16, 3)).astype(np.float32)
-    variables = SyncBN().init(jax.random.key(_seed()), x)
+    seed = fresh_seed()
+    x = np.random.default_rng(seed).standard_normal((16, 3)).astype(np.float32)
+    variables = SyncBN().init(jax.random.key(seed + 1), x)
 
     def run(model, axis_name):
         state = zpp.TrainState.create(model=model, params=variables, tx=optax.sgd(0.1),
@@ -121,11 +123,12 @@ def test_pmap_era_axis_name_binds_to_the_data_parallel_axes(mesh):
 
     bound = run(SyncBN("batch"), "batch")
     named = run(SyncBN(AXES), None)
-    jax.tree_util.tree_map(np.testing.assert_array_equal, bound, named)
-    # A per-device BatchNorm (no axis) differs: the binding is not a no-op.
     local = run(SyncBN(None), None)
-    assert abs(float(bound[2]["loss"]) - float(local[2]["loss"])) > 1e-3 * abs(
-        float(bound[2]["loss"]))
+    with seed_on_failure(seed):
+        jax.tree_util.tree_map(np.testing.assert_array_equal, bound, named)
+        # A per-device BatchNorm (no axis) differs: the binding is not a no-op.
+        assert abs(float(bound[2]["loss"]) - float(local[2]["loss"])) > 1e-3 * abs(
+            float(bound[2]["loss"]))
 
 
 def test_an_unbound_axis_name_says_what_the_axes_are(mesh):
@@ -177,9 +180,9 @@ def _global_norm_step(axis_name):
 
 
 class ParamsOnly(nnx.Module):
-    def __init__(self, rngs):
-        self.a = nnx.Linear(3, 8, rngs=rngs)
-        self.b = nnx.Linear(8, 2, rngs=rngs)
+    def __init__(self, rngs, param_dtype=jnp.float32):
+        self.a = nnx.Linear(3, 8, param_dtype=param_dtype, rngs=rngs)
+        self.b = nnx.Linear(8, 2, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x):
         return self.b(jax.nn.relu(self.a(x)))
@@ -188,12 +191,8 @@ class ParamsOnly(nnx.Module):
 def test_the_documented_nnx_step_runs_for_a_model_with_only_parameters(mesh):
     """The docs' NNX step spreads ``**state.collections`` and asks ``mutable=True``: with
     nothing but parameters, ``state.collections`` is an empty dict, not None."""
-    model = ParamsOnly(nnx.Rngs(_seed()))
-    ref = nnx.clone(model)
-    state = zpp.TrainState.create(model=model, params=None, tx=optax.sgd(0.1), mesh=mesh,
-                                  config=FP32)
-    assert state.collections == {}
-    x = np.random.default_rng(_seed()).standard_normal((16, 3)).astype(np.float32)
+    seed = fresh_seed()
+    x = np.random.default_rng(seed).standard_normal((16, 3))
 
     @zpp.train_step
     def step(state, x):
@@ -204,11 +203,19 @@ def test_the_documented_nnx_step_runs_for_a_model_with_only_parameters(mesh):
         (value, updates), g = jax.value_and_grad(loss, has_aux=True)(state.params)
         return state.apply_gradients(grads=g, **updates), value
 
-    _, value = step(state, x)
-    graphdef, params = nnx.split(ref, nnx.Param)
-
     def loss_of(p, x):
         return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
 
-    rounding = loss_and_grads_rounding(loss_of, params, x)
-    np.testing.assert_allclose(value, rounding.exact[0], rtol=2 * rounding.rho)
+    # The value against one device's, both in float64 (NNX makes float64 parameters only
+    # with x64 on: the model is built inside).
+    with float64_run():
+        model = ParamsOnly(nnx.Rngs(seed + 1), param_dtype=jnp.float64)
+        ref = nnx.clone(model)
+        state = zpp.TrainState.create(model=model, params=None, tx=optax.sgd(0.1), mesh=mesh,
+                                      config=zpp.ZeroPPConfig(**FLOAT64))
+        assert state.collections == {}
+        _, value = step(state, x)
+        graphdef, params = nnx.split(ref, nnx.Param)
+        ref_value = jax.jit(loss_of)(params, x)
+    with seed_on_failure(seed):
+        np.testing.assert_allclose(value, ref_value, rtol=2 * FLOAT64_RHO)

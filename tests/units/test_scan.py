@@ -1,5 +1,6 @@
 """``nn.scan`` layer stacks (the MaxText way of writing deep models): each layer is a unit,
-and each scan iteration gathers only its own layer."""
+and each scan iteration gathers only its own layer. The parity tests run both sides in
+float64 (the derived tolerance of tests/helpers.py, ``FLOAT64_RHO``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ import pytest
 
 import zeropp_jax as zpp
 
-from helpers import U32, assert_loss_and_grads_close, loss_and_grads_rounding
+from helpers import (
+    FLOAT64,
+    FLOAT64_RHO,
+    U64,
+    as_float64,
+    assert_loss_and_grads_close,
+    float64_run,
+    fresh_seed,
+    seed_on_failure,
+)
 
 D = 16
 
@@ -74,7 +84,7 @@ def _step():
 
 
 def _mse(model):
-    """The loss of ``_step`` as ``loss_of(params, batch)``, for the rounding measurement."""
+    """The loss of ``_step`` as ``loss_of(params, batch)``, for the one-device references."""
     return lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
 
 
@@ -99,38 +109,42 @@ def _batch(seed):
 
 @pytest.mark.parametrize("remat", ["minimal", "full"])
 def test_scanned_stack_equals_single_device_and_unrolled(remat):
-    batch = _batch(21)
-    params = _init(_Scanned(), jax.random.PRNGKey(3), batch["x"][:2])["params"]
-    state = zpp.TrainState.create(
-        model=_Scanned(), params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
-        config=zpp.ZeroPPConfig(compute_dtype="float32", remat=remat), stacked=["layers"])
-    assert sorted(n for n in state.engine.layouts if n.startswith("layers")) == [
-        f"layers[{i}]" for i in range(4)]
-    new, out = _step()(state, batch)
+    seed = fresh_seed()
+    batch = as_float64(_batch(seed))
+    params = as_float64(_init(_Scanned(), jax.random.PRNGKey(seed + 1), batch["x"][:2])["params"])
+    with float64_run():
+        state = zpp.TrainState.create(
+            model=_Scanned(), params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+            config=zpp.ZeroPPConfig(remat=remat, **FLOAT64), stacked=["layers"])
+        assert sorted(n for n in state.engine.layouts if n.startswith("layers")) == [
+            f"layers[{i}]" for i in range(4)]
+        new, out = _step()(state, batch)
 
-    # One-device references, jitted (one program each instead of op by op).
-    loss, grads = _ref_loss_and_grads(_Scanned(), params, batch)
-    unrolled = _unrolled_params(params, 4)
-    u_loss, u_grads = _ref_loss_and_grads(_Unrolled(), unrolled, batch)
-    # fp32: the three runs (sharded, scanned, unrolled) differ only in summation order; each
-    # is within this CPU's measured rounding of the exact values.
-    rho = loss_and_grads_rounding(_mse(_Scanned()), params, batch).rho
+        # One-device references, jitted (one program each instead of op by op).
+        loss, grads = _ref_loss_and_grads(_Scanned(), params, batch)
+        unrolled = _unrolled_params(params, 4)
+        u_loss, u_grads = _ref_loss_and_grads(_Unrolled(), unrolled, batch)
+    # float64: the three runs (sharded, scanned, unrolled) differ only in summation order;
+    # each is within the derived float64 rounding of the exact values.
+    rho = FLOAT64_RHO
     got = state.engine.consolidate(out["grads"])
     assert jax.tree_util.tree_map(np.shape, got) == jax.tree_util.tree_map(np.shape, grads)
-    assert_loss_and_grads_close(out["loss"], got, loss, grads, rho)
-    assert_loss_and_grads_close(u_loss, _unrolled_params(got, 4), loss, u_grads, rho)
+    with seed_on_failure(seed):
+        assert_loss_and_grads_close(out["loss"], got, loss, grads, rho)
+        assert_loss_and_grads_close(u_loss, _unrolled_params(got, 4), loss, u_grads, rho)
     # The update lands on the stacked parameters: consolidate gives the layer axis back.
-    # p - 0.1 g in fp32 in both, from gradients 2 rho apart: 0.1 * 2 rho max|g| per leaf,
-    # plus each run's two roundings (of 0.1 g, and of the new parameter: U32 of each); a
-    # missing or misplaced layer's update moves it by a whole 0.1 g.
-    # (in fp32 numpy: the same two roundings as jnp, without a program per leaf shape)
+    # p - 0.1 g in float64 in both, from gradients 2 rho apart: 0.1 * 2 rho max|g| per
+    # leaf, plus each run's two roundings (of 0.1 g, and of the new parameter: U64 of
+    # each); a missing or misplaced layer's update moves it by a whole 0.1 g.
+    # (in float64 numpy: the same two roundings as jnp, without a program per leaf shape)
     expected = jax.tree_util.tree_map(
-        lambda p, g: np.asarray(p) - np.float32(0.1) * np.asarray(g), params, grads)
+        lambda p, g: np.asarray(p) - 0.1 * np.asarray(g, np.float64), params, grads)
     for g, e, a in zip(*map(jax.tree_util.tree_leaves, (grads, expected, new.consolidate()))):
         step = 0.1 * np.max(np.abs(g))
-        tol = 2 * rho * step + 2 * U32 * (step + np.max(np.abs(e)))
+        tol = 2 * rho * step + 2 * U64 * (step + np.max(np.abs(e)))
         assert tol < 1e-2 * step
-        assert np.max(np.abs(np.asarray(a, np.float64) - e)) <= tol
+        with seed_on_failure(seed):
+            assert np.max(np.abs(np.asarray(a, np.float64) - e)) <= tol
 
 
 def _compiled(layers):
@@ -210,21 +224,24 @@ def test_boxed_scan_stack_is_found_on_defaults_and_exact():
     """Parameters passed with their boxes (``init(...)["params"]`` of a model using
     ``nn.with_logical_partitioning`` under ``nn.scan(metadata_params=...)``): the default
     policy sees through the boxes, makes each layer a unit, and the step equals one device."""
-    batch = _batch(int(np.random.default_rng().integers(1 << 30)))
+    seed = fresh_seed()
+    batch = as_float64(_batch(seed))
     model = _BoxedScanned()
-    boxed = _init(model, jax.random.PRNGKey(int(np.random.default_rng().integers(1 << 30))),
-                  batch["x"][:2])["params"]
+    # The boxes stay (as_float64 maps their values).
+    boxed = as_float64(_init(model, jax.random.PRNGKey(seed + 1), batch["x"][:2])["params"])
     assert any(isinstance(x, nn.Partitioned) for x in jax.tree_util.tree_leaves(
         boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)))
-    state = zpp.TrainState.create(model=model, params=boxed, tx=optax.sgd(0.1),
-                                  mesh=zpp.make_mesh(2, 4),
-                                  config=zpp.ZeroPPConfig(compute_dtype="float32"))
-    assert sorted(n for n in state.engine.layouts if n.startswith("layers")) == [
-        f"layers[{i}]" for i in range(4)]
-    _, out = _step()(state, batch)
-    params = nn.meta.unbox(boxed)
-    loss, grads = _ref_loss_and_grads(model, params, batch)
-    # fp32; the runs differ only in summation order (8 row slices vs one batch).
-    rho = loss_and_grads_rounding(_mse(model), params, batch).rho
-    assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]), loss,
-                                grads, rho)
+    with float64_run():
+        state = zpp.TrainState.create(model=model, params=boxed, tx=optax.sgd(0.1),
+                                      mesh=zpp.make_mesh(2, 4),
+                                      config=zpp.ZeroPPConfig(**FLOAT64))
+        assert sorted(n for n in state.engine.layouts if n.startswith("layers")) == [
+            f"layers[{i}]" for i in range(4)]
+        _, out = _step()(state, batch)
+        params = nn.meta.unbox(boxed)
+        loss, grads = _ref_loss_and_grads(model, params, batch)
+    # float64; the runs differ only in summation order (8 row slices vs one batch): each
+    # within the derived float64 rounding of the exact values.
+    with seed_on_failure(seed):
+        assert_loss_and_grads_close(out["loss"], state.engine.consolidate(out["grads"]),
+                                    loss, grads, FLOAT64_RHO)

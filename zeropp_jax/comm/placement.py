@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.comm.partition import unit_of
 from zeropp_jax.core import scopes
+from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.core.mesh import AXES, MODEL
 
 PyTree = Any
@@ -127,9 +128,10 @@ def to_host(x: jax.Array) -> np.ndarray:
 def global_norm(shards: Any) -> jax.Array:
     """L2 norm of a whole pytree whose leaves are primary shards. Inside ``shard_map``.
 
-    Each device sums the squares of its shards in fp32; a ``psum`` over ``("node",
-    "local")`` adds the devices' sums. Accepts a ``ShardedParams`` (as returned for the
-    gradient of ``state.params`` in ZeRO-3) or any pytree of sharded leaves.
+    Each device sums the squares of its shards in fp32 (float64 ones in float64); a ``psum``
+    over ``("node", "local")`` adds the devices' sums. Accepts a ``ShardedParams`` (as
+    returned for the gradient of ``state.params`` in ZeRO-3) or any pytree of sharded
+    leaves.
     """
     if isinstance(shards, ShardedParams):
         if not shards.sharded:
@@ -139,7 +141,7 @@ def global_norm(shards: Any) -> jax.Array:
             )
         shards = shards.units
     with jax.named_scope(scopes.OWN):
-        local = sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
+        local = sum(jnp.sum(jnp.square(x.astype(accumulation_dtype(x.dtype))))
                     for x in jax.tree_util.tree_leaves(shards))
         return jnp.sqrt(jax.lax.psum(local, AXES))
 

@@ -51,6 +51,7 @@ from pallas_kernels import reduce as _reduce
 from pallas_kernels import reorder as _reorder
 from pallas_kernels.reorder import reorder_reference
 from zeropp_jax.comm.collectives import from_wire, pack_rows, to_wire, unpack_rows
+from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.quant.quantization import _interpret, _resolve, check_settings
 from zeropp_jax.quant.rotation import hadamard_signs, rounding_key, rounding_seed
 
@@ -91,13 +92,14 @@ def hierarchical_reduce_scatter(
     """qgZ's two-hop algorithm without quantization: ``psum_scatter``'s placement and value.
 
     Runs inside ``shard_map``. Reorder (Algorithm 2), all-to-all over ``local_axis``, sum
-    the ``L`` contributions in fp32, round the partial sums back to ``x``'s dtype,
-    all-to-all over ``node_axis``, sum in fp32. Both hops move ``x``'s dtype as same-width
-    integers (an all-to-all does no arithmetic), so a bf16 gradient puts bf16 bytes on the
-    wire even where XLA's CPU backend would widen a bf16 reduce-scatter to f32. Cross-node
-    bytes per device: ``(N-1)/N * n / L`` elements, a bandwidth-optimal reduce-scatter's.
+    the ``L`` contributions in fp32 (float64 for a float64 ``x``), round the partial sums
+    back to ``x``'s dtype, all-to-all over ``node_axis``, sum in fp32 again. Both hops move
+    ``x``'s dtype as same-width integers (an all-to-all does no arithmetic), so a bf16
+    gradient puts bf16 bytes on the wire even where XLA's CPU backend would widen a bf16
+    reduce-scatter to f32. Cross-node bytes per device: ``(N-1)/N * n / L`` elements, a
+    bandwidth-optimal reduce-scatter's.
 
-    Returns fp32 ``[n / P]``.
+    Returns fp32 ``[n / P]`` (float64 for a float64 ``x``).
     """
     nodes = jax.lax.axis_size(node_axis)
     local = jax.lax.axis_size(local_axis)
@@ -117,14 +119,16 @@ def hierarchical_reduce_scatter(
 
 
 def _sum_rows(y: jax.Array) -> jax.Array:
-    """``[g, m]`` -> fp32 ``[m]``, the rows added in order (as qgZ's dequantize-reduce
-    adds its chunks). Not ``jnp.sum(axis=0)``: XLA's CPU backend reduces a short leading
-    axis with a fused convert about 25x slower than these adds (measured: 53 ms against 2
-    ms for a [2, 1.6M] bf16 array on 4 simulated devices of a 2-core Xeon, jax 0.10.2),
-    which made the unquantized two-hop reduce-scatter slower than qgZ's."""
-    total = y[0].astype(jnp.float32)
+    """``[g, m]`` -> ``[m]`` in fp32 at least (``accumulation_dtype``), the rows added in
+    order (as qgZ's dequantize-reduce adds its chunks). Not ``jnp.sum(axis=0)``: XLA's CPU
+    backend reduces a short leading axis with a fused convert about 25x slower than these
+    adds (measured: 53 ms against 2 ms for a [2, 1.6M] bf16 array on 4 simulated devices
+    of a 2-core Xeon, jax 0.10.2), which made the unquantized two-hop reduce-scatter slower
+    than qgZ's."""
+    wide = accumulation_dtype(y.dtype)
+    total = y[0].astype(wide)
     for row in range(1, y.shape[0]):
-        total = total + y[row].astype(jnp.float32)
+        total = total + y[row].astype(wide)
     return total
 
 

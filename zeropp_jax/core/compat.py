@@ -79,6 +79,10 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    the 7B's step at 16x8); ``xla_gpu_enable_while_loop_double_buffering`` unrolls the
    loop by two and the copies go (the replayed step is faster in every row of
    ``make gpu-cluster``).
+15. Whether 64-bit types are on (``x64_enabled``): ``jax.dtypes.canonicalize_dtype`` of
+   float64 is float64 exactly then, under ``jax.config.update("jax_enable_x64", True)`` or
+   inside ``jax.enable_x64(True)`` alike (checked in 0.10.2; read through that public
+   function rather than the config attribute, whose name JAX may change).
 """
 
 from __future__ import annotations
@@ -111,6 +115,13 @@ def all_gather_invariant(x: Any, axis_name: str | tuple[str, ...], *, axis: int 
 # Memory kinds: where an array lives. ``jax.memory.Space`` moves an array between a device's
 # own memory and its host memory inside jit and shard_map (jax >= 0.6; same in 0.11).
 HOST_MEMORY = "pinned_host"
+
+
+def x64_enabled() -> bool:
+    """Whether float64 arrays are float64 here (item 15)."""
+    import numpy as np
+
+    return jax.dtypes.canonicalize_dtype(np.float64) == np.float64
 
 
 def on_device(tree: Any) -> Any:

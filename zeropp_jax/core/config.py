@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeropp_jax import _deprecations
+from zeropp_jax.core import compat
 from zeropp_jax.core.deepspeed import VALID_STAGES as _VALID_STAGES
 from zeropp_jax.core.deepspeed import deepspeed_settings
 from zeropp_jax.core.settings import (
@@ -37,7 +38,7 @@ _VALID_BITS = (4, 8)
 # the INT ones: weight_bits=4 is weight_format="int4").
 _FORMAT_NAME = re.compile(r"[a-z][a-z_]*?(\d+)")
 _EXAMPLE_FORMATS = "'int8', 'int4' or 'fp8'"
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 _IMPLEMENTATIONS = (None, "xla", "pallas")
 _REDUCE_SCATTERS = ("flat", "hierarchical")
@@ -154,6 +155,8 @@ class ZeroPPConfig:
       qgz_pipeline_stages: chunks qgZ sends independently (paper Algorithm 2).
       compute_dtype: dtype weights are gathered and the model computes in.
       param_dtype: dtype of the primary (master) shards and the optimizer update.
+        ``"float64"`` (with ``compute_dtype="float64"``) needs JAX's 64-bit mode
+        (``jax_enable_x64``): a reference-precision run, as the exactness tests use.
       quantization_impl: ``"pallas"`` (the kernels in ``pallas_kernels``), ``"xla"``
         (plain jnp) or None: Pallas on GPU, jnp elsewhere.
       qgz_until: with qgZ, use it only for steps ``< qgz_until`` and a full-precision
@@ -442,6 +445,14 @@ class ZeroPPConfig:
             if getattr(self, name) not in _FLOAT_DTYPES:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} is invalid; valid dtypes are {_FLOAT_DTYPES}"
+                )
+            if getattr(self, name) == "float64" and not compat.x64_enabled():
+                # Without x64 JAX makes float64 arrays float32 with only a warning: the run
+                # would not be the float64 one asked for.
+                raise ValueError(
+                    f"{name}='float64' needs JAX's 64-bit mode: set "
+                    "jax.config.update('jax_enable_x64', True) at startup (or build and "
+                    "run the state inside `with jax.enable_x64(True):`)"
                 )
         for name in ("reduce_scatter", "all_gather"):
             if getattr(self, name) not in _REDUCE_SCATTERS:

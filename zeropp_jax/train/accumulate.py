@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax.core import compat
+from zeropp_jax.core.dtypes import accumulation_dtype
 
 PyTree = Any
 
@@ -91,10 +92,11 @@ def accumulate_gradients(
 
 
 def _zeros(shapes: PyTree) -> PyTree:
-    """fp32 zeros for the floating leaves of ``shapes`` (accumulators), zeros of their
-    own dtype for the others."""
+    """Zeros in fp32 at least (``accumulation_dtype``: float64 stays float64) for the
+    floating leaves of ``shapes`` (accumulators), zeros of their own dtype for the
+    others."""
     def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
-        dt = jnp.float32 if jnp.issubdtype(s.dtype, jnp.inexact) else s.dtype
+        dt = accumulation_dtype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else s.dtype
         return jnp.zeros(s.shape, dt)
 
     return jax.tree_util.tree_map(zeros, shapes)

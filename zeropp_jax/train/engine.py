@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.comm import collectives
 from zeropp_jax.core import compat, processes
 from zeropp_jax.core.config import ZeroPPConfig
+from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.train import build
 from zeropp_jax.units.adapters import ModelAdapter
 from zeropp_jax.units.apply import apply_units
@@ -447,7 +448,8 @@ class Engine:
                 if cfg.stage == 2:
                     g[name] = reduce_gradient(FlatReduceScatter(), full, cfg.param_jnp_dtype)
                 else:
-                    summed = jax.lax.psum(full, AXES).astype(jnp.float32) / self.num_devices
+                    summed = (jax.lax.psum(full, AXES).astype(accumulation_dtype(full.dtype))
+                              / self.num_devices)
                     g[name] = collectives.own_slice(summed, AXES).astype(cfg.param_jnp_dtype)
         g, finite = self._clip_and_check(g)
         if cfg.offload_optimizer:  # kept in host memory: the update runs on the device
@@ -523,7 +525,7 @@ class Engine:
             finite = jax.lax.psum(bad, AXES) == 0
         if cfg.gradient_clipping is not None:
             norm = global_norm(g)
-            max_norm = jnp.float32(cfg.gradient_clipping)
+            max_norm = jnp.asarray(cfg.gradient_clipping, norm.dtype)
             g = {
                 k: jnp.where(norm < max_norm, v, (v / norm.astype(v.dtype)) * max_norm)
                 .astype(v.dtype)

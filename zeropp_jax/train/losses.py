@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax.comm import collectives
+from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.core.mesh import AXES
 
 
@@ -24,15 +25,17 @@ def token_mean(values: jax.Array, weights: jax.Array | None = None) -> jax.Array
       weights: same shape (or broadcastable): 1 for real tokens, 0 for padding (or any
         non-negative weights). None: every token counts.
 
-    Returns a scalar (fp32). Its value on device ``d`` is ``P * sum_d(w * v) / W`` with
-    ``W = sum of weights over all devices`` (a ``psum`` over ``("node", "local")``) and
-    ``P`` devices, so that the mean over devices, which is what ``train_step`` returns
-    and what the gradient reduce-scatter computes, is the exact global token mean
-    ``sum(w * v) / W`` and its exact gradient. Returns 0 if no token has weight.
+    Returns a scalar (fp32 at least: float64 values stay float64). Its value on device
+    ``d`` is ``P * sum_d(w * v) / W`` with ``W = sum of weights over all devices`` (a
+    ``psum`` over ``("node", "local")``) and ``P`` devices, so that the mean over devices,
+    which is what ``train_step`` returns and what the gradient reduce-scatter computes, is
+    the exact global token mean ``sum(w * v) / W`` and its exact gradient. Returns 0 if no
+    token has weight.
     """
-    values = jnp.asarray(values, jnp.float32)
+    values = jnp.asarray(values)
+    values = values.astype(accumulation_dtype(values.dtype))
     weights = (jnp.ones_like(values) if weights is None
-               else jnp.broadcast_to(jnp.asarray(weights, jnp.float32), values.shape))
+               else jnp.broadcast_to(jnp.asarray(weights, values.dtype), values.shape))
     local = jnp.sum(values * weights)
     total = jax.lax.stop_gradient(jax.lax.psum(jnp.sum(weights), AXES))
     devices = collectives.axis_size(AXES)

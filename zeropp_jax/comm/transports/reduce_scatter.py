@@ -6,16 +6,16 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from zeropp_jax.comm.collectives import reduce_scatter_flat
 from zeropp_jax.comm.transports.base import GradientFacts
+from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.core.mesh import AXES
 
 
 @dataclasses.dataclass(frozen=True)
 class FlatReduceScatter(GradientFacts):
-    """One reduce-scatter over all devices in the gradient's dtype, summed to fp32."""
+    """One reduce-scatter over all devices in the gradient's dtype, summed to fp32 at least."""
 
     @classmethod
     def from_config(cls, config: Any) -> "FlatReduceScatter":
@@ -23,4 +23,4 @@ class FlatReduceScatter(GradientFacts):
 
     def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None,
                    step: jax.Array | None = None) -> jax.Array:
-        return reduce_scatter_flat(g_full, AXES).astype(jnp.float32)
+        return reduce_scatter_flat(g_full, AXES).astype(accumulation_dtype(g_full.dtype))

@@ -24,9 +24,11 @@ PyTree = Any
 
 def is_hf_model(model: Any) -> bool:
     """True for a transformers ``FlaxPreTrainedModel`` (by its shape, not by import)."""
+    # ``params`` on the class: on a model built with ``_do_init=False`` the instance's
+    # property raises ValueError (which ``hasattr`` does not catch).
     return (not isinstance(model, nn.Module) and isinstance(getattr(model, "module", None),
                                                             nn.Module)
-            and hasattr(model, "params") and hasattr(model, "config"))
+            and hasattr(type(model), "params") and hasattr(model, "config"))
 
 
 class _ShardedModule:

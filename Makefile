@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all gpu-check gpu-cluster venv clean docs lint-imports
+.PHONY: demo test test-all test-seeds gpu-check gpu-cluster venv clean docs lint-imports
 
 venv: $(STAMP)
 
@@ -33,6 +33,21 @@ lint-imports: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m ''
+
+# Every test that draws its inputs from fresh seeds, ROUNDS times on seeds of its own
+# (tests/conftest.py, --seed-rounds), then which test passed on how many seeds
+# (tests/seed_report.py; the seeds, and any failure's, in seed-report/). The tests of
+# `make test`; MARKS= adds the slow ones. Flags: make test-seeds ROUNDS=30 SEED_TESTS=tests/train
+ROUNDS ?= 30
+MARKS ?= not slow
+SEED_TESTS ?= tests
+SEED_DIR := seed-report
+test-seeds: $(STAMP)
+	rm -rf $(SEED_DIR) && mkdir -p $(SEED_DIR)
+	-ZPP_SEED_LOG=$(CURDIR)/$(SEED_DIR)/seeds.tsv $(PY) -m pytest -q -n 2 --dist worksteal \
+		-m '$(MARKS)' --seed-rounds $(ROUNDS) --junitxml=$(SEED_DIR)/junit.xml $(SEED_TESTS)
+	$(PY) tests/seed_report.py $(SEED_DIR)/seeds.tsv $(SEED_DIR)/junit.xml \
+		$(SEED_DIR)/seeds.json
 
 # On a machine with an NVIDIA GPU: Pallas kernels bit-exact and their bandwidth, and a
 # one-GPU train step (benchmarks/gpu_check.py; ~6 minutes on an H100). Uses .venv if it

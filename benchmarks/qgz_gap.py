@@ -80,6 +80,9 @@ ROWS = {
     "hop 2 only, qgZ first 85%": dict(
         mode="zeropp", cfg={**H, "qgz_until": 0.85}, hops=(None, 4),
         what="both fixes together"),
+    "hop 2 only, qgZ first 94%": dict(
+        mode="zeropp", cfg={**H, "qgz_until": 0.94}, hops=(None, 4),
+        what="both, qgZ as long as the 0.30x budget needs (switching's fraction)"),
 }
 # Runs of convergence.py (tracked) a row may reuse, by (row, seed, steps): (file, run name).
 TRACKED = {
@@ -120,7 +123,8 @@ TRACKED_WHAT = {
 }
 # The row a qgZ-first-f row runs before it switches (same transport, always on).
 ALWAYS_ON = {"zeropp + Hadamard, qgZ first 85%": "zeropp + Hadamard",
-             "hop 2 only, qgZ first 85%": "hop 2 only (16-bit intra, INT4 cross)"}
+             "hop 2 only, qgZ first 85%": "hop 2 only (16-bit intra, INT4 cross)",
+             "hop 2 only, qgZ first 94%": "hop 2 only (16-bit intra, INT4 cross)"}
 # The 0.30x budget on cross-node bytes per step against ZeRO-3.
 BYTES_BUDGET = 0.30
 TARGET_PCT = 0.1

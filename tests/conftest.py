@@ -6,6 +6,7 @@ happens at import.
 """
 
 import gc
+import inspect
 import os
 import shutil
 import tempfile
@@ -107,5 +108,77 @@ def pytest_collection_modifyitems(session, config, items):
     """The whole-program tests (tests/integration: subprocesses, several seconds each) run
     first. xdist's worksteal hands each worker a contiguous share and lets an idle worker
     take the tail of the other's: with the long tests first, the run ends on short ones
-    instead of one worker finishing a 10 s test while the other waits."""
+    instead of one worker finishing a 10 s test while the other waits. With
+    ``--seed-rounds``, only the tests that draw fresh seeds run."""
+    if config.getoption("seed_rounds") > 1:
+        def repeated(item) -> bool:
+            callspec = getattr(item, "callspec", None)
+            return callspec is not None and "_seed_round" in callspec.params
+
+        config.hook.pytest_deselected(items=[i for i in items if not repeated(i)])
+        items[:] = [i for i in items if repeated(i)]
     items.sort(key=lambda item: "/integration/" not in "/" + item.nodeid)
+
+
+# ``--seed-rounds N`` (``make test-seeds``): every test of a module that draws its inputs
+# with ``helpers.fresh_seed`` runs N times in this process, each round on seeds of its own;
+# the rounds after the first reuse the first's compiled programs, so 30 rounds cost far
+# less than 30 runs. With ``ZPP_SEED_LOG`` set, ``fresh_seed`` writes each test's seeds
+# there (tests/seed_report.py pairs them with the outcomes).
+def pytest_addoption(parser):
+    parser.addoption("--seed-rounds", type=int, default=1,
+                     help="run each test that draws fresh seeds this many times")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _seed_round(request):
+    """The round (``--seed-rounds``), 0 without. Module-scoped: a module-scoped fixture that
+    draws a fresh seed takes it as an argument, so it draws again each round."""
+    return getattr(request, "param", 0)
+
+
+@pytest.fixture(autouse=True)
+def _drawn_seeds():
+    import helpers
+
+    helpers.DRAWN.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that drew fresh seeds names them, and how to replay one."""
+    report = (yield).get_result()
+    if report.failed:
+        import helpers
+
+        if helpers.DRAWN:
+            report.sections.append(("seeds", f"inputs from seeds {helpers.DRAWN}: rerun "
+                                    f"with ZPP_TEST_SEED={helpers.DRAWN[0]}"))
+
+
+def _drawing_names(module) -> frozenset:
+    """The module's functions (fixtures included) that draw a fresh seed, directly or
+    through another of them."""
+    sources = {}
+    for name, obj in vars(module).items():
+        fn = getattr(obj, "__wrapped__", getattr(obj, "__pytest_wrapped__", obj))
+        fn = getattr(fn, "obj", fn)
+        if inspect.isfunction(fn) and fn.__module__ == module.__name__:
+            sources[name] = inspect.getsource(fn)
+    drawing = {n for n, src in sources.items() if "fresh_seed(" in src}
+    while True:
+        more = {n for n, src in sources.items()
+                if n not in drawing and any(f"{d}(" in src or f" {d}" in src for d in drawing)}
+        if not more:
+            return frozenset(drawing)
+        drawing |= more
+
+
+def pytest_generate_tests(metafunc):
+    rounds = metafunc.config.getoption("seed_rounds")
+    if rounds <= 1 or "fresh_seed(" not in inspect.getsource(metafunc.module):
+        return
+    drawing = _drawing_names(metafunc.module)
+    if metafunc.function.__name__ in drawing or drawing & set(metafunc.fixturenames):
+        metafunc.parametrize("_seed_round", range(rounds), ids=lambda i: f"round{i}",
+                             scope="module")

@@ -76,11 +76,22 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# The seeds the running test has drawn (tests/conftest.py empties it before each test and
+# names them in a failed test's report).
+DRAWN: list[int] = []
+
+
 def fresh_seed() -> int:
     """A seed for a test's random inputs: fresh on every run, or ``ZPP_TEST_SEED`` to
-    replay the one a failure named (``seed_on_failure``)."""
+    replay the one a failure named (``seed_on_failure``, or the report's "seeds" section)."""
     given = os.environ.get("ZPP_TEST_SEED")
-    return int(given) if given else secrets.randbelow(1 << 30)
+    seed = int(given) if given else secrets.randbelow(1 << 30)
+    DRAWN.append(seed)
+    log = os.environ.get("ZPP_SEED_LOG")  # make test-seeds: which test drew which seed
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{seed}\n")
+    return seed
 
 
 @contextlib.contextmanager

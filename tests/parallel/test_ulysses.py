@@ -402,7 +402,7 @@ def _training_runs(seed):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(_seed_round):  # drawn again each --seed-rounds round (tests/conftest.py)
     return _training_runs(fresh_seed())  # fresh inputs each run
 
 

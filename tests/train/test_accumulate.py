@@ -48,8 +48,9 @@ def _micro(batch: np.ndarray, devices: int, k: int, j: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def setup():
-    """A fresh seed, the fp32 parameters and a batch of 32 rows drawn from it."""
+def setup(_seed_round):
+    """A fresh seed (again each ``--seed-rounds`` round), the fp32 parameters and a batch of
+    32 rows drawn from it."""
     seed = fresh_seed()
     return seed, init_params(seed=seed), tokens(32, seed=seed + 1)
 

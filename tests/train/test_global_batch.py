@@ -84,7 +84,7 @@ def _step(how):
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(_seed_round):  # drawn again each --seed-rounds round (tests/conftest.py)
     """The model, float64 parameters and batches at a fresh seed, and the one-device float64
     SGD trajectory on them: ``(losses, final params, gradients, tolerances, rho)``."""
     model = Clip()

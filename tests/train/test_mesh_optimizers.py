@@ -45,7 +45,7 @@ FAST = {((2, 4), "adamw"), ((2, 4), "lion"), ((1, 4), "sgd"), ((4, 1), "adam")}
 # Adam itself on 4x1 ([mesh_shape11-adam]).
 CASES = [
     pytest.param(m, o, marks=() if (m == (1, 1) and o != "adam") or (m, o) in FAST
-                 else pytest.mark.slow)
+                 else pytest.mark.slow, id=f"{m[0]}x{m[1]}-{o}")
     for m in MESHES for o in OPTIMIZERS
 ]
 

@@ -121,14 +121,16 @@ def _sgd_state64(shape):
 
 
 @pytest.fixture(scope="module")
-def sgd_state():
-    """(seed, float64 zero3 state on (2, 2, 2) with sgd(0.1)) at a fresh seed."""
+def sgd_state(_seed_round):
+    """(seed, float64 zero3 state on (2, 2, 2) with sgd(0.1)) at a fresh seed (again each
+    ``--seed-rounds`` round: tests/conftest.py)."""
     return _sgd_state64((2, 2, 2))
 
 
 @pytest.fixture(scope="module")
-def sgd_state_124():
-    """(seed, float64 zero3 state on (1, 2, 4) with sgd(0.1)) at a fresh seed."""
+def sgd_state_124(_seed_round):
+    """(seed, float64 zero3 state on (1, 2, 4) with sgd(0.1)) at a fresh seed (again each
+    ``--seed-rounds`` round)."""
     return _sgd_state64((1, 2, 4))
 
 
@@ -475,10 +477,10 @@ class _Foreign(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _foreign(name):
-    """The model ``name`` in float64 (its weights drawn once per process, the NNX model's
-    at a fresh seed), its loss and the one-device reference's: both meshes' tests reuse the
-    model and the compiled reference."""
+def _foreign(name, seed_round=0):
+    """The model ``name`` in float64 (its weights drawn once per process, and per
+    ``--seed-rounds`` round, the NNX model's at a fresh seed), its loss and the one-device
+    reference's: both meshes' tests reuse the model and the compiled reference."""
     import zoo
 
     seed = fresh_seed()
@@ -530,7 +532,7 @@ _OTHER_MESH = pytest.mark.slow
     pytest.param("hf_llama", (2, 2, 2), id="hf_llama-shape0"),
     pytest.param("hf_llama", (1, 2, 4), marks=_OTHER_MESH, id="hf_llama-shape1"),
 ])
-def test_models_we_did_not_write(name, shape):
+def test_models_we_did_not_write(name, shape, _seed_round):
     """An NNX model annotated with ``nnx.with_partitioning`` and transformers' Flax Llama
     named through ``param_axes`` with MaxText's rules, both in float64: one step on
     ``shape`` gives the one-device loss and gradients within the derived float64
@@ -541,7 +543,7 @@ def test_models_we_did_not_write(name, shape):
         transformers = pytest.importorskip("transformers")
         if not hasattr(transformers, "FlaxPreTrainedModel"):
             pytest.skip("this transformers has no Flax models")
-    foreign = _foreign(name)
+    foreign = _foreign(name, _seed_round)
     model, params, loss = foreign.model, foreign.params, foreign.loss
     batch = foreign.make_batch(np.random.default_rng(foreign.seed + 1), 16)
 

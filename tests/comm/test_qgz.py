@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import secrets
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +134,7 @@ def _placement_ratios(mesh_shape, m, bits, seed):
 
 @pytest.mark.parametrize("mesh_shape,m,bits", PLACEMENT_CASES)
 def test_placement_and_error_bound(mesh_shape, m, bits):
-    _placement_ratios(mesh_shape, m, bits, seed=secrets.randbelow(1 << 31))  # fresh inputs
+    _placement_ratios(mesh_shape, m, bits, seed=fresh_seed())  # fresh inputs
 
 
 @pytest.mark.bitwise_programs
@@ -528,7 +527,7 @@ def test_hadamard_placement_and_error_bound(mesh_shape, bits):
     bound from its rotated scales, the bound not vacuous (reached to a good fraction,
     small against the sums). What the rotation is for, a smaller error than without it on
     blocks with an outlier, is test_hadamard_beats_plain_qgz_on_outlier_blocks."""
-    _hadamard_ratios(mesh_shape, bits, seed=secrets.randbelow(1 << 31))  # fresh inputs
+    _hadamard_ratios(mesh_shape, bits, seed=fresh_seed())  # fresh inputs
 
 
 def _outlier_blocks(rng, rows: int, n: int, block: int, qm: int) -> np.ndarray:
@@ -555,7 +554,7 @@ def test_hadamard_beats_plain_qgz_on_outlier_blocks():
     lower bound <= its error. (The (1, 4) INT4 programs of the test above.)"""
     from zeropp_jax.quant.rotation import hadamard_signs
 
-    seed = secrets.randbelow(1 << 31)  # fresh inputs
+    seed = fresh_seed()  # fresh inputs
     nodes, local, m, block, bits, qm = 1, 4, 96, 32, 4, 7
     mesh = zpp.make_mesh(nodes, local, devices=jax.devices()[:local])
     x = np.zeros((local, local * m), np.float32)
@@ -609,7 +608,7 @@ def test_stochastic_rounding_is_seeded_and_averages_out():
     sum), where rounding to nearest, deterministic, would keep its error: at K = 16 the
     expected ratio is 1/4, asserted below 1/2."""
     mesh = zpp.make_mesh(2, 4)
-    seed = int(np.random.default_rng().integers(1 << 16))  # fresh inputs each run
+    seed = fresh_seed()  # fresh inputs each run
     rng = np.random.default_rng(seed)
     x = rng.standard_t(3, size=(8, 8 * 64)).astype(np.float32)
     exact = x.astype(np.float64).sum(axis=0).reshape(8, -1)

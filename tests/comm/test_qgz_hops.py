@@ -5,7 +5,6 @@ per-node cases, the config's checks, and the step it builds."""
 from __future__ import annotations
 
 import functools
-import secrets
 
 import jax
 import numpy as np
@@ -21,7 +20,7 @@ from zeropp_jax.comm.transports.base import gradient_bytes
 from zeropp_jax.measure.comm_report import collectives
 from zeropp_jax.plan.auto import candidate_configs
 
-from helpers import SMALL, all_pairs, init_params, make_step, pairs_covered, tokens
+from helpers import fresh_seed, SMALL, all_pairs, init_params, make_step, pairs_covered, tokens
 from test_qgz_feedback import (AXES, BITS, BLOCK, _geometry, _hop2, _mesh, _put, _q_dq,
                                _signs, _sum_in_order)
 
@@ -74,7 +73,7 @@ def _gradients(rng, num: int, m: int = M) -> np.ndarray:
 @pytest.mark.parametrize("mesh_shape,hadamard,stages", CASES)
 def test_matches_numpy_reference_bit_for_bit(mesh_shape, hadamard, stages):
     nodes, local = mesh_shape
-    seed = secrets.randbits(32)
+    seed = fresh_seed()
     x = _gradients(np.random.default_rng(seed), nodes * local)
     out = _library(nodes, local, hadamard, stages)(x)
     want = reference_cross(x, nodes=nodes, local=local, stages=stages,
@@ -93,7 +92,7 @@ def test_one_quantization_instead_of_two():
     element within the bound that hop's blocks promise (half a quantization step of each
     of the ``N`` blocks it sums, plus fp32 rounding), a bound both-hop qgZ exceeds."""
     nodes, local, stages = 2, 4, 1
-    seed = secrets.randbits(32)
+    seed = fresh_seed()
     x = _gradients(np.random.default_rng(seed), nodes * local)
     num, m, m_pad, sub = _geometry(nodes, local, stages, x.shape[1])
     out = _library(nodes, local, False, stages)(x)
@@ -120,7 +119,7 @@ def test_one_quantization_instead_of_two():
 
 
 def test_one_node_is_the_exact_reduce_scatter_and_one_device_per_node_is_qgz():
-    seed = secrets.randbits(32)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     # One node: nothing crosses nodes, nothing is quantized, even with single_node="quantize".
     x = _gradients(rng, 4)

@@ -31,6 +31,8 @@ from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
 from zeropp_jax.quant.quantization import dequantize_flat, quantize_flat
 from zeropp_jax.quant.rotation import hadamard_signs
 
+from helpers import fresh_seed
+
 SHARD = 512  # elements per device: two 256-element quantization blocks
 
 
@@ -155,7 +157,7 @@ def test_hpz_rebuilds_forward_weights_from_the_secondary(inner, group_size):
 
 def test_flat_reduce_scatter_is_the_sum_and_qgz_off_is_its_fallback():
     mesh = zpp.make_mesh(2, 4)
-    seed = int(np.random.default_rng().integers(1 << 16))  # fresh inputs each run
+    seed = fresh_seed()  # fresh inputs each run
     rng = np.random.default_rng(seed)
     g = rng.standard_normal((8, 8 * SHARD)).astype(np.float32)  # each device's full gradient
     exact = g.astype(np.float64).sum(0)

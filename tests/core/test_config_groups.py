@@ -11,6 +11,8 @@ import pytest
 import zeropp_jax as zpp
 from zeropp_jax.core.settings import GROUPS
 
+from helpers import fresh_seed
+
 C = zpp.ZeroPPConfig
 
 
@@ -39,7 +41,7 @@ def _random_config(rng):
 
 
 def test_groups_round_trip_to_the_same_config():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed())
     for _ in range(20):
         config = _random_config(rng)
         grouped = C(config.stage, weight_bits=config.weight_bits,

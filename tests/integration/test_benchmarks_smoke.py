@@ -136,8 +136,7 @@ def test_qgz_hops_transport_matches_qgz_and_bounds_each_hop():
     hop quantized its only error is the bf16 rounding of the node partial sums; with only
     the cross-node hop quantized its error is within that hop's INT4 rounding bound, and it
     is the library's ``qgz_hops="cross"`` bit for bit."""
-    import secrets
-
+    
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -148,7 +147,7 @@ def test_qgz_hops_transport_matches_qgz_and_bounds_each_hop():
     nodes, local, block = 2, 4, 256
     num = nodes * local
     mesh = zpp.make_mesh(nodes, local)
-    seed = secrets.randbelow(2**31)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     n = num * block * 2
     x = rng.standard_t(3, size=(num, n)).astype(np.float32)  # heavy tails, as gradients

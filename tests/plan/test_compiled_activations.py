@@ -15,15 +15,13 @@ which that file holds to 10% of compiled steps.
 
 from __future__ import annotations
 
-import secrets
-
 import jax
 import numpy as np
 import optax
 import pytest
 
 import zeropp_jax as zpp
-from helpers import zoo_train_step
+from helpers import fresh_seed, zoo_train_step
 from zeropp_jax.plan import auto, measured
 from zeropp_jax.plan.auto import plan
 from zeropp_jax.plan.cost_model import Hardware, Link
@@ -80,7 +78,7 @@ def compiled_steps():
     each run (memory does not depend on them; the seed is in the failure messages)."""
     import zoo
 
-    out, seed = {}, secrets.randbelow(2**31)
+    out, seed = {}, fresh_seed()
 
     def get(model: str, config: str, rows: int):
         key = (model, config, rows)

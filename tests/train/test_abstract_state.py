@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 
 import zeropp_jax as zpp
 import zoo
-from helpers import SMALL, init_params, make_step, tokens
+from helpers import fresh_seed, SMALL, init_params, make_step, tokens
 from zeropp_demo.gpt import GPT
 
 STEP = make_step()
@@ -37,7 +37,7 @@ def _described(tree):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_abstract_state_lowers_to_the_real_states_program(name):
     config, mesh = CONFIGS[name], zpp.make_mesh(2, 4)
-    params = init_params(seed=np.random.default_rng().integers(1 << 16))
+    params = init_params(seed=fresh_seed())
     tx = optax.adamw(1e-3, weight_decay=0.1)
     real = zpp.TrainState.create(model=GPT(SMALL), params=params, tx=tx, mesh=mesh,
                                  config=config)
@@ -84,6 +84,6 @@ def test_abstract_scan_stack_lowers_to_the_real_states_program():
                                       tx=tx, mesh=mesh)
     assert len(real.engine.layouts) > 2  # one unit per layer, and the rest
     assert _described(abstract) == _described(real)
-    batch = entry.make_batch(np.random.default_rng(), 8)
+    batch = entry.make_batch(np.random.default_rng(fresh_seed()), 8)
     assert (step.lower(abstract, _abstract(batch)).as_text()
             == step.lower(real, batch).as_text())

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import secrets
 import signal
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import time
 
 import numpy as np
 
-from helpers import subprocess_env
+from helpers import fresh_seed, subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOCK_MODULE = ROOT / "zeropp_jax" / "train" / "writer_lock.py"
@@ -41,7 +40,7 @@ def test_pruning_never_removes_a_later_step():
 
     assert to_prune([1, 2, 3, 4], 3, 3) == []
     assert to_prune([1, 2, 3, 4], 3, 2) == [1]
-    seed = secrets.randbelow(1 << 30)
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     for _ in range(200):
         steps = sorted(set(rng.integers(0, 50, rng.integers(1, 12)).tolist()))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from helpers import SMALL, init_params, make_step, tokens
+from helpers import fresh_seed, SMALL, init_params, make_step, tokens
 from zeropp_demo.gpt import GPT
 
 HOST = "pinned_host"
@@ -121,7 +121,7 @@ TXS = {"sgd": lambda: optax.sgd(0.05, momentum=0.9),
     pytest.param(n, c, id=f"{n}-{i}", marks=pytest.mark.slow if n == "lion" else ())
     for i, (n, c) in enumerate(CASES)])
 def test_offloaded_training_is_bit_for_bit_the_same(name, config):
-    seed = int(np.random.default_rng().integers(1 << 16))
+    seed = fresh_seed()
     base, base_losses = _train(_initial(name, config), 3, seed)
     offloaded = _initial(name, dataclasses.replace(config, offload_optimizer=True))
     assert _memory_kinds(offloaded.opt_state) == {HOST}
@@ -140,7 +140,7 @@ def test_offloaded_parameters_train_bit_for_bit_the_same(name, config, offload, 
     module's plain step, or ``"accumulating"``, two micro-batches per step (each reads the
     offloaded parameters)."""
     step = _accumulating_step if step == "accumulating" else None
-    seed = int(np.random.default_rng().integers(1 << 16))
+    seed = fresh_seed()
     base, base_losses = _train(_initial(name, config), 3, seed, step)
     off = _initial(name, dataclasses.replace(config, **offload))
     want = HOST if offload.get("offload_optimizer") else "device"
@@ -164,7 +164,7 @@ def test_offloaded_parameters_need_stage_3():
 
 
 def test_offload_with_gradient_accumulation_is_bit_for_bit_the_same():
-    seed = int(np.random.default_rng().integers(1 << 16))
+    seed = fresh_seed()
     name, config = ACC
     base, base_losses = _train(_initial(name, config), 2, seed, _accumulating_step)
     off, losses = _train(_initial(name, dataclasses.replace(config, **BOTH)), 2, seed,
@@ -193,7 +193,7 @@ def test_the_compiled_step_keeps_the_state_in_host_memory():
 def test_checkpoints_cross_the_switch_and_meshes(tmp_path):
     from zeropp_jax import checkpoint
 
-    seed = int(np.random.default_rng().integers(1 << 16))
+    seed = fresh_seed()
     name, config = ACC  # zeropp, AdamW; trained with accumulation (the step is incidental)
     # The offloaded state the accumulation test starts from: its step is compiled once.
     fresh = _initial(name, dataclasses.replace(config, **BOTH))
@@ -250,7 +250,7 @@ def test_the_memory_model_moves_the_moments_to_the_host():
     from zeropp_jax.plan.workload import ADAM_BYTES_PER_PARAM, memory_breakdown, \
         transformer_shape
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed())
     layers, d = int(rng.integers(4, 40)), 128 * int(rng.integers(8, 64))
     shape = transformer_shape(layers=layers, d_model=d, vocab=32000, seq_len=2048)
     nodes, local, tokens = 4, 8, 4096.0
@@ -301,7 +301,7 @@ def test_the_planner_offloads_only_when_nothing_fits():
 def test_the_memory_model_moves_offloaded_shards_to_the_host():
     from zeropp_jax.plan.workload import memory_breakdown, transformer_shape
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed())
     shape = transformer_shape(layers=int(rng.integers(4, 40)), d_model=128 * int(
         rng.integers(8, 64)), vocab=32000, seq_len=2048)
     devices = 32
@@ -346,7 +346,7 @@ def test_models_we_did_not_write_train_the_same_offloaded(name):
             lambda p: entry.loss(state.apply_fn, p, batch, True, rng=rng))(state.params)
         return state.apply_gradients(grads=g), {"loss": loss}
 
-    seed = int(np.random.default_rng().integers(1 << 16))
+    seed = fresh_seed()
     runs = []
     for offload in ({}, {"offload_optimizer": True, "offload_params": True}):
         rng = np.random.default_rng(seed)
@@ -378,7 +378,7 @@ def test_a_fraction_of_the_optimizer_state_offloaded_trains_bit_for_bit_the_same
     units' state in host memory until their parameters reach the fraction, the rest (and
     the step count) on the device, before and after steps; training is the same bit for
     bit, and a checkpoint restores into the same split."""
-    seed = int(np.random.default_rng().integers(1 << 16))
+    seed = fresh_seed()
     config = zpp.ZeroPPConfig.zeropp(gradient_clipping=0.05)  # as CASES' adamw-1: same base
     base, base_losses = _train(_initial("adamw", config), 3, seed)
     fresh = _initial("adamw", dataclasses.replace(config, offload_optimizer=True,

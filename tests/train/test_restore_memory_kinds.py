@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
-from helpers import SMALL, init_params, tokens
+from helpers import fresh_seed, SMALL, init_params, tokens
 from zeropp_demo.gpt import GPT, MEGATRON_RULES
 
 TP_CFG = dataclasses.replace(SMALL, logical_axes=True)
@@ -62,7 +62,7 @@ def checkpoint_dir(tmp_path_factory):
     """(seed, directory, values) of one checkpoint with a fresh seed's parameters, random
     moments and counts (so that a restore that left any template value in place shows),
     written from a plain on-device state: checkpoints do not depend on the mesh."""
-    seed = int(np.random.default_rng().integers(1 << 16))
+    seed = fresh_seed()
     rng = np.random.default_rng(seed)
     src = _template("plain", "none", seed)
 

@@ -321,6 +321,17 @@ def float64_run(*modules):
         yield
 
 
+class WideFloat32:
+    """``lib`` (numpy or jax.numpy) whose ``float32`` is ``float64``: set as a module's
+    ``np``/``jnp`` so that its explicit fp32 casts stay float64 in a float64 run."""
+
+    def __init__(self, lib: Any):
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        return self._lib.float64 if name == "float32" else getattr(self._lib, name)
+
+
 def as_float64(tree):
     """``tree`` with its floating leaves float64 numpy arrays (the same values: fp32 and
     bf16 values are float64 values), other leaves as they are."""
@@ -336,15 +347,10 @@ def as_float64(tree):
 def _float32_reads_as_float64(modules):
     """Inside, ``jnp.float32`` in ``modules`` is float64, so the explicit casts to fp32 they
     make (the demo GPT's logits, attention's fp32 softmax) stay float64 in a reference."""
-
-    class Wide:
-        def __getattr__(self, name):
-            return jnp.float64 if name == "float32" else getattr(jnp, name)
-
     saved = [m.jnp for m in modules]
     try:
         for m in modules:
-            m.jnp = Wide()
+            m.jnp = WideFloat32(jnp)
         yield
     finally:
         for m, j in zip(modules, saved):

@@ -932,13 +932,6 @@ def _t5_layer_norm64(base):
     return FlaxT5LayerNorm
 
 
-class _WideNumpy:
-    """numpy, but ``float32`` is ``float64``: for a module's explicit ``np.float32`` casts."""
-
-    def __getattr__(self, name):
-        return np.float64 if name == "float32" else getattr(np, name)
-
-
 @contextlib.contextmanager
 def float64_context(name: str):
     """Inside: JAX's 64-bit mode (``helpers.float64_run``) and what entry ``name``'s float64
@@ -950,9 +943,9 @@ def float64_context(name: str):
     reference inside."""
     from jax._src.nn import functions as jax_nn
 
-    from helpers import float64_run
+    from helpers import WideFloat32, float64_run
 
-    patches, modules = [(jax_nn, "np", _WideNumpy())], ()
+    patches, modules = [(jax_nn, "np", WideFloat32(np))], ()
     if name == "hf_llama":
         import transformers.models.llama.modeling_flax_llama as llama
 
@@ -989,15 +982,11 @@ def _nnx_float64(model):
     return model
 
 
-def _float64_leaves(tree: PyTree) -> PyTree:
-    return jax.tree_util.tree_map(
-        lambda x: np.asarray(x, np.float64) if np.issubdtype(np.asarray(x).dtype, np.floating)
-        else np.asarray(x), tree)
-
-
 def float64_batch(batch: dict) -> dict:
     """``batch`` with its floating leaves float64 (the same values)."""
-    return _float64_leaves(batch)
+    from helpers import as_float64
+
+    return as_float64(batch)
 
 
 def float64_twin(entry: ZooEntry, params: PyTree | None = None,
@@ -1015,8 +1004,10 @@ def float64_twin(entry: ZooEntry, params: PyTree | None = None,
             from flax import nnx
 
             params = nnx.to_pure_dict(params)
-    params = _float64_leaves(params)
-    colls = _float64_leaves(dict(entry.collections if collections is None else collections))
+    from helpers import as_float64
+
+    params = as_float64(params)
+    colls = as_float64(dict(entry.collections if collections is None else collections))
     model, apply = entry.model, entry.apply
     if entry.kind == "nnx":
         from flax import nnx

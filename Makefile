@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-seeds gpu-check gpu-cluster venv clean docs lint-imports
+.PHONY: demo test test-all test-seeds gpu-check gpu-calibrate gpu-cluster venv clean docs lint-imports
 
 venv: $(STAMP)
 
@@ -56,6 +56,13 @@ test-seeds: $(STAMP)
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py $(ARGS)
+
+# The gpu-cluster replay's prices checked on a GPU: the 1.3B's train step (plain jax.jit,
+# ZeRO-3, ZeRO++, INT4 + Hadamard weights) run for real, each kernel's profiled time against
+# its roofline price (benchmarks/gpu_cluster/calibrate.py; about 1 minute on an H200).
+# Flags: make gpu-calibrate ARGS="--out benchmarks/results --name gpu_calibrate_h200"
+gpu-calibrate:
+	$(GPU_PY) -m benchmarks.gpu_cluster.calibrate $(ARGS)
 
 # ZeRO-3 and ZeRO++ compiled for an H100 cluster (2x8 to 16x8 GPUs) on this host, no GPU
 # needed: memory against the planner's model, and the compiled schedule's overlap

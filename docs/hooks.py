@@ -548,6 +548,46 @@ def _gpu_step(data: dict) -> str:
     return _table(header, rows) + "\n\n" + caption
 
 
+def gpu_calibrate(data: dict, view: str | None) -> str:
+    """``benchmarks/gpu_cluster/calibrate.py`` (``make gpu-calibrate``): per config, the
+    measured step and, per kernel class, the replay's roofline price against the measured
+    kernel time on that GPU."""
+    _no_view(view, "gpu_calibrate")
+    runs = [r for r in data["runs"] if "error" not in r]
+    if not runs:
+        raise TableError(f"gpu_calibrate: no run without an error ({data['runs']})")
+    classes = list(runs[0]["vs_roofline"]["by_class"])
+    rows = []
+    for r in runs:
+        v = r["vs_roofline"]
+        first = len(rows)
+        for cls in [*classes, None]:
+            if cls is None:
+                priced, got = v["priced_ms"], v["measured_kernels_ms"]
+                label = "**all kernels**"
+            else:
+                c = v["by_class"][cls]
+                priced, got, label = c["priced_ms"], c["measured_ms"], cls
+                if not priced and not got:
+                    continue
+            rows.append([r["config"] if len(rows) == first else "", label,
+                         f"{priced:.2f}", f"{got:.2f}", _x(got / priced) if priced else "-"])
+    steps = "; ".join(f"{r['config']} {r['step_ms_median']:.1f} ms (MFU {r['mfu']:.3f})"
+                      for r in runs)
+    c = data["ceilings"]
+    roof = data["roofline"]
+    caption = (
+        f"{data['device']}, jax {data['jax']}: the {data['model']} Llama "
+        f"({data['params'] / 1e9:.2f}B parameters), one {data['seq']}-token sequence. "
+        f"Prices at {roof['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16 and "
+        f"{roof['memory_bytes_per_s'] / 1e12:.2f} TB/s (datasheet); this GPU measured "
+        f"{c['matmul_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s on an {c['matmul_n']}^3 bf16 "
+        f"matmul and {c['copy_bytes_per_s'] / 1e12:.2f} TB/s on a copy. Steps (median): "
+        f"{steps}.")
+    return _table(["config", "kernel class", "priced ms", "measured ms", "measured / priced"],
+                  rows) + "\n\n" + caption
+
+
 # --------------------------------------------------------------------------- one-file benchmarks
 
 
@@ -1294,6 +1334,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("convergence", {"settings", "runs", "targets"}, convergence),
     ("gpu_check", {"versions", "kernels", "bandwidth", "train_step"}, gpu_check),
     ("gpu_cluster", {"device", "seq_len", "rows"}, gpu_cluster),
+    ("gpu_calibrate", {"device", "ceilings", "roofline", "runs"}, gpu_calibrate),
     ("lora_finetune", {"args", "runs"}, lora),
     ("memory", {"modes", "paper_example", "depth"}, memory),
     ("models", {"models", "layers", "d_model", "devices"}, models),

@@ -43,6 +43,20 @@ _FREE = frozenset({
     "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
 })
 _SLICES = frozenset({"slice", "dynamic-slice", "gather", "bitcast"})
+# Root ops that update their first operand in place: the operand index of the update.
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
+# Ops whose output element i needs only element i of each same-shaped operand.
+_ONE_TO_ONE = frozenset({
+    "convert", "bitcast", "bitcast-convert", "reshape", "transpose", "copy", "negate", "abs",
+    "not", "is-finite", "exponential", "exponential-minus-one", "log", "log-plus-one", "sqrt",
+    "rsqrt", "cbrt", "tanh", "logistic", "sign", "floor", "ceil", "round-nearest-even",
+    "round-nearest-afz", "sine", "cosine", "add", "subtract", "multiply", "divide",
+    "maximum", "minimum", "power", "remainder", "and", "or", "xor", "compare", "select",
+    "clamp", "atan2", "shift-left", "shift-right-logical", "shift-right-arithmetic",
+    "stochastic-convert", "erf", "real", "imag", "popcnt", "count-leading-zeros"})
+# A fusion's kernel: run in line, or asynchronously (``fusion-start``; its ``fusion-done``
+# only waits, so costs nothing here).
+_FUSIONS = frozenset({"fusion", "fusion-start"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +356,7 @@ class _Replay:
         if ins.opcode in _FREE or ins.opcode.endswith("-done"):
             return 0.0
         operand_bytes = [self.sizes.get(o, 0.0) for o in ins.operands]
-        if ins.opcode == "fusion":
+        if ins.opcode in _FUSIONS:
             fused = self.comps.get(ins.attr("calls") or "", ())
             seconds = self._matmul_s(fused)
             nbytes = _fusion_bytes(ins, fused, operand_bytes)
@@ -452,12 +466,25 @@ def _op_name(line: str) -> str:
     return m.group(1) if m else ""
 
 
+def _output_bytes(ins: Instruction) -> float:
+    """Bytes an instruction writes. An asynchronous fusion (``fusion-start``, which XLA's
+    GPU compiler makes of a loop's slices and in-place updates, run on a stream of their
+    own) is typed ``((operands...), output, u32[] context)``: its output alone."""
+    if ins.opcode != "fusion-start":
+        return ins.nbytes
+    types = hlo_types(ins.type)[len(ins.operands):]
+    if types and types[-1] == ("u32", ()):
+        types = types[:-1]
+    return float(sum(ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types))
+
+
 def _fusion_bytes(ins: Instruction, fused: tuple[Instruction, ...],
                   operand_bytes: list[float]) -> float:
-    """Bytes a fusion reads and writes: an operand only sliced inside counts its slices;
-    an output updated in place (``dynamic-update-slice`` of an operand) counts the update."""
+    """Bytes a fusion reads and writes: an operand counts the share of its elements the
+    outputs need (``_demanded``: a sliced operand its slices); an output updated in place
+    (``dynamic-update-slice`` or ``scatter`` into an operand) counts the update."""
     if not fused:
-        return ins.nbytes + sum(operand_bytes)
+        return _output_bytes(ins) + sum(operand_bytes)
     params: dict[str, int] = {}
     for i in fused:
         if i.opcode == "parameter":
@@ -467,22 +494,57 @@ def _fusion_bytes(ins: Instruction, fused: tuple[Instruction, ...],
         for o in i.operands:
             users.setdefault(o, []).append(i)
     read = list(operand_bytes)
-    written = ins.nbytes
+    written = _output_bytes(ins)
     by_name = {i.name: i for i in fused}
     root = next((i for i in fused if i.line.lstrip().startswith("ROOT")), fused[-1])
     roots = [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
     for r in roots:
-        if r is not None and r.opcode == "dynamic-update-slice" and len(r.operands) > 1 \
+        at = _IN_PLACE.get(r.opcode) if r is not None else None
+        if at is not None and len(r.operands) > at \
                 and params.get(r.operands[0], len(read)) < len(read):
-            update = by_name.get(r.operands[1])
+            update = by_name.get(r.operands[at])
             written += (0.0 if update is None else update.nbytes) - r.nbytes
             read[params[r.operands[0]]] = 0.0
+    demand = _demanded(fused, users, root)
     for name, k in params.items():
-        use = users.get(name, [])
-        if use and k < len(read) and all(u.opcode in _SLICES for u in use) and \
-                not all(u.opcode == "bitcast" for u in use):
-            read[k] = min(read[k], sum(u.nbytes for u in use))
+        if k < len(read):
+            read[k] = min(read[k], demand.get(name, 1.0) * read[k])
     return max(written, 0.0) + sum(read)
+
+
+def _elements(ins: Instruction) -> int:
+    return sum(math.prod(s) for _, s in hlo_types(ins.type))
+
+
+def _demanded(fused: tuple[Instruction, ...], users: Mapping[str, list[Instruction]],
+              root: Instruction) -> dict[str, float]:
+    """The share of each fused instruction's elements the fusion's outputs need (1 at the
+    root), walked back from the root: a slice of ``x`` needs its own elements of ``x``;
+    an op mapping elements one to one (elementwise, convert, bitcast, reshape, transpose,
+    copy, select) or in equal disjoint groups (a reduce) passes its share on; any other
+    use (a dot, a broadcast, a concatenate, an in-place update, ...) needs all of ``x``.
+    Shares from several uses add up, at most 1. XLA's GPU kernels compute only the
+    elements an output needs, so a fused operand that is converted and then sliced reads
+    its slice, not the whole array."""
+    demand: dict[str, float] = {root.name: 1.0}
+    for i in reversed(fused):
+        if i.name == root.name:
+            continue
+        need = 0.0
+        for u in users.get(i.name, ()):
+            share = 1.0 if u.opcode == "tuple" else demand.get(u.name, 0.0)
+            if u.opcode in _SLICES and u.operands and u.operands[0] == i.name \
+                    and u.opcode != "bitcast":
+                need += share * _elements(u) / max(_elements(i), 1)
+            elif u.opcode in _ONE_TO_ONE or (
+                    u.opcode == "reduce" and u.operands and u.operands[0] == i.name):
+                need += share if u.opcode == "reduce" or _elements(u) == _elements(i) else 1.0
+            else:
+                need += 1.0
+            if need >= 1.0:
+                break
+        demand[i.name] = min(need, 1.0)
+    return demand
 
 
 # Kernel classes of ``compute_by_class``, in the order a kernel is tested against them.
@@ -521,23 +583,27 @@ def _kernel_class(ins: Instruction, fused: tuple[Instruction, ...]) -> str:
     return KERNEL_CLASSES[5]
 
 
-def compute_by_class(text: str, roofline: Roofline) -> dict[str, float]:
-    """Seconds per step of the compute stream's kernels by class (``KERNEL_CLASSES``; see
-    ``_kernel_class`` for the rules), each priced as the replay prices it (roofline), loops
-    counted by their trip counts, collectives left out. Sums to the replay's
-    ``compute_s`` (a conditional counts its costliest branch, as the replay does)."""
+def compute_by_instruction(text: str, roofline: Roofline
+                           ) -> dict[str, tuple[str, float, int]]:
+    """The compute stream's kernels of one step, by HLO instruction name: ``(class, seconds,
+    runs)``, each priced as the replay prices it (roofline; ``seconds`` over all ``runs``,
+    loops counted by their trip counts), its class by ``_kernel_class`` (``KERNEL_CLASSES``),
+    collectives left out, a conditional's costliest branch alone (as the replay counts it).
+    A GPU profile's kernels carry the same names (their ``hlo_op``), so the prices can be
+    checked one kernel at a time."""
     comps, entry = parse_module(text)
     replay = _Replay(comps, roofline, Links(1, 1, 1.0, 1.0))
-    memo: dict[str, dict[str, float]] = {}
+    memo: dict[str, dict[str, tuple[str, float, int]]] = {}
 
-    def walk(name: str) -> dict[str, float]:
+    def walk(name: str) -> dict[str, tuple[str, float, int]]:
         if name in memo:
             return memo[name]
-        out = dict.fromkeys(KERNEL_CLASSES, 0.0)
+        out: dict[str, tuple[str, float, int]] = {}
 
-        def add(part: dict[str, float], times: float = 1.0) -> None:
-            for k, v in part.items():
-                out[k] += times * v
+        def add(part: dict[str, tuple[str, float, int]], times: int = 1) -> None:
+            for k, (cls, seconds, runs) in part.items():
+                _, s0, r0 = out.get(k, (cls, 0.0, 0))
+                out[k] = (cls, s0 + times * seconds, r0 + times * runs)
 
         for ins in comps.get(name, ()):
             kind = ins.opcode.removesuffix("-start")
@@ -550,17 +616,29 @@ def compute_by_class(text: str, roofline: Roofline) -> dict[str, float]:
             elif _called(ins):
                 add(walk(_called(ins)))
             elif ins.opcode == "conditional":
-                add(max((walk(b) for b in _branches(ins)), key=lambda d: sum(d.values())))
+                add(max((walk(b) for b in _branches(ins)),
+                        key=lambda d: sum(v[1] for v in d.values())))
             else:
                 seconds = replay._price(ins)
                 if seconds:
                     fused = comps.get(ins.attr("calls") or "", ()) \
-                        if ins.opcode == "fusion" else ()
-                    out[_kernel_class(ins, fused)] += seconds
+                        if ins.opcode in _FUSIONS else ()
+                    add({ins.name: (_kernel_class(ins, fused), seconds, 1)})
         memo[name] = out
         return out
 
     return walk(entry)
+
+
+def compute_by_class(text: str, roofline: Roofline) -> dict[str, float]:
+    """Seconds per step of the compute stream's kernels by class (``KERNEL_CLASSES``; see
+    ``_kernel_class`` for the rules), each priced as the replay prices it (roofline), loops
+    counted by their trip counts, collectives left out. Sums to the replay's
+    ``compute_s`` (a conditional counts its costliest branch, as the replay does)."""
+    out = dict.fromkeys(KERNEL_CLASSES, 0.0)
+    for cls, seconds, _ in compute_by_instruction(text, roofline).values():
+        out[cls] += seconds
+    return out
 
 
 def schedule_report(text: str, roofline: Roofline, links: Links) -> ScheduleReport:

@@ -130,6 +130,64 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert sum(line.startswith("|---") for line in md) == 3  # the (a), (b) and (c) tables
 
 
+def test_gpu_calibrate_joins_profiled_kernels_to_priced_instructions():
+    """benchmarks/gpu_cluster/calibrate.py's join of a profile to the replay's prices, on a
+    hand-written program: kernels by instruction name (per step over the profiled steps),
+    a kernel whose name is no instruction's (an asynchronous fusion's) by its name's class,
+    every priced instruction listed, and the ratios of the sums."""
+    from benchmarks.gpu_cluster.calibrate import compare
+    from zeropp_jax.measure.schedule import Roofline, compute_by_instruction
+
+    text = """HloModule m, is_scheduled=true
+
+%fused_mul (p0: f32[1024]) -> f32[1024] {
+  %p0 = f32[1024]{0} parameter(0)
+  ROOT %m = f32[1024]{0} multiply(%p0, %p0)
+}
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %a = f32[1024]{0} parameter(0)
+  %f = f32[1024]{0} fusion(%a), kind=kLoop, calls=%fused_mul
+  ROOT %out = f32[1024]{0} copy(%f)
+}
+"""
+    roof = Roofline({"bf16": 2.0**20}, 8192.0)
+    priced = compute_by_instruction(text, roof)
+    assert {k: v[0] for k, v in priced.items()} == {"f": "elementwise",
+                                                     "out": "copies and layout"}
+    # Two profiled steps: f took 3x its price, out 2x, and an unnamed slice fusion 0.5 s.
+    measured = {"seconds": {"f": 2 * 3 * priced["f"][1], "out": 2 * 2 * priced["out"][1],
+                            "loop_dynamic_slice_fusion.7": 1.0},
+                "runs": {"f": 2, "out": 2, "loop_dynamic_slice_fusion.7": 2}}
+    got = compare(text, measured, 2, roof, top=5)
+    e, c = got["by_class"]["elementwise"], got["by_class"]["copies and layout"]
+    assert e["ratio"] == pytest.approx(3.0, rel=1e-12)
+    assert c["unnamed_ms"] == pytest.approx(500.0, rel=1e-12)
+    assert c["measured_ms"] == pytest.approx(2e3 * priced["out"][1] + 500.0, rel=1e-12)
+    assert got["priced_ms"] == pytest.approx(1e3 * (priced["f"][1] + priced["out"][1]))
+    assert got["measured_kernels_ms"] == pytest.approx(
+        1e3 * (3 * priced["f"][1] + 2 * priced["out"][1]) + 500.0, rel=1e-12)
+    assert {r["instruction"] for r in got["rows"]} == {"f", "out"}
+    assert all(r["measured_runs"] == 1.0 for r in got["rows"])
+
+
+@pytest.mark.slow
+def test_gpu_calibrate_cpu_dry_run(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_cluster.calibrate", "--allow-cpu", "--model",
+         "tiny", "--seq", "64", "--steps", "2", "--profile-steps", "1", "--configs", "plain",
+         "zero3", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu_calibrate.json").read_text())
+    for run in data["runs"]:
+        v = run["vs_roofline"]
+        # On the CPU every kernel appears in the profile under its instruction's name.
+        assert v["instructions_measured"] >= 0.95 * v["instructions_priced"], v
+        assert v["priced_ms"] > 0 and v["measured_kernels_ms"] > 0
+    assert (tmp_path / "gpu_calibrate_zero3.hlo.gz").exists()
+
+
 def test_qgz_hops_transport_matches_qgz_and_bounds_each_hop():
     """benchmarks/qgz_hops.py (the hop-selective qgZ behind benchmarks/qgz_gap.py) on a 2x4
     mesh: with both hops INT4 it is the library's qgZ bit for bit; with neither

@@ -1044,7 +1044,8 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     model, mesh, config and flag set), ``unrolled`` (the 7B at 16x8 with its blocks
     unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB), ``memory``
     (per config, how many rows the memory model predicts within 10%)."""
-    views = ("grid", "unrolled", "largest", "memory", "units", "peer", "compute", "plain")
+    views = ("grid", "unrolled", "largest", "memory", "units", "peer", "compute", "plain",
+             "calibrated")
     if view not in views:
         raise TableError(f"gpu_cluster results need a view, one of {', '.join(views)}; "
                          f"got {view!r}")
@@ -1065,6 +1066,8 @@ def gpu_cluster(data: dict, view: str | None) -> str:
         return _gpu_cluster_compute(data)
     if view == "plain":
         return _gpu_cluster_plain(data)
+    if view == "calibrated":
+        return _gpu_cluster_calibrated(data)
     rows = [r for r in data["rows"] if r["experiment"] == view]
     if not rows:
         raise TableError(f"gpu_cluster: this run has no {view} rows")
@@ -1101,6 +1104,30 @@ def gpu_cluster(data: dict, view: str | None) -> str:
           model_gb(r), error(r), pct(r["hidden_fraction_400g"]),
           pct(r["hidden_fraction_100g"]), f"{r['step_ms_400g']:.0f}",
           f"{r['step_ms_100g']:.0f}", f"{r['compute_ms']:.0f}", pipelined(r)]
+         for r in rows])
+
+
+def _gpu_cluster_calibrated(data: dict) -> str:
+    """The 7B at 16x8 rows (scanned with the pipelined flags, and unrolled) replayed at
+    roofline prices and at the kernel times a GPU measured per class (``*_calibrated``):
+    step, hidden cross-node share and MFU at 400 and 100 Gbit/s."""
+    rows = [r for r in data["rows"] if r.get("calibration")
+            and (r["model"], r["mesh"]) == ("7B", "16x8") and r["experiment"] != "largest"
+            and (r["layers"] != "scan" or r["flags"] == "pipelined")]
+    if not rows:
+        raise TableError("gpu_cluster: no 7B 16x8 row has calibrated keys (--calibration)")
+
+    def pair(r: dict, key: str, fmt: str) -> str:
+        return f"{format(r[key], fmt)} / {format(r[key + '_calibrated'], fmt)}"
+
+    return _table(
+        ["layers", "config", "calibrated by", "compute ms", "step ms 400G", "hidden 400G",
+         "MFU 400G", "step ms 100G", "hidden 100G"],
+        [[r["layers"], r["config"], r["calibration"]["run"],
+          f"{r['compute_ms']:.0f} / {r['compute_ms_calibrated']:.0f}",
+          pair(r, "step_ms_400g", ".0f"), pair(r, "hidden_fraction_400g", ".0%"),
+          f"{r['mfu_roofline_400g']:.2f} / {r['mfu_400g_calibrated']:.2f}",
+          pair(r, "step_ms_100g", ".0f"), pair(r, "hidden_fraction_100g", ".0%")]
          for r in rows])
 
 
@@ -1352,7 +1379,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("qgz_gap", {"rows", "predicted_nu", "lowered_bytes_per_step", "bytes_budget"}, qgz_gap),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
-         "gpu_cluster": ["grid", "unrolled", "largest"],
+         "gpu_cluster": ["grid", "unrolled", "largest", "calibrated"],
          "cluster_predicted": ["measured", "predicted", "auto", "targets"],
          "generation": ["exactness", "bytes", "speed"],
          "qgz_accuracy": [None, "smoothing", "formats", "weights", "feedback"],

@@ -25,6 +25,10 @@ allocated. For every model, mesh, config and set of XLA flags it reports:
 * the compute stream's priced time by kernel class (``compute_by_class_ms``:
   ``measure.schedule.compute_by_class``; matmul, attention, elementwise, optimizer and the
   step's bookkeeping, quantize/dequantize/Hadamard, copies and layout changes);
+* the same replay with each kernel class at the time a GPU measured for it (``*_calibrated``:
+  ``make gpu-calibrate``'s measured over priced ratios, ``--calibration``; the H200's run
+  of the matching config, the peer taking the plain step's): compute, step, hidden share
+  and MFU as such a GPU would run the kernels, an estimate where the roofline is a bound;
 * whether XLA's collective pipeliner ran (``collective_pipeliner_ran``: a collective of the
   compiled program carries ``"is_pipelined":true`` in its backend config; and how many,
   ``pipelined_collectives``), so a JAX version that accepts the pipelining flags and ignores
@@ -48,6 +52,7 @@ peer's step compiled for a single device, so no collective; same replay), null e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -240,8 +245,25 @@ def predicted_memory(shape, config, nodes: int, local: int, scanned: bool = True
                             batch_bytes_per_device=(SEQ + 1) * 4).total
 
 
+CALIBRATION = pathlib.Path(__file__).resolve().parents[1] / "results" / "gpu_calibrate_h200.json"
+
+
+def class_factors(calibration: dict | None, config: str) -> tuple[str, dict[str, float]]:
+    """``(run, factors)``: measured over priced kernel time by class (``make
+    gpu-calibrate``'s ``by_class`` ratios) of the calibration run that matches ``config``
+    (the same config; the peer takes the plain ``jax.jit`` step; any other ZeRO-3's), a
+    class without a measurement keeping 1."""
+    runs = {r["config"]: r for r in (calibration or {}).get("runs", []) if "error" not in r}
+    name = "plain" if config == PEER else config if config in runs else "zero3"
+    if name not in runs:
+        return "", {}
+    by_class = runs[name]["vs_roofline"]["by_class"]
+    return name, {c: v["ratio"] for c, v in by_class.items() if v.get("ratio")}
+
+
 def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Path | None,
-            experiment: str = "grid", scan: bool = True) -> dict:
+            experiment: str = "grid", scan: bool = True,
+            calibration: dict | None = None) -> dict:
     from benchmarks.gpu_cluster.llama import SHAPES
     from benchmarks.gpu_cluster.target import H100_ROOFLINE, MEMORY_BYTES, links
     from zeropp_jax.measure.schedule import compute_by_class, schedule_report
@@ -288,6 +310,20 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
                                          if model in PLAIN_MODELS else None)
         row[f"mfu_roofline_{gbit}g"] = (SEQ / r.step_s * shape.train_flops_per_token(SEQ)
                                         / H100_ROOFLINE.flops_rate("bf16"))
+        source, factors = class_factors(calibration, config)
+        if factors:
+            # The same replay with every kernel at the time a GPU measured for its class.
+            slow = schedule_report(text, dataclasses.replace(H100_ROOFLINE,
+                                                             class_factors=factors),
+                                   links(nodes, local, gbit))
+            row["calibration"] = {"run": source, "factors": factors,
+                                  "device": calibration["device"]}
+            row["compute_ms_calibrated"] = slow.compute_s * 1e3
+            row[f"step_ms_{gbit}g_calibrated"] = slow.step_s * 1e3
+            row[f"hidden_fraction_{gbit}g_calibrated"] = slow.hidden_fraction(spans_nodes=True)
+            row[f"mfu_{gbit}g_calibrated"] = (SEQ / slow.step_s
+                                              * shape.train_flops_per_token(SEQ)
+                                              / H100_ROOFLINE.flops_rate("bf16"))
         if gbit == 400:
             # Each unit's gathers, regathers and gradient reductions: wire and exposed time.
             row["units_400g"] = [
@@ -355,13 +391,20 @@ def main() -> None:
                         "the others")
     p.add_argument("--hlo-dir", type=pathlib.Path, default=None,
                    help="also write each compiled program's HLO text here")
+    p.add_argument("--calibration", type=pathlib.Path, default=CALIBRATION,
+                   help="make gpu-calibrate's JSON: each row is also replayed with every "
+                        "kernel class at the time that GPU measured for it (*_calibrated "
+                        "keys); 'none' to skip")
     add_out_argument(p)
     args = p.parse_args()
     from benchmarks.gpu_cluster.target import DEVICE
 
+    calibration = (json.loads(args.calibration.read_text())
+                   if str(args.calibration) != "none" else None)
     rows = []
     for model, mesh, config, flags, experiment, scan in plan(args):
-        rows.append(measure(model, mesh, config, flags, args.hlo_dir, experiment, scan))
+        rows.append(measure(model, mesh, config, flags, args.hlo_dir, experiment, scan,
+                            calibration))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
     path = args.out / "gpu_cluster_h100.json"

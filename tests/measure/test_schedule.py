@@ -526,3 +526,24 @@ def test_the_tracked_calibration_is_priced_by_this_replay():
             for cls, c in new[key]["by_class"].items():
                 assert c["priced_ms"] == pytest.approx(
                     old[key]["by_class"][cls]["priced_ms"], rel=1e-9, abs=1e-12), (key, cls)
+
+
+def test_class_factors_scale_each_kernel_by_its_class():
+    """A roofline with ``class_factors`` (measured over priced, per kernel class) prices
+    each kernel at its roofline time times its class's factor; classes it leaves out keep
+    factor 1, and the replayed step and overlap follow the scaled kernels."""
+    import dataclasses
+
+    from zeropp_jax.measure.schedule import compute_by_class
+
+    factors = {"elementwise": 3.0, "matmul": 1.5}
+    scaled = dataclasses.replace(ROOF, class_factors=factors)
+    base, got = compute_by_class(MODULE, ROOF), compute_by_class(MODULE, scaled)
+    for cls, seconds in base.items():
+        assert got[cls] == pytest.approx(factors.get(cls, 1.0) * seconds, rel=1e-12)
+    t = _times()
+    r = schedule_report(MODULE, scaled, LINKS)
+    assert r.compute_s == pytest.approx(sum(got.values()), rel=1e-12)
+    # The gather now hides behind 3x the fusion: 1.5 s of wire, 3 * 1 s of fusion.
+    (ag,) = r.collectives
+    assert ag.exposed_s == pytest.approx(max(0.0, AG_WIRE_S - 3 * t["f"]), abs=1e-12)

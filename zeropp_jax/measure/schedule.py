@@ -134,10 +134,14 @@ def parse_module(text: str) -> tuple[dict[str, tuple[Instruction, ...]], str]:
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     """One device's prices: matmul FLOP/s by operand type (``"bf16"``, ``"f32"``, ...;
-    others take ``matmul_flops_per_s["bf16"]``) and memory bytes/s."""
+    others take ``matmul_flops_per_s["bf16"]``) and memory bytes/s. ``class_factors``
+    (by ``KERNEL_CLASSES`` name, empty by default) multiplies each kernel's roofline time
+    by its class's factor: measured over priced time on a real GPU (``make
+    gpu-calibrate``), for a step priced as that GPU ran its kernels."""
 
     matmul_flops_per_s: Mapping[str, float]
     memory_bytes_per_s: float
+    class_factors: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def flops_rate(self, dtype: str) -> float:
         return self.matmul_flops_per_s.get(dtype, self.matmul_flops_per_s["bf16"])
@@ -356,6 +360,7 @@ class _Replay:
         if ins.opcode in _FREE or ins.opcode.endswith("-done"):
             return 0.0
         operand_bytes = [self.sizes.get(o, 0.0) for o in ins.operands]
+        fused: tuple[Instruction, ...] = ()
         if ins.opcode in _FUSIONS:
             fused = self.comps.get(ins.attr("calls") or "", ())
             seconds = self._matmul_s(fused)
@@ -363,7 +368,10 @@ class _Replay:
         else:
             seconds = self._matmul_s((ins,)) + self._attention_s(ins) + self._gemm_s(ins)
             nbytes = ins.nbytes + sum(operand_bytes)
-        return max(seconds, nbytes / self.roofline.memory_bytes_per_s)
+        seconds = max(seconds, nbytes / self.roofline.memory_bytes_per_s)
+        if self.roofline.class_factors and seconds:
+            seconds *= self.roofline.class_factors.get(_kernel_class(ins, fused), 1.0)
+        return seconds
 
     def _gemm_s(self, ins: Instruction) -> float:
         """Seconds of a cuBLAS matmul call (``__cublas$gemm``, ``__cublas$lt$matmul``: what

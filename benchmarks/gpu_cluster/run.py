@@ -251,10 +251,17 @@ CALIBRATION = pathlib.Path(__file__).resolve().parents[1] / "results" / "gpu_cal
 def class_factors(calibration: dict | None, config: str) -> tuple[str, dict[str, float]]:
     """``(run, factors)``: measured over priced kernel time by class (``make
     gpu-calibrate``'s ``by_class`` ratios) of the calibration run that matches ``config``
-    (the same config; the peer takes the plain ``jax.jit`` step; any other ZeRO-3's), a
-    class without a measurement keeping 1."""
+    (the same config; the peer takes the plain ``jax.jit`` step; a config with quantized
+    weights or gradients ZeRO++'s, any other ZeRO-3's), a class without a measurement
+    keeping 1."""
     runs = {r["config"]: r for r in (calibration or {}).get("runs", []) if "error" not in r}
-    name = "plain" if config == PEER else config if config in runs else "zero3"
+    if config == PEER:
+        name = "plain"
+    elif config in runs:
+        name = config
+    else:
+        c = configs()[config]
+        name = "zeropp" if (c.qwz and c.weight_format == "int8") or c.qgz else "zero3"
     if name not in runs:
         return "", {}
     by_class = runs[name]["vs_roofline"]["by_class"]

@@ -165,7 +165,8 @@ def build(config: str, shape, seq: int, attention: str | None):
     from jax.sharding import Mesh
 
     import zeropp_jax as zpp
-    from benchmarks.gpu_cluster.llama import Llama, loss
+    from benchmarks.gpu_cluster.llama import Llama
+    from benchmarks.gpu_cluster.steps import plain_step, zero_step
     from zeropp_jax.core.mesh import AXES
 
     model = Llama(shape, attention=attention)
@@ -175,33 +176,14 @@ def build(config: str, shape, seq: int, attention: str | None):
                                jnp.int32)
     tx = optax.adamw(3e-4)
     if config == "plain":
-        def step(params, opt_state, batch):
-            def loss_of(p):
-                p16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), p)
-                return loss(model.apply({"params": p16}, batch[:, :-1]), batch[:, 1:])
-
-            value, grads = jax.value_and_grad(loss_of)(params)
-            with jax.named_scope("optimizer"):  # its kernels' class (compute_by_class)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                params = optax.apply_updates(params, updates)
-            return params, opt_state, value
-
-        return jax.jit(step, donate_argnums=(0, 1)), (params, tx.init(params), batch)
+        return jax.jit(plain_step(model, tx), donate_argnums=(0, 1)), (
+            params, tx.init(params), batch)
     from benchmarks.gpu_cluster.run import configs
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), AXES)
     state = zpp.TrainState.create(model=model, params=params, tx=tx, mesh=mesh,
                                   config=configs()[config])
-
-    @zpp.train_step(donate_state=True)
-    def zstep(state, batch):
-        def loss_of(p):
-            return loss(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        value, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": value}
-
-    return zstep, (state, batch)
+    return zero_step(), (state, batch)
 
 
 def _run(step, args):

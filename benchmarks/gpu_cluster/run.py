@@ -136,7 +136,8 @@ def compile_gspmd_step(shape, nodes: int, local: int, options: dict, seq: int = 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from benchmarks.gpu_cluster.llama import Llama, loss
+    from benchmarks.gpu_cluster.llama import Llama
+    from benchmarks.gpu_cluster.steps import plain_step
     from benchmarks.gpu_cluster.target import cluster_mesh
     from zeropp_jax.core.mesh import AXES
 
@@ -159,17 +160,7 @@ def compile_gspmd_step(shape, nodes: int, local: int, options: dict, seq: int = 
     params = sharded(params)
     opt_state = sharded(jax.eval_shape(tx.init, params))
 
-    def step(params, opt_state, batch):
-        def loss_of(p):
-            p16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), p)
-            return loss(model.apply({"params": p16}, batch[:, :-1]), batch[:, 1:])
-
-        value, grads = jax.value_and_grad(loss_of)(params)
-        with jax.named_scope("optimizer"):  # its kernels' class (compute_by_class)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return params, opt_state, value
-
+    step = plain_step(model, tx)
     shardings = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state))
     batch = jax.ShapeDtypeStruct((num, seq + 1), jnp.int32, sharding=batch_split)
     jitted = jax.jit(step, donate_argnums=(0, 1),
@@ -210,7 +201,8 @@ def compile_step(shape, nodes: int, local: int, config, options: dict, seq: int 
     import optax
 
     import zeropp_jax as zpp
-    from benchmarks.gpu_cluster.llama import Llama, loss
+    from benchmarks.gpu_cluster.llama import Llama
+    from benchmarks.gpu_cluster.steps import zero_step
     from benchmarks.gpu_cluster.target import cluster_mesh
 
     model = Llama(shape, scan=scan)
@@ -219,13 +211,7 @@ def compile_step(shape, nodes: int, local: int, config, options: dict, seq: int 
     state = zpp.TrainState.create(model=model, params=params, tx=optax.adamw(3e-4),
                                   mesh=cluster_mesh(nodes, local), config=config)
 
-    @zpp.train_step(donate_state=True)
-    def step(state, batch):
-        def loss_of(p):
-            return loss(state.apply_fn({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-        value, grads = jax.value_and_grad(loss_of)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": value}
+    step = zero_step()
 
     batch = jax.ShapeDtypeStruct((nodes * local, seq + 1), jnp.int32)
     start = time.perf_counter()

@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
@@ -219,7 +220,11 @@ def measured_by_instruction(trace_dir: str, module: str) -> tuple[dict, dict]:
             counted = 0
             if not line.name.startswith(_DERIVED_LINES):
                 for e in line.events:
-                    stats = dict(e.stats)
+                    with warnings.catch_warnings():
+                        # jax 0.11's profile reader warns on every event's stats (their
+                        # C++ type has no __module__): noise, once per kernel.
+                        warnings.simplefilter("ignore", DeprecationWarning)
+                        stats = dict(e.stats)
                     op = stats.get("hlo_op")
                     mod = str(stats.get("hlo_module", module))
                     if op is None or not (mod == module or mod.startswith(module)):

@@ -236,10 +236,12 @@ def measured_by_instruction(trace_dir: str, module: str) -> tuple[dict, dict]:
     return {"seconds": seconds, "runs": runs}, seen
 
 
-def price_run(run: dict, text: str, measured: dict, steps: int, roofline, h100,
-              top: int) -> None:
-    """Sets ``run``'s comparisons (``vs_roofline``, ``vs_h100_roofline``) of ``measured``
-    (kernel seconds and runs by ``hlo_op`` over ``steps`` steps) against ``text``'s prices."""
+def price_run(run: dict, text: str, measured: dict, steps: int, roofline, top: int) -> None:
+    """Sets ``run``'s comparisons (``vs_roofline``, ``vs_h100_roofline``: the H100 prices
+    the cluster rows use) of ``measured`` (kernel seconds and runs by ``hlo_op`` over
+    ``steps`` steps) against ``text``'s prices."""
+    from benchmarks.gpu_cluster.target import H100_ROOFLINE as h100
+
     run["vs_roofline"] = compare(text, measured, steps, roofline, top)
     run["vs_h100_roofline"] = {k: v for k, v in compare(text, measured, steps, h100, 0).items()
                                if k in ("priced_ms", "ratio", "ratio_classified", "by_class")}
@@ -249,8 +251,6 @@ def reprice(data: dict, hlo_dir: pathlib.Path, name: str, top: int) -> dict:
     """``data`` (a run's JSON) with every run priced again from its HLO
     (``hlo_dir/name_CONFIG.hlo.gz``) against its measured kernel times
     (``measured_ms_by_op``): for a change to the replay's prices, without a GPU."""
-    from benchmarks.gpu_cluster.target import H100_ROOFLINE
-
     roofline = roofline_for(data["device"])
     for run in data["runs"]:
         if "error" in run:
@@ -259,7 +259,7 @@ def reprice(data: dict, hlo_dir: pathlib.Path, name: str, top: int) -> dict:
             text = f.read()
         measured = {"seconds": {k: v * 1e-3 for k, v in run["measured_ms_by_op"].items()},
                     "runs": dict(run["measured_runs_by_op"])}
-        price_run(run, text, measured, 1, roofline, H100_ROOFLINE, top)
+        price_run(run, text, measured, 1, roofline, top)
     return data
 
 
@@ -315,7 +315,7 @@ def compare(text: str, measured: dict, steps: int, roofline, top: int) -> dict:
     }
 
 
-def calibrate(config: str, args, shape, roofline, h100, out: pathlib.Path) -> dict:
+def calibrate(config: str, args, shape, roofline, out: pathlib.Path) -> dict:
     import jax
 
     attention = None if args.attention == "xla" else "cudnn"
@@ -360,7 +360,7 @@ def calibrate(config: str, args, shape, roofline, h100, out: pathlib.Path) -> di
         "measured_runs_by_op": {k: v / args.profile_steps
                                 for k, v in sorted(measured["runs"].items())},
     }
-    price_run(run, text, measured, args.profile_steps, roofline, h100, args.top)
+    price_run(run, text, measured, args.profile_steps, roofline, args.top)
     return run
 
 
@@ -412,8 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} {NO_COMMAND_BUFFERS}".strip()
     import jax
 
-    from benchmarks.gpu_cluster.target import H100_ROOFLINE
-
     device = jax.devices()[0]
     if device.platform != "gpu" and not args.allow_cpu:
         print(f"gpu-calibrate: no GPU (platform {device.platform}); run it where one is, "
@@ -438,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.configs:
         print(f"== {config}", flush=True)
         try:
-            data["runs"].append(calibrate(config, args, shape, roofline, H100_ROOFLINE,
-                                          args.out))
+            data["runs"].append(calibrate(config, args, shape, roofline, args.out))
         except Exception as e:  # noqa: BLE001 -- the next config still runs
             traceback.print_exc()
             failed = True

@@ -42,7 +42,8 @@ _FREE = frozenset({
     # Host transfers and point-to-point ops run on streams of their own.
     "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
 })
-_SLICES = frozenset({"slice", "dynamic-slice", "gather", "bitcast"})
+# Ops whose output is a part of their first operand's elements.
+_SLICES = frozenset({"slice", "dynamic-slice", "gather"})
 # Root ops that update their first operand in place: the operand index of the update.
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 # Ops whose output element i needs only element i of each same-shaped operand.
@@ -71,12 +72,23 @@ class Instruction:
 
     @property
     def nbytes(self) -> float:
-        return sum(ITEMSIZE.get(t, 4) * math.prod(s) for t, s in hlo_types(self.type))
+        return _bytes_of(hlo_types(self.type))
 
     def attr(self, key: str) -> str | None:
         """The computation an attribute names (``calls=%f`` -> ``"f"``)."""
         m = re.search(rf"\b{key}=%([\w.\-]+)", self.line)
         return m.group(1) if m else None
+
+
+def _bytes_of(types: list[tuple[str, tuple[int, ...]]]) -> float:
+    """Bytes of the arrays ``hlo_types`` lists."""
+    return float(sum(ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types))
+
+
+def _fused(comps: Mapping[str, tuple[Instruction, ...]], ins: Instruction
+           ) -> tuple[Instruction, ...]:
+    """The body a fusion kernel runs (in line or asynchronously); () for any other op."""
+    return comps.get(ins.attr("calls") or "", ()) if ins.opcode in _FUSIONS else ()
 
 
 def _balanced(text: str, i: int) -> int:
@@ -360,9 +372,8 @@ class _Replay:
         if ins.opcode in _FREE or ins.opcode.endswith("-done"):
             return 0.0
         operand_bytes = [self.sizes.get(o, 0.0) for o in ins.operands]
-        fused: tuple[Instruction, ...] = ()
+        fused = _fused(self.comps, ins)
         if ins.opcode in _FUSIONS:
-            fused = self.comps.get(ins.attr("calls") or "", ())
             seconds = self._matmul_s(fused)
             nbytes = _fusion_bytes(ins, fused, operand_bytes)
         else:
@@ -483,7 +494,7 @@ def _output_bytes(ins: Instruction) -> float:
     types = hlo_types(ins.type)[len(ins.operands):]
     if types and types[-1] == ("u32", ()):
         types = types[:-1]
-    return float(sum(ITEMSIZE.get(t, 4) * math.prod(s) for t, s in types))
+    return _bytes_of(types)
 
 
 def _fusion_bytes(ins: Instruction, fused: tuple[Instruction, ...],
@@ -541,8 +552,7 @@ def _demanded(fused: tuple[Instruction, ...], users: Mapping[str, list[Instructi
         need = 0.0
         for u in users.get(i.name, ()):
             share = 1.0 if u.opcode == "tuple" else demand.get(u.name, 0.0)
-            if u.opcode in _SLICES and u.operands and u.operands[0] == i.name \
-                    and u.opcode != "bitcast":
+            if u.opcode in _SLICES and u.operands and u.operands[0] == i.name:
                 need += share * _elements(u) / max(_elements(i), 1)
             elif u.opcode in _ONE_TO_ONE or (
                     u.opcode == "reduce" and u.operands and u.operands[0] == i.name):
@@ -629,9 +639,7 @@ def compute_by_instruction(text: str, roofline: Roofline
             else:
                 seconds = replay._price(ins)
                 if seconds:
-                    fused = comps.get(ins.attr("calls") or "", ()) \
-                        if ins.opcode in _FUSIONS else ()
-                    add({ins.name: (_kernel_class(ins, fused), seconds, 1)})
+                    add({ins.name: (_kernel_class(ins, _fused(comps, ins)), seconds, 1)})
         memo[name] = out
         return out
 

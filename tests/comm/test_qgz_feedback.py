@@ -527,9 +527,13 @@ def test_switched_off_reduces_gradient_plus_errors():
     mags = (np.abs(g) + np.abs(e1) + np.abs(flat2)).sum(0)
     bound = 1.01 * (num + 3) * U * mags
     assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound), seed
-    # Not what the gradient alone gives.
-    without = np.abs(np.asarray(out, np.float64) - g.astype(np.float64).sum(0))
-    assert np.max(without) > 1e3 * np.max(bound), seed
+    # The errors matter: wherever their sum exceeds twice the bound, an output that left
+    # them out would miss ``exact`` by more than the bound. That is nearly every element
+    # (errors of 0.05-0.1 against bounds below 1e-3); half is required. (A global "max of
+    # the difference above 1e3 x the max bound" failed on about 1 seed in 400: one heavy-
+    # tailed gradient column sets the max bound.)
+    errors = (e1 + flat2).sum(0)
+    assert np.mean(np.abs(errors) > 2 * bound) > 0.5, seed
     assert np.all(_decode_rows(*new[:2], num, h1) == 0)
     assert np.all(_decode_rows(*new[2:4], num, h2) == 0)
     np.testing.assert_array_equal(np.asarray(new[4]), np.ones(num, np.float32))

@@ -1043,9 +1043,10 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     """``benchmarks/gpu_cluster/run.py`` (``make gpu-cluster``). Views: ``grid`` (every
     model, mesh, config and flag set), ``unrolled`` (the 7B at 16x8 with its blocks
     unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB), ``memory``
-    (per config, how many rows the memory model predicts within 10%)."""
+    (per config, how many rows the memory model predicts within 10%), ``scheduler`` (the
+    scanned 7B at 16x8 with XLA's default scheduling against the pipelined flags)."""
     views = ("grid", "unrolled", "largest", "memory", "units", "peer", "compute", "plain",
-             "calibrated")
+             "calibrated", "scheduler")
     if view not in views:
         raise TableError(f"gpu_cluster results need a view, one of {', '.join(views)}; "
                          f"got {view!r}")
@@ -1068,6 +1069,8 @@ def gpu_cluster(data: dict, view: str | None) -> str:
         return _gpu_cluster_plain(data)
     if view == "calibrated":
         return _gpu_cluster_calibrated(data)
+    if view == "scheduler":
+        return _gpu_cluster_scheduler(data)
     rows = [r for r in data["rows"] if r["experiment"] == view]
     if not rows:
         raise TableError(f"gpu_cluster: this run has no {view} rows")
@@ -1107,13 +1110,41 @@ def gpu_cluster(data: dict, view: str | None) -> str:
          for r in rows])
 
 
+def _seven_b_pipelined(r: dict) -> bool:
+    """A 7B row at 16x8 compiled with the pipelined flags (``zpp.gpu_overlap_flags()``),
+    scanned or unrolled."""
+    return ((r["model"], r["mesh"]) == ("7B", "16x8") and r["experiment"] != "largest"
+            and r["flags"] == "pipelined")
+
+
+def _gpu_cluster_scheduler(data: dict) -> str:
+    """The scanned 7B at 16x8 with the pipeliner and XLA's default scheduling against the
+    pipelined flags (which add the scheduler options), per config, 400 and 100 Gbit/s."""
+    by = {(r["config"], r["flags"]): r for r in data["rows"]
+          if (r["model"], r["mesh"], r["layers"]) == ("7B", "16x8", "scan")
+          and r["experiment"] == "grid"}
+    configs = [c for (c, f) in by if f == "pipeliner_scheduler_default"
+               and (c, "pipelined") in by]
+    if not configs:
+        raise TableError("gpu_cluster: no pipeliner_scheduler_default rows for the 7B at 16x8")
+
+    def pair(c: str, key: str, fmt: str) -> str:
+        return (f"{format(by[c, 'pipeliner_scheduler_default'][key], fmt)} → "
+                f"{format(by[c, 'pipelined'][key], fmt)}")
+
+    return _table(
+        ["config", "step ms 400G", "hidden 400G", "step ms 100G", "compiled GB per GPU"],
+        [[c, pair(c, "step_ms_400g", ".0f"), pair(c, "hidden_fraction_400g", ".0%"),
+          pair(c, "step_ms_100g", ".0f"),
+          f"{by[c, 'pipeliner_scheduler_default']['memory_compiled_bytes'] / 1e9:.1f} → "
+          f"{by[c, 'pipelined']['memory_compiled_bytes'] / 1e9:.1f}"] for c in configs])
+
+
 def _gpu_cluster_calibrated(data: dict) -> str:
     """The 7B at 16x8 rows (scanned with the pipelined flags, and unrolled) replayed at
     roofline prices and at the kernel times a GPU measured per class (``*_calibrated``):
     step, hidden cross-node share and MFU at 400 and 100 Gbit/s."""
-    rows = [r for r in data["rows"] if r.get("calibration")
-            and (r["model"], r["mesh"]) == ("7B", "16x8") and r["experiment"] != "largest"
-            and (r["layers"] != "scan" or r["flags"] == "pipelined")]
+    rows = [r for r in data["rows"] if r.get("calibration") and _seven_b_pipelined(r)]
     if not rows:
         raise TableError("gpu_cluster: no 7B 16x8 row has calibrated keys (--calibration)")
 
@@ -1136,9 +1167,7 @@ def _gpu_cluster_peer(data: dict) -> str:
     state split by ``NamedSharding``): the scanned stack with the pipelined flags, and the
     unrolled blocks, at 400 and 100 Gbit/s."""
     keep = ("zero3", "zeropp", "qwz_hpz", "zeropp_cross", "gspmd_fsdp")
-    rows = [r for r in data["rows"] if (r["model"], r["mesh"]) == ("7B", "16x8")
-            and r["config"] in keep and ((r["layers"] == "scan" and r["flags"] == "pipelined")
-                                         or r["experiment"] == "unrolled")]
+    rows = [r for r in data["rows"] if _seven_b_pipelined(r) and r["config"] in keep]
     if not any(r["config"] == "gspmd_fsdp" for r in rows):
         raise TableError("gpu_cluster: this run has no gspmd_fsdp rows for the 7B at 16x8")
     rows.sort(key=lambda r: (r["layers"] != "scan", keep.index(r["config"])))
@@ -1170,9 +1199,7 @@ def _gpu_cluster_compute(data: dict) -> str:
     """The 7B at 16x8 rows with a kernel-class breakdown (``compute_by_class_ms``), the
     scanned stack with the pipelined flags and the unrolled blocks: priced compute by
     class, ms per step, and the roofline MFU at 400 Gbit/s."""
-    rows = [r for r in data["rows"] if r.get("compute_by_class_ms")
-            and (r["model"], r["mesh"]) == ("7B", "16x8") and r["experiment"] != "largest"
-            and (r["layers"] != "scan" or r["flags"] == "pipelined")]
+    rows = [r for r in data["rows"] if r.get("compute_by_class_ms") and _seven_b_pipelined(r)]
     if not rows:
         raise TableError("gpu_cluster: no row has a compute breakdown (compute_by_class_ms)")
     classes = list(rows[0]["compute_by_class_ms"])
@@ -1190,10 +1217,9 @@ def _gpu_cluster_units(data: dict) -> str:
 
     out = []
     for r in data["rows"]:
-        if (r["model"], r["mesh"]) != ("7B", "16x8") or "units_400g" not in r or not (
-                (r["experiment"] == "grid" and r["flags"] == "pipelined"
-                 and r["config"] in ("zero3", "zeropp", "qwz_hpz", "zeropp_cross"))
-                or r["experiment"] == "unrolled"):
+        if "units_400g" not in r or not _seven_b_pipelined(r) or (
+                r["layers"] == "scan"
+                and r["config"] not in ("zero3", "zeropp", "qwz_hpz", "zeropp_cross")):
             continue
         sums: dict[tuple, list[float]] = {}
         for u in r["units_400g"]:
@@ -1379,7 +1405,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("qgz_gap", {"rows", "predicted_nu", "lowered_bytes_per_step", "bytes_budget"}, qgz_gap),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
-         "gpu_cluster": ["grid", "unrolled", "largest", "calibrated"],
+         "gpu_cluster": ["grid", "unrolled", "largest", "calibrated", "scheduler"],
          "cluster_predicted": ["measured", "predicted", "auto", "targets"],
          "generation": ["exactness", "bytes", "speed"],
          "qgz_accuracy": [None, "smoothing", "formats", "weights", "feedback"],

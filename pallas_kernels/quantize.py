@@ -238,8 +238,10 @@ def quantize_reference(
     xf = x.astype(jnp.float32).reshape(n // block_size, block_size)
     if signs is not None:
         xf = rotate_rows(xf, check_signs(signs, block_size))
+    # Two reductions of the same rows, neither reading the other, so XLA computes them in
+    # one pass over ``xf`` (a multi-output reduction); a non-finite row's max is not used.
     finite = jnp.all(jnp.isfinite(xf), axis=1, keepdims=True)
-    absmax = jnp.max(jnp.where(finite, jnp.abs(xf), 0.0), axis=1, keepdims=True)
+    absmax = jnp.where(finite, jnp.max(jnp.abs(xf), axis=1, keepdims=True), 0.0)
     # absmax * fp32(1/qmax), spelled out: XLA rewrites ``absmax / qmax`` into this product
     # anyway, and a Triton kernel's true division would differ from it (see the docstring).
     scale = jnp.where(finite, absmax * _inv_qmax(bits), jnp.float32(jnp.nan))

@@ -74,15 +74,24 @@ SEQ = 2048  # tokens per GPU: one sequence per device
 # "pipelined": what ``zpp.gpu_overlap_flags()`` sets (each scanned layer's all-gather moves
 # into the previous iteration and its gradient's reduce-scatter into the next: the next
 # layer's weights arrive while this one computes; each loop unrolled by two, so the
-# buffers carried across iterations alternate); "pipelined_single_buffer": the same
-# without the unrolling, where XLA copies those buffers every iteration.
+# buffers carried across iterations alternate; every collective started as early as its
+# input allows, two in flight in the schedule); "pipelined_single_buffer": the same
+# without the unrolling, where XLA copies those buffers every iteration;
+# "pipeliner_scheduler_default": the pipeliner and the unrolling with XLA's default
+# scheduling (collectives started late, one at a time).
 _DOUBLE_BUFFER = "xla_gpu_enable_while_loop_double_buffering"
+_SCHEDULER = ("xla_gpu_experimental_collective_start_as_early_as_possible",
+              "xla_gpu_experimental_parallel_collective_overlap_limit")
 FLAGS = {
     "default": {},
     "pipelined": gpu_overlap_flags(),
     "pipelined_single_buffer": {k: v for k, v in gpu_overlap_flags().items()
                                 if k != _DOUBLE_BUFFER},
+    "pipeliner_scheduler_default": {k: v for k, v in gpu_overlap_flags().items()
+                                    if k not in _SCHEDULER},
 }
+# The grid's flag sets; the last above only for the 7B at 16x8 (experiment "scheduler").
+GRID_FLAGS = ["default", "pipelined", "pipelined_single_buffer"]
 
 
 def configs() -> dict:
@@ -353,10 +362,16 @@ def plan(args: argparse.Namespace) -> list[tuple]:
         rows += [(model, mesh, config, flags, "grid", True) for model in args.models
                  for mesh in args.meshes for config in args.configs for flags in args.flags]
     if "unrolled" in args.experiments:
-        # The same 7B at 16x8 with its blocks unrolled: no loop, so the loop flags change
-        # nothing; the engine's gather order and XLA's scheduler decide.
-        rows += [("7B", "16x8", config, "default", "unrolled", False)
-                 for config in ("zero3", "zeropp", PEER)]
+        # The same 7B at 16x8 with its blocks unrolled: no loop, so the pipeliner has
+        # nothing to move; the engine's gather order and XLA's scheduler decide (default
+        # scheduling, and the scheduler options of the pipelined set).
+        rows += [("7B", "16x8", config, flags, "unrolled", False)
+                 for config in ("zero3", "zeropp", PEER) for flags in ("default", "pipelined")]
+    if "scheduler" in args.experiments:
+        # The scanned 7B at 16x8 with XLA's default scheduling beside the pipeliner: what
+        # the scheduler flags of ``zpp.gpu_overlap_flags()`` change.
+        rows += [("7B", "16x8", config, "pipeliner_scheduler_default", "grid", True)
+                 for config in args.configs]
     if "largest" in args.experiments:
         # The largest Llama shapes at 16x8 against 80 GB per H100: the default remat, and
         # activation checkpointing, which big models train with.
@@ -373,11 +388,13 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["1.3B", "7B"])
     p.add_argument("--meshes", nargs="+", default=["2x8", "4x8", "16x8"])
     p.add_argument("--configs", nargs="+", default=[*configs(), PEER])
-    p.add_argument("--flags", nargs="+", default=list(FLAGS), choices=list(FLAGS))
-    p.add_argument("--experiments", nargs="+", default=["grid", "unrolled", "largest"],
-                   choices=["grid", "unrolled", "largest"],
+    p.add_argument("--flags", nargs="+", default=GRID_FLAGS, choices=list(FLAGS))
+    p.add_argument("--experiments", nargs="+",
+                   default=["grid", "unrolled", "largest", "scheduler"],
+                   choices=["grid", "unrolled", "largest", "scheduler"],
                    help="the grid (models x meshes x configs x flags), the 7B at 16x8 with "
-                        "unrolled blocks, the largest models at 16x8")
+                        "unrolled blocks, the largest models at 16x8, the scanned 7B at "
+                        "16x8 with XLA's default scheduling")
     p.add_argument("--update", action="store_true",
                    help="replace only the rows measured now in the JSON already in --out "
                         "(same experiment, model, mesh, config, flags and layers), keeping "

@@ -20,7 +20,7 @@ def test_every_flag_is_an_option_this_jaxlib_compiles_with():
     # XLA's DebugOptions are one proto for every backend: a misspelt or removed GPU flag
     # fails a CPU compile too ("No such compile option"); the check below shows it would.
     flags = zpp.gpu_overlap_flags()
-    assert flags and all(v is True for v in flags.values())
+    assert flags and all(v is True or type(v) is int for v in flags.values())
     lowered = jax.jit(lambda x: x + 1).lower(jnp.zeros(3))
     lowered.compile(flags)
     with pytest.raises(Exception, match="No such compile option"):
@@ -52,7 +52,9 @@ def test_sets_xla_flags_first_thing_and_keeps_the_users():
     assert flags == ["--xla_gpu_enable_pipelined_all_reduce=false",
                      "--xla_gpu_enable_pipelined_all_gather=true",
                      "--xla_gpu_enable_pipelined_reduce_scatter=true",
-                     "--xla_gpu_enable_while_loop_double_buffering=true"]
+                     "--xla_gpu_enable_while_loop_double_buffering=true",
+                     "--xla_gpu_experimental_collective_start_as_early_as_possible=true",
+                     "--xla_gpu_experimental_parallel_collective_overlap_limit=2"]
 
 
 def test_the_gpu_cluster_benchmark_compiles_with_these_flags():

@@ -6,8 +6,11 @@ iteration. XLA's collective pipeliner moves each layer's all-gather into the pre
 iteration and its gradient's reduce-scatter into the next, so they run while a layer
 computes; it is off by default. Alone it copies the buffers it carries across iterations
 (a layer's prefetched weights, its gradient) every iteration; unrolling the loop by two
-(double buffering) lets them alternate instead. ``use_gpu_overlap_flags()`` turns both on
-for the process
+(double buffering) lets them alternate instead. And XLA's scheduler, by default, starts a
+collective only shortly before its result is needed, one at a time, which puts the next
+layer's gather behind this layer's gradient at the end of the iteration; two experimental
+scheduler options start each collective as soon as its input is ready, up to two in
+flight. ``use_gpu_overlap_flags()`` turns all of them on for the process
 (through ``XLA_FLAGS``, read when JAX's GPU backend starts); ``gpu_overlap_flags()`` gives
 the same settings as ``compiler_options`` for one ``jax.jit(...).lower(...).compile``.
 On a host without GPUs the flags change nothing.
@@ -20,16 +23,18 @@ import os
 from zeropp_jax.core.compat import GPU_OVERLAP_FLAGS, backends_are_initialized
 
 
-def gpu_overlap_flags() -> dict[str, bool]:
+def gpu_overlap_flags() -> dict[str, bool | int]:
     """XLA options for overlapping a scanned stack's collectives with its compute, as
     ``compiler_options`` (``lowered.compile(gpu_overlap_flags())``): XLA's collective
-    pipeliner for all-gathers, reduce-scatters and all-reduces, and its while-loop double
-    buffering. A new dict each call."""
+    pipeliner for all-gathers, reduce-scatters and all-reduces, its while-loop double
+    buffering, collectives started as early as their inputs allow and two of them in
+    flight in the schedule. A new dict each call."""
     return dict(GPU_OVERLAP_FLAGS)
 
 
-def _flag(name: str, value: bool) -> str:
-    return f"--{name}={'true' if value else 'false'}"
+def _flag(name: str, value: bool | int) -> str:
+    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return f"--{name}={text}"
 
 
 def use_gpu_overlap_flags() -> str:

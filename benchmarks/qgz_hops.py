@@ -45,7 +45,7 @@ def hop_reduce_scatter(x: jax.Array, *, hop1_bits: int | None, hop2_bits: int | 
     m_pad = -(-m // block_size) * block_size
     if m_pad != m:
         x = jnp.pad(x.reshape(num, m), ((0, 0), (0, m_pad - m))).reshape(-1)
-    impl = _resolve(implementation)
+    impl = _resolve(implementation, hadamard)
     signs = hadamard_signs(key, block_size) if hadamard else None
     # Hop 1, inside the node: z [nodes * m_pad] fp32, this device's partial sums of the
     # slices i'*L + j for every node i'.

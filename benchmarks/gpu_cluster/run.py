@@ -111,6 +111,9 @@ def configs() -> dict:
         "qwz_hpz": zpp.ZeroPPConfig(qwz=True, hpz=True),
         # ZeRO++ with only qgZ's cross-node hop quantized (16-bit inside the node).
         "zeropp_cross": zpp.ZeroPPConfig.zeropp(qgz_hops="cross"),
+        # ZeRO++ with every quantization in the Pallas kernels, where a GPU's default
+        # (``quantization_impl=None``) uses XLA's fusions without a Hadamard rotation.
+        "zeropp_pallas": zpp.ZeroPPConfig.zeropp(quantization_impl="pallas"),
     }
 
 
@@ -213,18 +216,22 @@ def compile_step(shape, nodes: int, local: int, config, options: dict, seq: int 
     from benchmarks.gpu_cluster.llama import Llama
     from benchmarks.gpu_cluster.steps import zero_step
     from benchmarks.gpu_cluster.target import cluster_mesh
+    from zeropp_jax.quant.quantization import compiled_kernels
 
     model = Llama(shape, scan=scan)
     params = jax.eval_shape(model.init, jax.random.PRNGKey(0),
                             jnp.zeros((1, seq), jnp.int32))["params"]
-    state = zpp.TrainState.create(model=model, params=params, tx=optax.adamw(3e-4),
-                                  mesh=cluster_mesh(nodes, local), config=config)
-
-    step = zero_step()
-
-    batch = jax.ShapeDtypeStruct((nodes * local, seq + 1), jnp.int32)
-    start = time.perf_counter()
-    compiled = step.lower(state, batch).compile(options)
+    # The kernels a GPU user gets: compiled_kernels() resolves ``quantization_impl=None``
+    # as a GPU does (``quant.quantization.default_implementation``: the Pallas kernels for
+    # Hadamard-rotated blocks, XLA's fusions otherwise) and traces Pallas kernels for the
+    # GPU rather than for Pallas' interpreter.
+    with compiled_kernels():
+        state = zpp.TrainState.create(model=model, params=params, tx=optax.adamw(3e-4),
+                                      mesh=cluster_mesh(nodes, local), config=config)
+        step = zero_step()
+        batch = jax.ShapeDtypeStruct((nodes * local, seq + 1), jnp.int32)
+        start = time.perf_counter()
+        compiled = step.lower(state, batch).compile(options)
     return compiled, state, time.perf_counter() - start
 
 

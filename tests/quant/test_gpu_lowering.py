@@ -49,3 +49,22 @@ def test_zeropp_step_with_pallas_kernels_lowers_for_cuda(weight_bits, smooth):
                      "dequantize_reduce_requantize_int4_int4_stochastic",
                      "dequantize_reduce_int4_rotated"):
             assert f'"{name}"' in text, name
+
+
+def test_default_implementation_lowers_kernels_only_for_rotated_blocks():
+    """``quantization_impl=None`` as a GPU resolves it (``compiled_kernels``): INT4 weights
+    with Hadamard smoothing go through the rotating kernels; qgZ's unrotated gradient
+    blocks, through XLA's fusions (no kernel of theirs in the program)."""
+    mesh = zpp.make_mesh(2, 4)
+    cfg = zpp.ZeroPPConfig.zeropp(block_size=32, weight_bits=4, qwz_hadamard=True)
+    assert cfg.quantization_impl is None
+    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                                  mesh=mesh, config=cfg)
+    step = make_step()
+    batch = state.engine.shard_batch(tokens(16, seed=0))
+    with compiled_kernels():
+        text = compat.lower_for_cuda(step.jitted, state, batch).as_text()
+    for name in ("quantize_int4_rotated", "dequantize_int4_rotated"):
+        assert f'"{name}"' in text, name
+    for name in ("reorder_quantize", "dequantize_reduce"):
+        assert f'"{name}' not in text, name

@@ -11,6 +11,7 @@ import pytest
 
 from zeropp_jax.quant.quantization import (
     QuantizedArray,
+    compiled_kernels,
     default_implementation,
     dequantize_blockwise,
     quantize_blockwise,
@@ -64,6 +65,16 @@ def test_quantized_array_is_a_pytree_through_jit():
 
 def test_default_implementation_on_cpu_is_xla():
     assert default_implementation() == "xla"
+    assert default_implementation(hadamard=True) == "xla"
+
+
+def test_default_implementation_as_on_a_gpu():
+    # compiled_kernels() resolves the default as a GPU does: the kernels where a rotation
+    # makes XLA take seven passes, XLA's fusions elsewhere.
+    with compiled_kernels():
+        assert default_implementation(hadamard=True) == "pallas"
+        assert default_implementation() == "xla"
+    assert default_implementation(hadamard=True) == "xla"
 
 
 def test_pallas_switch_matches_xla():

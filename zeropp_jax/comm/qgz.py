@@ -264,7 +264,7 @@ def qgz_reduce_scatter(
     if feedback is not None:
         return _with_feedback(
             x, feedback, nodes=nodes, local=local, bits=bits, block_size=block_size,
-            stages=stages, single_node=single_node, impl=_resolve(implementation),
+            stages=stages, single_node=single_node, impl=_resolve(implementation, hadamard),
             hadamard=hadamard, stochastic_rounding=stochastic_rounding, key=key,
             node_axis=node_axis, local_axis=local_axis)
     if nodes == 1 and (single_node == "reduce_scatter" or hops == "cross"):
@@ -278,7 +278,7 @@ def qgz_reduce_scatter(
         # Pad every slice (not the end of x), so slice boundaries stay where psum_scatter
         # puts them.
         x = jnp.pad(x.reshape(num, m), ((0, 0), (0, m_pad - m))).reshape(-1)
-    impl = _resolve(implementation)
+    impl = _resolve(implementation, hadamard)
     signs = hadamard_signs(key, block_size) if hadamard else None
     rkey = None
     if stochastic_rounding:

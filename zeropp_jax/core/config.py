@@ -158,7 +158,9 @@ class ZeroPPConfig:
         ``"float64"`` (with ``compute_dtype="float64"``) needs JAX's 64-bit mode
         (``jax_enable_x64``): a reference-precision run, as the exactness tests use.
       quantization_impl: ``"pallas"`` (the kernels in ``pallas_kernels``), ``"xla"``
-        (plain jnp) or None: Pallas on GPU, jnp elsewhere.
+        (plain jnp, which XLA fuses into the ops around it) or None: on a GPU the kernels
+        for Hadamard-rotated blocks and jnp for the rest, jnp elsewhere
+        (``quant.quantization.default_implementation`` says why). Same bits either way.
       qgz_until: with qgZ, use it only for steps ``< qgz_until`` and a full-precision
         reduce-scatter after (the paper's "qgZ for the first 50%"). An int is a step
         count; a float in (0, 1] a fraction of ``planned_steps``. None: always.

@@ -15,6 +15,16 @@ from zeropp_jax.quant.quantization import compiled_kernels
 from helpers import SMALL, init_params, make_step, tokens
 
 
+def _step_lowered_for_cuda(cfg: zpp.ZeroPPConfig) -> tuple[str, zpp.TrainState]:
+    """The test GPT's train step with ``cfg`` on a 2x4 mesh, lowered for CUDA inside
+    ``compiled_kernels()``: its StableHLO text, and the state it was lowered for."""
+    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
+                                  mesh=zpp.make_mesh(2, 4), config=cfg)
+    batch = state.engine.shard_batch(tokens(16, seed=0))
+    with compiled_kernels():
+        return compat.lower_for_cuda(make_step().jitted, state, batch).as_text(), state
+
+
 # Each case traces and lowers a whole step (seconds). INT4 weights without smoothing run in
 # test-all: (4, True) lowers the step with INT4 weights, (8, False) the unrotated kernels
 # inside a step (qgZ's INT4 gradients among them), and tests/quant/test_pallas_quantize.py
@@ -24,17 +34,11 @@ from helpers import SMALL, init_params, make_step, tokens
 def test_zeropp_step_with_pallas_kernels_lowers_for_cuda(weight_bits, smooth):
     """``smooth``: Hadamard-rotated INT4 weights and gradients, stochastically rounded
     gradients: the fused rotating / stochastic kernels lower inside the step too."""
-    mesh = zpp.make_mesh(2, 4)
     cfg = zpp.ZeroPPConfig.zeropp(block_size=32, weight_bits=weight_bits,
                                   qgz_pipeline_stages=2, quantization_impl="pallas",
                                   qwz_hadamard=smooth, qgz_hadamard=smooth,
                                   stochastic_rounding=smooth)
-    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
-                                  mesh=mesh, config=cfg)
-    step = make_step()
-    batch = state.engine.shard_batch(tokens(16, seed=0))
-    with compiled_kernels():
-        text = compat.lower_for_cuda(step.jitted, state, batch).as_text()
+    text, state = _step_lowered_for_cuda(cfg)
     kernels = text.count(compat.TRITON_CALL_TARGET)
     # Units moved by collectives of their own: the rest unit rides in the first unit's
     # unless a Hadamard sign pattern or a rounding seed depends on its place (bucket).
@@ -55,15 +59,9 @@ def test_default_implementation_lowers_kernels_only_for_rotated_blocks():
     """``quantization_impl=None`` as a GPU resolves it (``compiled_kernels``): INT4 weights
     with Hadamard smoothing go through the rotating kernels; qgZ's unrotated gradient
     blocks, through XLA's fusions (no kernel of theirs in the program)."""
-    mesh = zpp.make_mesh(2, 4)
     cfg = zpp.ZeroPPConfig.zeropp(block_size=32, weight_bits=4, qwz_hadamard=True)
     assert cfg.quantization_impl is None
-    state = zpp.TrainState.create(model=GPT(SMALL), params=init_params(), tx=optax.sgd(0.1),
-                                  mesh=mesh, config=cfg)
-    step = make_step()
-    batch = state.engine.shard_batch(tokens(16, seed=0))
-    with compiled_kernels():
-        text = compat.lower_for_cuda(step.jitted, state, batch).as_text()
+    text, _ = _step_lowered_for_cuda(cfg)
     for name in ("quantize_int4_rotated", "dequantize_int4_rotated"):
         assert f'"{name}"' in text, name
     for name in ("reorder_quantize", "dequantize_reduce"):

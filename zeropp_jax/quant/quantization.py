@@ -54,6 +54,16 @@ class QuantizedArray:
         return self.values.size * self.values.dtype.itemsize + self.scales.size * 4
 
 
+_COMPILED_KERNELS: contextvars.ContextVar = contextvars.ContextVar(
+    "zeropp_compiled_kernels", default=False
+)
+
+
+def _for_gpu() -> bool:
+    """Tracing for a GPU: on one, or inside ``compiled_kernels()``."""
+    return _COMPILED_KERNELS.get() or jax.default_backend() == "gpu"
+
+
 def default_implementation(hadamard: bool = False) -> str:
     """What ``implementation=None`` runs: ``"pallas"`` for Hadamard-rotated blocks on a GPU
     (or inside ``compiled_kernels()``), ``"xla"`` (plain jnp) for everything else.
@@ -66,13 +76,7 @@ def default_implementation(hadamard: bool = False) -> str:
     kernels and 140 ms with XLA's fusions, and needs less memory with the fusions. A
     rotation is seven butterfly passes through memory in XLA and one in the kernel: there
     the kernels win (INT4 weights with Hadamard smoothing, 147 against 389 ms)."""
-    on_gpu = _COMPILED_KERNELS.get() or jax.default_backend() == "gpu"
-    return "pallas" if on_gpu and hadamard else "xla"
-
-
-_COMPILED_KERNELS: contextvars.ContextVar = contextvars.ContextVar(
-    "zeropp_compiled_kernels", default=False
-)
+    return "pallas" if _for_gpu() and hadamard else "xla"
 
 
 @contextlib.contextmanager
@@ -93,7 +97,7 @@ def compiled_kernels() -> Iterator[None]:
 
 def _interpret(like: jax.Array | None = None) -> bool:
     """Pallas kernels compile for GPUs; elsewhere they run in interpret mode (slow, exact)."""
-    if _COMPILED_KERNELS.get() or jax.default_backend() == "gpu":
+    if _for_gpu():
         return False
     if like is not None and jax.typeof(like).manual_axis_type.varying:
         # JAX 0.10's Pallas interpreter fails shard_map's varying-axes check (its index

@@ -63,7 +63,7 @@ ROOFLINES = (
 )
 # ``plain``: a plain ``jax.jit`` step; the others: ``gpu_cluster.run.configs()``'s on a
 # 1 x 1 mesh (qwZ still quantizes and dequantizes every weight there; qgZ reduces plainly).
-CONFIGS = ("plain", "zero3", "zeropp", "qwz_int4_hadamard")
+CONFIGS = ("plain", "zero3", "zeropp", "zeropp_pallas", "qwz_int4_hadamard")
 # A profiled kernel whose ``hlo_op`` names no instruction of the program (XLA's
 # asynchronous fusions report the fusion's name before it was wrapped): its class by name.
 _NAME_CLASSES = (("attention", r"attention|fmha|flash"), ("matmul", r"gemm|cublas|dot"),

@@ -485,7 +485,8 @@ def test_a_fusion_reads_only_the_elements_its_outputs_need():
 CALIBRATION = pathlib.Path(__file__).parents[2] / "benchmarks" / "results"
 
 
-@pytest.mark.parametrize("config", ["plain", "zero3", "zeropp", "qwz_int4_hadamard"])
+@pytest.mark.parametrize("config", ["plain", "zero3", "zeropp", "zeropp_pallas",
+                                    "qwz_int4_hadamard"])
 def test_no_kernel_of_a_profiled_gpu_step_is_priced_above_its_measured_time(config):
     """The 1.3B's steps profiled on an H200 (``make gpu-calibrate``; the compiled programs
     are fixtures here): a roofline price is a lower bound on a kernel's time, so a price

@@ -22,13 +22,18 @@ import pytest
 # - --xla_cpu_use_fusion_emitters=false: fusions go through XLA's elemental IR emitter
 #   instead of the MLIR fusion emitters, which build and tear down an MLIR pipeline per
 #   kernel (a 2x4 zeropp step of the small test GPT: 3.1 s -> 1.5 s to compile on the Xeon).
+#   (Only where jaxlib has that switch: 0.11 has the fusion emitters alone, and an unknown
+#   flag in XLA_FLAGS aborts the process.)
 # - --xla_cpu_parallel_codegen_split_count=1: one LLVM module per program instead of several
 #   compiled on XLA's thread pool; the two pytest workers already keep both cores busy, so
 #   the split only adds work (that step: 0.89 s -> 0.79 s to compile on the Xeon).
 # Subprocesses the tests start get the same flags (helpers.subprocess_env reads them from
 # ZEROPP_TEST_XLA_FLAGS).
-COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                 "--xla_cpu_parallel_codegen_split_count=1")
+from zeropp_jax.core import compat  # noqa: E402  (imports jax; starts no backend)
+
+COMPILE_FLAGS = compat.xla_flags_text({
+    "xla_backend_optimization_level": 0, **compat.cpu_fusion_emitter_options(False),
+    "xla_cpu_parallel_codegen_split_count": 1})
 os.environ["ZEROPP_TEST_XLA_FLAGS"] = COMPILE_FLAGS
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), COMPILE_FLAGS]))
 
@@ -93,9 +98,7 @@ def _default_fusion_emitters(request):
     if request.node.get_closest_marker("bitwise_programs") is None:
         yield
         return
-    from zeropp_jax.core import compat
-
-    with compat.xla_options({"xla_cpu_use_fusion_emitters": True}) as built:
+    with compat.xla_options(compat.cpu_fusion_emitter_options(True)) as built:
         yield
     # Programs served from JAX's in-memory caches keep the emitter they were compiled with:
     # a test whose programs were all compiled elsewhere would compare the elemental

@@ -1,7 +1,7 @@
 """Writes the HLO fixtures of the schedule parser's tests (``tests/measure/fixtures/``):
 the train step of a tiny Llama-shaped model (4 scanned layers) on a 2 x 4 H100 cluster,
 ZeRO-3 and ZeRO++, compiled by XLA's GPU compiler with the default flags and with the
-pipelined collectives (``run.FLAGS``). Needs JAX's CUDA plugin, not a GPU:
+pipelined collectives (``run.flag_set``). Needs JAX's CUDA plugin, not a GPU:
 
     python -m benchmarks.gpu_cluster.fixtures
 
@@ -71,7 +71,7 @@ def main() -> None:
     for config in ("zero3", "zeropp"):
         for flags in ("default", "pipelined"):
             compiled, _, _ = run.compile_step(TINY, 2, 4, run.configs()[config],
-                                              run.FLAGS[flags], seq=64)
+                                              run.flag_set(flags), seq=64)
             path = OUT / f"tiny_2x4_{config}_{flags}.hlo.gz"
             # mtime=0: the same program gives the same bytes.
             path.write_bytes(gzip.compress(slim(compiled.as_text()).encode(), mtime=0))

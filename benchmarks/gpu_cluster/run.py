@@ -82,14 +82,21 @@ SEQ = 2048  # tokens per GPU: one sequence per device
 _DOUBLE_BUFFER = "xla_gpu_enable_while_loop_double_buffering"
 _SCHEDULER = ("xla_gpu_experimental_collective_start_as_early_as_possible",
               "xla_gpu_experimental_parallel_collective_overlap_limit")
-FLAGS = {
-    "default": {},
-    "pipelined": gpu_overlap_flags(),
-    "pipelined_single_buffer": {k: v for k, v in gpu_overlap_flags().items()
-                                if k != _DOUBLE_BUFFER},
-    "pipeliner_scheduler_default": {k: v for k, v in gpu_overlap_flags().items()
-                                    if k not in _SCHEDULER},
-}
+FLAG_SETS = ("default", "pipelined", "pipelined_single_buffer", "pipeliner_scheduler_default")
+
+
+def flag_set(name: str) -> dict:
+    """The compile options of flag set ``name`` (``FLAG_SETS``), spelt as this jaxlib takes
+    them (``zpp.gpu_overlap_flags()`` asks it on first use, starting JAX's backends)."""
+    overlap = gpu_overlap_flags()
+    return {"default": {},
+            "pipelined": overlap,
+            "pipelined_single_buffer": {k: v for k, v in overlap.items()
+                                        if k != _DOUBLE_BUFFER},
+            "pipeliner_scheduler_default": {k: v for k, v in overlap.items()
+                                            if k not in _SCHEDULER}}[name]
+
+
 # The grid's flag sets; the last above only for the 7B at 16x8 (experiment "scheduler").
 GRID_FLAGS = ["default", "pipelined", "pipelined_single_buffer"]
 
@@ -280,10 +287,11 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
     nodes, local = map(int, mesh.split("x"))
     shape = SHAPES[model]
     if config == PEER:
-        compiled, _, seconds = compile_gspmd_step(shape, nodes, local, FLAGS[flags], scan=scan)
+        compiled, _, seconds = compile_gspmd_step(shape, nodes, local, flag_set(flags),
+                                                     scan=scan)
     else:
         compiled, _, seconds = compile_step(shape, nodes, local, configs()[config],
-                                            FLAGS[flags], scan=scan)
+                                            flag_set(flags), scan=scan)
     text = compiled.as_text()
     layers = "scan" if scan else "unrolled"
     if hlo_dir is not None:
@@ -395,7 +403,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["1.3B", "7B"])
     p.add_argument("--meshes", nargs="+", default=["2x8", "4x8", "16x8"])
     p.add_argument("--configs", nargs="+", default=[*configs(), PEER])
-    p.add_argument("--flags", nargs="+", default=GRID_FLAGS, choices=list(FLAGS))
+    p.add_argument("--flags", nargs="+", default=GRID_FLAGS, choices=list(FLAG_SETS))
     p.add_argument("--experiments", nargs="+",
                    default=["grid", "unrolled", "largest", "scheduler"],
                    choices=["grid", "unrolled", "largest", "scheduler"],
@@ -412,8 +420,15 @@ def main() -> None:
                    help="make gpu-calibrate's JSON: each row is also replayed with every "
                         "kernel class at the time that GPU measured for it (*_calibrated "
                         "keys); 'none' to skip")
+    p.add_argument("--name", default="gpu_cluster_h100.json",
+                   help="the JSON's file name in --out (another name keeps a run on another "
+                        "JAX version beside the tracked one)")
     add_out_argument(p)
     args = p.parse_args()
+    import importlib.metadata
+
+    import jax
+
     from benchmarks.gpu_cluster.target import DEVICE
 
     calibration = (json.loads(args.calibration.read_text())
@@ -424,11 +439,14 @@ def main() -> None:
                             calibration))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
-    path = args.out / "gpu_cluster_h100.json"
+    path = args.out / args.name
     if args.update and path.exists():
         rows = updated(json.loads(path.read_text())["rows"], rows)
-    write_json(args.out, "gpu_cluster_h100.json", {"device": DEVICE, "seq_len": SEQ,
-                                                   "rows": rows})
+    # The compiler's version: which XLA options exist and what they do change with it.
+    write_json(args.out, args.name, {"device": DEVICE, "seq_len": SEQ,
+                                     "jax": jax.__version__,
+                                     "jaxlib": importlib.metadata.version("jaxlib"),
+                                     "rows": rows})
 
 
 def _row_key(r: dict) -> tuple:

@@ -212,7 +212,7 @@ def _fp32_zero3():
                                       tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
                                       config=zpp.ZeroPPConfig(**_FP32))
         step = make_step(with_grads=True)
-        with compat.xla_options({"xla_cpu_use_fusion_emitters": True}):
+        with compat.xla_options(compat.cpu_fusion_emitter_options(True)):
             step(state, tokens(16, seed=60))
         _BUILT["zero3"] = (state, step)
     return _BUILT["zero3"]
@@ -409,7 +409,7 @@ def test_hierarchical_all_gather_in_the_step_crosses_nodes_in_node_groups():
         # inspected, not compared bit for bit: it compiles with the suite's elemental
         # emitter (tests/conftest.py), which decides how fusions are emitted, not which
         # collectives the program has.
-        with compat.xla_options({"xla_cpu_use_fusion_emitters": not qwz}):
+        with compat.xla_options(compat.cpu_fusion_emitter_options(not qwz)):
             compiled = step.lower(st, batch).compile()
         rows = comm_report(compiled, mesh).rows
         gathers = [set(r.groups) for r in rows if r.kind == "all-gather"]

@@ -13,6 +13,8 @@ import pytest
 
 from helpers import fresh_seed, seed_on_failure, subprocess_env
 
+from zeropp_jax.core import compat
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "32", "--batch", "8",
@@ -112,10 +114,11 @@ def test_hpz_mode_equals_zero3(tmp_path):
     # Compiled with XLA's default fusion emitters, as the library's bit-for-bit hpZ test is
     # (tests/conftest.py, bitwise_programs): the suite's elemental emitter may fuse the two
     # programs' reductions differently and round them differently.
+    # (A jaxlib without the emitter switch has the fusion emitters alone: no change.)
     flags = os.environ["ZEROPP_TEST_XLA_FLAGS"]
-    assert "--xla_cpu_use_fusion_emitters=false" in flags, flags
-    env = subprocess_env(XLA_FLAGS=flags.replace("--xla_cpu_use_fusion_emitters=false",
-                                                 "--xla_cpu_use_fusion_emitters=true"))
+    off, on = (compat.xla_flags_text(compat.cpu_fusion_emitter_options(v)) for v in (False, True))
+    assert off in flags, flags
+    env = subprocess_env(XLA_FLAGS=flags.replace(off, on))
     z3 = _run(tmp_path, "z3", *common, env=env)
     h = _run(tmp_path, "hpz", "--mode", "hpz", *common, env=env)
     assert h["mode"] == "hpz" and h["config"]["hpz"] and not z3["config"]["hpz"]

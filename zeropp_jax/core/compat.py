@@ -59,6 +59,10 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    ``CompileOptions`` (``env_option_overrides`` carry XLA debug options) in 0.10 to 0.12,
    and the persistent compilation cache keys include those overrides. The test suite uses
    it to compile some tests with XLA:CPU's default fusion emitters (tests/conftest.py).
+   That choice, ``xla_cpu_use_fusion_emitters``, exists in jaxlib 0.10.2 and is gone in
+   0.11.2, where ``XLA_FLAGS`` naming it aborts the process when the backends start (seen
+   on the GPU machine): ``cpu_fusion_emitter_options`` gives it where it exists, nothing
+   where XLA:CPU has only its fusion emitters.
 12. An NNX variable's sharding names (below).
 13. Devices of a GPU cluster to compile for, without its GPUs (``gpu_cluster_devices``):
    ``jax.experimental.topologies.get_topology_desc(platform="cuda", topology="SxHxD",
@@ -67,13 +71,21 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    version check must be skipped where no driver exists: ``JAX_PLATFORMS=cpu``). The
    topology string is "<slices>x<hosts per slice>x<devices per host>"; its devices are
    numbered host-major, one process per host.
-14. The XLA GPU flags a scanned stack's overlap needs (``GPU_OVERLAP_FLAGS``): XLA's
-   collective pipeliner for all-gathers, reduce-scatters and all-reduces is off by default
-   and switched on by ``xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}``
-   in jaxlib 0.10.2 (checked: unknown names raise "No such compile option" when a program
-   is compiled with them, and the test suite compiles one); an open XLA issue (openxla/xla
-   #44228) reports a later GPU plugin accepting them and pipelining nothing, so
-   ``make gpu-cluster`` records per row whether the pipeliner ran. With the pipeliner
+14. The XLA GPU flags a scanned stack's overlap needs (``gpu_overlap_compile_options``,
+   ``GPU_OVERLAP_XLA_FLAGS``): XLA's collective pipeliner for all-gathers, reduce-scatters
+   and all-reduces is off by default. jaxlib 0.10.2 switches it on with the boolean fields
+   ``xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}``; jaxlib 0.11.2 has
+   no such compile options ("No such compile option", seen on an H200) and takes
+   ``xla_gpu_pipeline_{all_gather,reduce_scatter,all_reduce}`` instead, each a mode
+   (``COLLECTIVE_PIPELINING_MODE_{DEFAULT,OFF,ON,EXPLICIT}``; openxla/xla PR #45836), while
+   its ``XLA_FLAGS`` parser still reads the boolean spelling (checked there: the 1.3B
+   ZeRO-3 step at 16x8 compiled with them in ``XLA_FLAGS`` has 21 pipelined collectives, 4
+   without; 22 with the modes and the scheduling options as compile options, as 0.10.2
+   gives with the booleans). Which spelling a jaxlib's compile options take is probed
+   (``knows_compile_option``), not read from its version: the release that renamed them
+   is not known here. An open XLA issue (openxla/xla #44228) reports a GPU plugin
+   accepting the booleans and pipelining nothing, so ``make gpu-cluster`` records per row
+   whether the pipeliner ran. With the pipeliner
    alone, XLA copies each layer's prefetched weights and its gradient into the loop's
    carried buffers every iteration (three full copies of a layer per iteration, 22 ms of
    the 7B's step at 16x8); ``xla_gpu_enable_while_loop_double_buffering`` unrolls the
@@ -82,7 +94,7 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    only a few kernels before its result is needed and keeps one in flight: a layer's
    pipelined gather then starts after that layer's gradient collectives, near the end of
    the iteration. ``xla_gpu_experimental_collective_start_as_early_as_possible`` (proto
-   field 476, in jaxlib 0.10.2; openxla/xla PR #41799) and
+   field 476, in jaxlib 0.10.2 and 0.11.2; openxla/xla PR #41799) and
    ``xla_gpu_experimental_parallel_collective_overlap_limit=2`` (field 336, since 2024)
    move it to the top (checked in 0.10.2 by the compiled schedules; the replayed scanned
    7B ZeRO-3 step at 16x8 goes from 169 to 136 ms). Both are "experimental" names: a jaxlib
@@ -97,12 +109,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 from typing import Any, Iterator
 
 import jax
 
 JAX_VERSION: tuple[int, ...] = tuple(
     int(p) for p in jax.__version__.split(".")[:3] if p.isdigit()
+)
+# jaxlib's own (the compiler: XLA's options follow it), read without starting a backend.
+JAXLIB_VERSION: tuple[int, ...] = tuple(
+    int(p) for p in importlib.metadata.version("jaxlib").split(".")[:3] if p.isdigit()
 )
 
 # -- 1. all_gather_invariant ------------------------------------------------------------------
@@ -374,6 +391,19 @@ def _scan_counts_from_shapes(eqn: Any) -> tuple[int, int]:
 # -- 11. XLA options for every program compiled in a block -------------------------------------
 
 
+def cpu_fusion_emitter_options(on: bool) -> dict[str, bool]:
+    """XLA:CPU's MLIR fusion emitters on or off (``xla_cpu_use_fusion_emitters``) as XLA
+    options, where this jaxlib has that choice (before 0.11); ``{}`` where it has not: the
+    emitters are always on there, whatever ``on`` asks."""
+    return {"xla_cpu_use_fusion_emitters": on} if JAXLIB_VERSION < (0, 11) else {}
+
+
+def xla_flags_text(options: dict[str, Any]) -> str:
+    """XLA options as ``XLA_FLAGS`` text: ``{"a": True, "b": 2}`` -> ``--a=true --b=2``."""
+    return " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+                    for k, v in options.items())
+
+
 @contextlib.contextmanager
 def xla_options(options: dict[str, Any]) -> Iterator[list[int]]:
     """Inside, every program JAX compiles gets the XLA debug ``options`` (e.g.
@@ -450,11 +480,46 @@ def gpu_cluster_devices(target_config: str, nodes: int, local: int) -> list[Any]
 # collective as early as its operands allow, with two in flight at once (they still run
 # one after another on the collective stream), so the next layer's gather no longer waits
 # behind this layer's gradient.
-GPU_OVERLAP_FLAGS: dict[str, bool | int] = {
-    "xla_gpu_enable_pipelined_all_gather": True,
-    "xla_gpu_enable_pipelined_reduce_scatter": True,
-    "xla_gpu_enable_pipelined_all_reduce": True,
+_PIPELINED_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+_SCHEDULING_FLAGS: dict[str, bool | int] = {
     "xla_gpu_enable_while_loop_double_buffering": True,
     "xla_gpu_experimental_collective_start_as_early_as_possible": True,
     "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
 }
+# The pipeliner's switches by spelling: the boolean fields of jaxlib 0.10.2, which
+# ``XLA_FLAGS`` still accepts in 0.11.2; the per-collective modes that replaced those
+# fields as compile options in 0.11.2 (openxla/xla PR #45836).
+_PIPELINER_BOOLEAN = {f"xla_gpu_enable_pipelined_{c}": True for c in _PIPELINED_COLLECTIVES}
+_PIPELINER_MODE = {f"xla_gpu_pipeline_{c}": "COLLECTIVE_PIPELINING_MODE_ON"
+                   for c in _PIPELINED_COLLECTIVES}
+# The settings as ``XLA_FLAGS`` takes them (one spelling that jaxlib 0.10.2 and 0.11.2 read).
+GPU_OVERLAP_XLA_FLAGS: dict[str, bool | int] = {**_PIPELINER_BOOLEAN, **_SCHEDULING_FLAGS}
+# Each ``XLA_FLAGS`` name with the other spelling of the same setting, so a user's own
+# setting in either spelling is kept.
+GPU_OVERLAP_FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    **{b: (b, m) for b, m in zip(_PIPELINER_BOOLEAN, _PIPELINER_MODE)},
+    **{k: (k,) for k in _SCHEDULING_FLAGS}}
+
+
+def knows_compile_option(name: str, value: bool | int | str) -> bool:
+    """Whether this jaxlib takes ``{name: value}`` as a compile option: XLA's DebugOptions
+    are one proto for every backend, and an unknown field raises "No such compile option"
+    before anything is compiled (checked in 0.10.2 and 0.11.2). Compiles a one-element
+    program on the default backend (milliseconds; starts JAX's backends)."""
+    lowered = jax.jit(lambda x: x + 1).lower(jax.ShapeDtypeStruct((), jax.numpy.float32))
+    try:
+        lowered.compile({name: value})
+    except Exception as e:  # noqa: BLE001 - XLA raises its own runtime error types
+        if "No such compile option" in str(e):
+            return False
+        raise
+    return True
+
+
+def gpu_overlap_compile_options(knows=knows_compile_option) -> dict[str, bool | int | str]:
+    """The overlap settings as compile options of this jaxlib: the pipeliner's per-collective
+    modes where ``knows(name, value)`` says it takes them (0.11.2), else its boolean fields
+    (0.10.2); the scheduling options, which both spell alike. A new dict each call."""
+    mode = next(iter(_PIPELINER_MODE.items()))
+    pipeliner = _PIPELINER_MODE if knows(*mode) else _PIPELINER_BOOLEAN
+    return {**pipeliner, **_SCHEDULING_FLAGS}

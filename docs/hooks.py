@@ -1044,9 +1044,11 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     model, mesh, config and flag set), ``unrolled`` (the 7B at 16x8 with its blocks
     unrolled), ``largest`` (the largest Llama shapes at 16x8 against 80 GB), ``memory``
     (per config, how many rows the memory model predicts within 10%), ``scheduler`` (the
-    scanned 7B at 16x8 with XLA's default scheduling against the pipelined flags)."""
+    scanned 7B at 16x8 with XLA's default scheduling against the pipelined flags),
+    ``versions`` (a run on another JAX version beside the tracked run's same rows),
+    ``defer`` (the scanned 7B at 16x8: ZeRO-3, ZeRO++ and ZeRO++ with ``qgz_defer``)."""
     views = ("grid", "unrolled", "largest", "memory", "units", "peer", "compute", "plain",
-             "calibrated", "scheduler")
+             "calibrated", "scheduler", "versions", "defer")
     if view not in views:
         raise TableError(f"gpu_cluster results need a view, one of {', '.join(views)}; "
                          f"got {view!r}")
@@ -1071,6 +1073,10 @@ def gpu_cluster(data: dict, view: str | None) -> str:
         return _gpu_cluster_calibrated(data)
     if view == "scheduler":
         return _gpu_cluster_scheduler(data)
+    if view == "versions":
+        return _gpu_cluster_versions(data)
+    if view == "defer":
+        return _gpu_cluster_defer(data)
     rows = [r for r in data["rows"] if r["experiment"] == view]
     if not rows:
         raise TableError(f"gpu_cluster: this run has no {view} rows")
@@ -1138,6 +1144,47 @@ def _gpu_cluster_scheduler(data: dict) -> str:
           pair(c, "step_ms_100g", ".0f"),
           f"{by[c, 'pipeliner_scheduler_default']['memory_compiled_bytes'] / 1e9:.1f} → "
           f"{by[c, 'pipelined']['memory_compiled_bytes'] / 1e9:.1f}"] for c in configs])
+
+
+def _gpu_cluster_defer(data: dict) -> str:
+    """The scanned 7B at 16x8 with the pipelined flags: ZeRO-3, ZeRO++ and ZeRO++ with
+    ``qgz_defer`` (config ``zeropp_defer``): cross-node share hidden, step at 400 and
+    100 Gbit/s, priced compute, compiled memory."""
+    by = {r["config"]: r for r in data["rows"] if _seven_b_pipelined(r)
+          and r["layers"] == "scan"}
+    configs = [c for c in ("zero3", "zeropp", "zeropp_defer") if c in by]
+    if "zeropp_defer" not in configs:
+        raise TableError("gpu_cluster: no zeropp_defer row for the scanned 7B at 16x8")
+    return _table(
+        ["config", "hidden 400G", "step ms 400G", "hidden 100G", "step ms 100G",
+         "compute ms", "compiled GB per GPU"],
+        [[c, _pct(by[c]["hidden_fraction_400g"]), f"{by[c]['step_ms_400g']:.1f}",
+          _pct(by[c]["hidden_fraction_100g"]), f"{by[c]['step_ms_100g']:.1f}",
+          f"{by[c]['compute_ms']:.1f}", f"{by[c]['memory_compiled_bytes'] / 1e9:.2f}"]
+         for c in configs])
+
+
+def _gpu_cluster_versions(data: dict) -> str:
+    """Each row of ``data`` (a ``make gpu-cluster`` run, another JAX version) beside the
+    tracked run's row of the same model, mesh, config, flags and layers
+    (``gpu_cluster_h100.json``): the JAX that compiled it, the collectives XLA's pipeliner
+    moved, the hidden cross-node share and the step at 400 Gbit/s, the compiled memory."""
+    tracked = json.loads((RESULTS / "gpu_cluster_h100.json").read_text())
+    key = ("experiment", "model", "mesh", "config", "flags", "layers")
+    by = {tuple(r[k] for k in key): r for r in tracked["rows"]}
+    out = []
+    for r in data["rows"]:
+        for run, row in ((data, r), (tracked, by.get(tuple(r[k] for k in key)))):
+            if row is None:
+                raise TableError(f"gpu_cluster: the tracked run has no row {[r[k] for k in key]}")
+            if "jax" not in run:
+                raise TableError("gpu_cluster: a run without its JAX version (run it again)")
+            out.append([row["model"], row["mesh"], row["config"], row["flags"], run["jax"],
+                        str(row["pipelined_collectives"]),
+                        _pct(row["hidden_fraction_400g"]), f"{row['step_ms_400g']:.1f}",
+                        f"{row['memory_compiled_bytes'] / 1e9:.2f}"])
+    return _table(["model", "mesh", "config", "flags", "jax", "pipelined collectives",
+                   "hidden 400G", "step ms 400G", "compiled GB per GPU"], out)
 
 
 def _gpu_cluster_calibrated(data: dict) -> str:
@@ -1405,7 +1452,8 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("qgz_gap", {"rows", "predicted_nu", "lowered_bytes_per_step", "bytes_budget"}, qgz_gap),
 ]
 VIEWS = {"gpu_check": ["device", "kernels", "bandwidth", "step"],
-         "gpu_cluster": ["grid", "unrolled", "largest", "calibrated", "scheduler"],
+         "gpu_cluster": ["grid", "unrolled", "largest", "calibrated", "scheduler", "versions",
+                         "defer"],
          "cluster_predicted": ["measured", "predicted", "auto", "targets"],
          "generation": ["exactness", "bytes", "speed"],
          "qgz_accuracy": [None, "smoothing", "formats", "weights", "feedback"],

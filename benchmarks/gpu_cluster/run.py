@@ -121,6 +121,9 @@ def configs() -> dict:
         # ZeRO++ with every quantization in the Pallas kernels, where a GPU's default
         # (``quantization_impl=None``) uses XLA's fusions without a Hadamard rotation.
         "zeropp_pallas": zpp.ZeroPPConfig.zeropp(quantization_impl="pallas"),
+        # ZeRO++ with each scanned layer's qgZ reduction deferred into the next layer's
+        # backward, where its all-to-alls run beside that layer's compute.
+        "zeropp_defer": zpp.ZeroPPConfig.zeropp(qgz_defer=True),
     }
 
 

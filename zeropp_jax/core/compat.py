@@ -391,6 +391,14 @@ def _scan_counts_from_shapes(eqn: Any) -> tuple[int, int]:
 # -- 11. XLA options for every program compiled in a block -------------------------------------
 
 
+def new_ref(x: jax.Array) -> Any:
+    """A mutable array (``jax.new_ref``, checked in 0.10.2): read with ``ref[...]``, write
+    with ``ref[...] = x``. Made outside a ``jax.grad`` and passed as an argument, a
+    ``custom_vjp``'s backward can write it, and a later backward read it (inside a scan:
+    a value carried from one backward iteration to the next)."""
+    return jax.new_ref(x)
+
+
 def cpu_fusion_emitter_options(on: bool) -> dict[str, bool]:
     """XLA:CPU's MLIR fusion emitters on or off (``xla_cpu_use_fusion_emitters``) as XLA
     options, where this jaxlib has that choice (before 0.11); ``{}`` where it has not: the

@@ -255,6 +255,15 @@ class ZeroPPConfig:
         bytes as ``"both"``, more bytes on the fast links inside the node, about half the
         quantization error (``comm.qgz.qgz_reduce_scatter``). Not with
         ``qgz_error_feedback``.
+      qgz_defer: with qgZ, a scanned stack's layers (``nn.scan``, ``nnx.scan``) reduce each
+        layer's gradient during the backward of the layer before it instead of at the end
+        of its own, so qgZ's all-to-alls run beside a layer's compute. XLA moves a scanned
+        layer's reduce-scatter across loop iterations itself, but not an all-to-all: without
+        this, qgZ's hops end every backward iteration with nothing left to overlap them. The
+        same arithmetic, bit for bit; one layer's flat gradient (compute dtype) more is live
+        through backward. Needs ``train_step`` (which carries the deferred gradient from one
+        iteration to the next); units outside a scanned stack are unchanged. Off by
+        default. Not with ``qgz_error_feedback``.
       offload_optimizer: keep the optimizer state (Adam's moments: 8 bytes per parameter,
         split over all devices) in each device's pinned host memory between steps
         (DeepSpeed's ``offload_optimizer``, FSDP2's ``CPUOffloadPolicy`` for the state).
@@ -308,6 +317,7 @@ class ZeroPPConfig:
     qgz_error_feedback: bool = False
     qgz_signs: str = "fixed"
     qgz_hops: str = "both"
+    qgz_defer: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_ratio: float = 1.0
@@ -383,6 +393,12 @@ class ZeroPPConfig:
         if self.qgz_hops == "cross" and self.qgz_error_feedback:
             raise ValueError("qgz_error_feedback keeps the errors of both of qgZ's "
                              "quantizations: use it with qgz_hops='both', or turn it off")
+        if self.qgz_defer and not self.qgz:
+            raise ValueError("qgz_defer defers qgZ's reduction of a scanned layer's "
+                             "gradient: it needs qgz=True")
+        if self.qgz_defer and self.qgz_error_feedback:
+            raise ValueError("qgz_defer and qgz_error_feedback do not combine (a scanned "
+                             "stack keeps no per-layer errors): turn one off")
         if self.qgz_error_feedback and not self.qgz:
             raise ValueError("qgz_error_feedback keeps qgZ's quantization errors: it needs "
                              "qgz=True")

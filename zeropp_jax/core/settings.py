@@ -68,6 +68,8 @@ class Gradients:
       error_feedback: keep each device's quantization errors (``qgz_error_feedback``).
       signs: ``"fixed"`` or ``"per_step"`` (``qgz_signs``).
       hops: ``"both"`` or ``"cross"``: which hops are quantized (``qgz_hops``).
+      defer: a scanned layer's gradient reduced during the next layer's backward
+        (``qgz_defer``).
       reduce_scatter: the unquantized one, ``"flat"`` or ``"hierarchical"``
         (``reduce_scatter``).
     """
@@ -82,13 +84,15 @@ class Gradients:
     error_feedback: bool | None = None
     signs: str | None = None
     hops: str | None = None
+    defer: bool | None = None
     reduce_scatter: str | None = None
 
     FLAT: ClassVar[Mapping[str, str]] = {
         "quantize": "qgz", "bits": "grad_bits", "pipeline_stages": "qgz_pipeline_stages",
         "until": "qgz_until", "planned_steps": "planned_steps", "hadamard": "qgz_hadamard",
         "stochastic_rounding": "stochastic_rounding", "error_feedback": "qgz_error_feedback",
-        "signs": "qgz_signs", "hops": "qgz_hops", "reduce_scatter": "reduce_scatter"}
+        "signs": "qgz_signs", "hops": "qgz_hops", "defer": "qgz_defer",
+        "reduce_scatter": "reduce_scatter"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.train import build
 from zeropp_jax.units.adapters import ModelAdapter
-from zeropp_jax.units.apply import apply_units
+from zeropp_jax.units.apply import apply_units, deferred_pipes
 from zeropp_jax.comm.frozen import FrozenShards, frozen_local_shards, merge_trees
 from zeropp_jax.core.mesh import AXES, mesh_shape
 from zeropp_jax.comm.partition import (
@@ -67,11 +67,15 @@ class StepState:
         reduce-scatter for this step; None: qgZ whenever ``config.qgz``.
       step: with ``config.qgz_signs="per_step"``, the traced optimizer step (qgZ's signs
         and seeds follow it); None otherwise.
+      pipes: with ``config.qgz_defer``, inside ``train_step``: scanned stack path -> the
+        Ref that carries a layer's gradient to the next layer's backward
+        (``units.apply.deferred_pipes``); None otherwise.
     """
 
     frozen: FrozenShards | None = None
     qgz_on: jax.Array | None = None
     step: jax.Array | None = None
+    pipes: Mapping[tuple[str, ...], Any] | None = None
 
 
 def _stack(*xs: Any) -> Any:
@@ -341,7 +345,7 @@ class Engine:
                 frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
                 collections=collections, warn_resident=self.explicit_units,
                 memo=self.memo.setdefault("resident", {}), transports=self.transports,
-                step=step.step, feedback=params.feedback, **kwargs,
+                step=step.step, feedback=params.feedback, pipes=step.pipes, **kwargs,
             )
         tree = {"params": self.unflatten_full(params.units), **collections}
         return self.adapter.apply(tree, *args, method=method, **kwargs)
@@ -533,14 +537,24 @@ class Engine:
             }
         return g, finite
 
-    def step_state(self, frozen: FrozenShards | None, step: jax.Array) -> StepState:
+    def step_state(self, frozen: FrozenShards | None, step: jax.Array,
+                   pipes: Mapping[tuple[str, ...], Any] | None = None) -> StepState:
         """What ``apply_fn`` needs of a train state besides the params: its frozen shards,
-        and with ``qgz_until`` whether qgZ is on at optimizer step ``step`` (a traced bool,
-        so one compiled program serves both phases of the run)."""
+        with ``qgz_until`` whether qgZ is on at optimizer step ``step`` (a traced bool,
+        so one compiled program serves both phases of the run), and the Refs that defer
+        scanned layers' gradients (``pipes``, ``new_pipes``)."""
         grads = self.plan.gradients
         until = grads.switch_step()
         return StepState(frozen, None if until is None else step < until,
-                         step if grads.follows_step() else None)
+                         step if grads.follows_step() else None, pipes or None)
+
+    def new_pipes(self) -> dict[tuple[str, ...], Any]:
+        """With ``config.qgz_defer``, the Refs that carry each scanned stack's deferred
+        layer gradient (``units.apply.deferred_pipes``), to make once per traced step
+        outside its differentiation (``train_step`` does); else ``{}``."""
+        if not (self.config.qgz_defer and self.config.stage == 3):
+            return {}
+        return deferred_pipes(self.layouts, self.config)
 
     # -- outside shard_map -----------------------------------------------------------------
 

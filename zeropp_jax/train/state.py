@@ -61,6 +61,9 @@ class TrainState:
     skipped_steps: jax.Array | None = None
     frozen: FrozenShards | None = None
     collections: dict[str, PyTree] = struct.field(default_factory=dict)
+    # Inside a train_step with config.qgz_defer: the Refs that carry a scanned layer's
+    # gradient to the next layer's backward (Engine.new_pipes); None outside one.
+    pipes: dict | None = None
 
     @property
     def batch_stats(self) -> PyTree:
@@ -77,7 +80,7 @@ class TrainState:
         transformers model, also its own call style: ``apply_fn(**batch, params=params,
         dropout_rng=rng, train=True)``."""
         return functools.partial(self.engine.call,
-                                 self.engine.step_state(self.frozen, self.step))
+                                 self.engine.step_state(self.frozen, self.step, self.pipes))
 
     @property
     def tx(self) -> optax.GradientTransformation:

@@ -222,8 +222,19 @@ def _make_step(fn: Callable[..., Any], *, donate_state: bool, batch_spec: P,
         )
         recorded: dict[str, Any] = {}
 
+        def call_user(state: TrainState, batch: PyTree, *extra: Any) -> Any:
+            # qgz_defer's Refs, made here, outside the user's jax.grad; the states the
+            # step returns leave them behind.
+            pipes = {} if read_only else engine.new_pipes()
+            if not pipes:
+                return user(state, batch, *extra)
+            out = user(state.replace(pipes=pipes), batch, *extra)
+            return jax.tree_util.tree_map(
+                lambda x: x.replace(pipes=None) if isinstance(x, TrainState) else x, out,
+                is_leaf=lambda x: isinstance(x, TrainState))
+
         def probe(state: TrainState, batch: PyTree, *extra: Any) -> list[jax.Array]:
-            out = user(state, batch, *extra)
+            out = call_user(state, batch, *extra)
             if read_only:
                 _check_read_only(state, out)
             recorded["specs"] = _out_specs(out, batch_spec)
@@ -249,7 +260,7 @@ def _make_step(fn: Callable[..., Any], *, donate_state: bool, batch_spec: P,
         def body(state: TrainState, batch: PyTree, *extra: Any) -> Any:
             args = (state, batch, *extra)
             leaves = (replay(*jax.tree_util.tree_leaves(args)) if replay is not None
-                      else jax.tree_util.tree_leaves(user(*args)))
+                      else jax.tree_util.tree_leaves(call_user(*args)))
             return _average_metrics(jax.tree_util.tree_unflatten(recorded["tree"], leaves))
 
         out = jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs,

@@ -240,12 +240,13 @@ def zero_unit(
 
     @jax.custom_vjp
     def unit(shard: tuple, frozen: tuple, arrays: tuple, flags: dict, arrived: tuple,
-             feedback: tuple, prev: tuple) -> Any:
+             feedback: tuple, prev: tuple, pipe: tuple) -> Any:
         full, ffull, _ = gather(shard, frozen, arrived)
         return run(*split(full, ffull), arrays), feedback, _token()
 
     def unit_fwd(shard: tuple, frozen: tuple, arrays: tuple, flags: dict,
-                 arrived: tuple, feedback: tuple, prev: tuple) -> tuple[Any, tuple]:
+                 arrived: tuple, feedback: tuple, prev: tuple,
+                 pipe: tuple) -> tuple[Any, tuple]:
         full, ffull, kept = gather(shard, frozen, arrived)
         w, f = split(full, ffull)
         # The pullback's residuals: what backward needs (all of it with "minimal", what the
@@ -259,10 +260,11 @@ def zero_unit(
             # never holds weights, and recompute the elementwise rest.
             out, pullback = pullback_of(_minimal, w, f, arrays)
         return (out, feedback, _token()), (pullback, kept, flags, len(arrived), feedback,
-                                           len(prev))
+                                           len(prev), pipe)
 
     def unit_bwd(res: tuple, cotangents: Any) -> tuple:
-        pullback, kept, flags, n_arrived, feedback, n_prev = res
+        pullback, kept, flags, n_arrived, feedback, n_prev, pipe = res
+        no_pipe = (None,) * len(pipe)
         g, token, handed = cotangents
         no_flags = {k: None for k in flags}
         # The cotangent of the token this unit took: ready as soon as this backward starts.
@@ -295,9 +297,25 @@ def zero_unit(
         w, f = split(full, ffull)
         g_w, _, g_arrays = pullback.restore(w + f)(g)
         g_full = flat(g_w)
+        if pipe:
+            # A scanned layer with its gradient's reduction deferred (``pipe``: a Ref of
+            # one flat gradient, made outside the step's differentiation): this layer's
+            # gradient waits there, and the one waiting, the layer after it (whose
+            # backward ran in the previous iteration), is reduced now, its collectives
+            # beside this layer's compute. Its shard goes out as this layer's; the stacked
+            # shards' backward (``units.apply``) puts every shard back in its place and
+            # reduces the last one waiting, the first layer's.
+            (ref,) = pipe
+            if ref.shape != g_full[0].shape or ref.dtype != g_full[0].dtype:
+                raise ValueError(f"unit {layout.name!r}: its deferred gradient is "
+                                 f"{g_full[0].dtype}{list(g_full[0].shape)}, the pipe "
+                                 f"holds {ref.dtype}{list(ref.shape)}")
+            waiting = ref[...]
+            ref[...] = g_full[0]
+            g_full = (waiting,)
         if n_arrived:  # the bucket reduce-scatters this gradient with its other members'
             return ((None,), (None,) * n_stored, g_arrays,
-                    no_flags, g_full + (None,) * (n_arrived - 1), (), prev_ct)
+                    no_flags, g_full + (None,) * (n_arrived - 1), (), prev_ct, no_pipe)
         on, step = flags.get("on"), flags.get("step")
         with jax.named_scope(scopes.REDUCED):  # marks the shards for train.axes' check
             if feedback:
@@ -313,17 +331,17 @@ def zero_unit(
                 shard, new_kept = reduce_gradient(grads, g_full[0], config.param_jnp_dtype,
                                                   on, step, incoming)
                 return ((shard,), (None,) * n_stored, g_arrays, no_flags, (),
-                        tuple(new_kept), prev_ct)
+                        tuple(new_kept), prev_ct, no_pipe)
             g_shard = tuple(reduce_gradient(grads, gf, config.param_jnp_dtype, on, step)
                             for gf in g_full)
-        return g_shard, (None,) * n_stored, g_arrays, no_flags, (), (), prev_ct
+        return g_shard, (None,) * n_stored, g_arrays, no_flags, (), (), prev_ct, no_pipe
 
     unit.defvjp(unit_fwd, unit_bwd)
 
     def call(shard: jax.Array | None, frozen: tuple, *arrays: Any,
              qgz_on: jax.Array | None = None, step: jax.Array | None = None,
              arrived: tuple = (), feedback: tuple = (),
-             order: GatherOrder | None = None) -> Any:
+             order: GatherOrder | None = None, pipe: Any = None) -> Any:
         expected = None if layout is None else layout.global_shape[:-1] + (layout.shard_len,)
         if layout is not None and shard.shape != expected:
             raise ValueError(
@@ -333,11 +351,16 @@ def zero_unit(
         if feedback and (shard is None or arrived):
             raise ValueError(f"unit {layout.name if layout else '?'!r}: error feedback needs "
                              "a trainable unit that reduce-scatters its own gradient")
+        if pipe is not None and (not stacked_layer or feedback or arrived or shard is None):
+            raise ValueError(f"unit {layout.name if layout else '?'!r}: a deferred gradient "
+                             "reduction (pipe=) is for a scanned layer's own gradient, "
+                             "without error feedback or a bucket")
         shard_t = () if shard is None else (shard,)
         flags = {k: v for k, v in (("on", qgz_on), ("step", step)) if v is not None}
         prev = order.take() if order is not None else ()
         out, token, handed = unit(shard_t, tuple(frozen), tuple(varying(a) for a in arrays),
-                                  flags, tuple(arrived), tuple(feedback), prev)
+                                  flags, tuple(arrived), tuple(feedback), prev,
+                                  () if pipe is None else (pipe,))
         if order is not None:
             order.hand_on(handed, handed_on)
         return (out, token) if feedback else out

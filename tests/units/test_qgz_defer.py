@@ -1,0 +1,125 @@
+"""``qgz_defer``: a scanned stack's layers reduce each layer's gradient during the backward of
+the layer before it. The same ``reduce_gradient`` runs on the same flat gradient with the same
+flags, only later, so every step is bit for bit the step without it (fp32, fresh inputs);
+and the reduction does move: the first layer's, the last one waiting, runs after the loop."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zeropp_jax as zpp
+from helpers import fresh_seed, seed_on_failure
+
+from test_nnx_scan import ScanNet
+from test_scan import _Scanned, _step
+
+QGZ = dict(qgz=True, compute_dtype="float32")
+
+
+def _run(model, params, config, batches):
+    """Losses of ``train_step``s of ``model`` with ``config`` on ``batches`` (2x4 mesh,
+    Adam), and the final parameters' leaves."""
+    state = zpp.TrainState.create(model=model, params=params, tx=optax.adam(1e-2),
+                                  mesh=zpp.make_mesh(2, 4), config=config)
+    step = _step()
+    losses = []
+    for b in batches:
+        state, out = step(state, b)
+        losses.append(np.asarray(out["loss"]))
+    return losses, jax.tree_util.tree_leaves(state.consolidate())
+
+
+def _batches(seed, n=3):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((16, 8)).astype(np.float32),
+             "y": rng.standard_normal((16, 4)).astype(np.float32)} for _ in range(n)]
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    # The flags a layer's reduction takes: the step (per-step signs, stochastic rounding's
+    # seeds) and qgZ's on/off switch (qgz_until: a traced bool).
+    dict(grad_bits=8, qgz_hadamard=True, stochastic_rounding=True, qgz_signs="per_step",
+         qgz_until=2, planned_steps=3),
+    dict(qgz_hops="cross", remat="full"),
+])
+def test_deferred_steps_are_the_same_bits(options):
+    seed = fresh_seed()
+    model = _Scanned(layers=4)
+    batches = _batches(seed)
+    params = jax.jit(model.init)(jax.random.PRNGKey(seed % 2**31), batches[0]["x"])["params"]
+    plain = _run(model, params, zpp.ZeroPPConfig(**QGZ, **options), batches)
+    deferred = _run(model, params, zpp.ZeroPPConfig(**QGZ, **options, qgz_defer=True),
+                    batches)
+    with seed_on_failure(seed):
+        for a, b in zip(plain[0], deferred[0]):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(plain[1], deferred[1]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_nnx_scan_stack_deferred_is_the_same_bits():
+    seed = fresh_seed()
+    x = np.random.default_rng(seed).standard_normal((16, 3)).astype(np.float32)
+    out = {}
+    for defer in (False, True):
+        state = zpp.TrainState.create(model=ScanNet(nnx.Rngs(seed % 2**31)), params=None,
+                                      tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+                                      config=zpp.ZeroPPConfig(**QGZ, qgz_defer=defer))
+
+        @zpp.train_step
+        def step(state, x):
+            def loss(p):
+                return jnp.mean(state.apply_fn({"params": p, **state.collections}, x) ** 2)
+
+            value, g = jax.value_and_grad(loss)(state.params)
+            return state.apply_gradients(grads=g), value
+
+        losses = []
+        for _ in range(2):
+            state, value = step(state, x)
+            losses.append(np.asarray(value))
+        out[defer] = losses, jax.tree_util.tree_leaves(state.consolidate())
+    with seed_on_failure(seed):
+        for a, b in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
+            np.testing.assert_array_equal(a, b)
+
+
+def _outside_loops(hlo: str, op: str) -> int:
+    """How many ``op`` instructions the compiled program's entry computation has."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}\n")]
+    return len(re.findall(rf"= [^=]*\b{op}(-start)?\(", entry))
+
+
+def test_the_first_layers_reduction_runs_after_the_loop():
+    # Without deferral every layer's qgZ all-to-alls are in the backward loop's body; with
+    # it, the first layer's (the last one waiting) run after the loop, in the entry
+    # computation: one more per hop (2 on 2 nodes of 4).
+    model = _Scanned(layers=4)
+    x = np.zeros((16, 8), np.float32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), x)["params"]
+    batch = {"x": x, "y": np.zeros((16, 4), np.float32)}
+    counts = {}
+    for defer in (False, True):
+        state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
+                                      mesh=zpp.make_mesh(2, 4),
+                                      config=zpp.ZeroPPConfig(**QGZ, qgz_defer=defer))
+        hlo = _step().lower(state, batch).compile().as_text()
+        counts[defer] = _outside_loops(hlo, "all-to-all")
+    assert counts[True] == counts[False] + 2, counts
+
+
+def test_settings_it_needs_are_checked():
+    with pytest.raises(ValueError, match="qgz_defer .* needs qgz=True"):
+        zpp.ZeroPPConfig(qgz_defer=True)
+    with pytest.raises(ValueError, match="qgz_defer and qgz_error_feedback"):
+        zpp.ZeroPPConfig(qgz=True, qgz_defer=True, qgz_error_feedback=True)
+    assert zpp.ZeroPPConfig(gradients=zpp.Gradients(quantize=True, defer=True)).qgz_defer

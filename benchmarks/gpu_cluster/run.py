@@ -75,7 +75,7 @@ SEQ = 2048  # tokens per GPU: one sequence per device
 # into the previous iteration and its gradient's reduce-scatter into the next: the next
 # layer's weights arrive while this one computes; each loop unrolled by two, so the
 # buffers carried across iterations alternate; every collective started as early as its
-# input allows, two in flight in the schedule); "pipelined_single_buffer": the same
+# input allows, three in flight in the schedule); "pipelined_single_buffer": the same
 # without the unrolling, where XLA copies those buffers every iteration;
 # "pipeliner_scheduler_default": the pipeliner and the unrolling with XLA's default
 # scheduling (collectives started late, one at a time).
@@ -316,6 +316,7 @@ def measure(model: str, mesh: str, config: str, flags: str, hlo_dir: pathlib.Pat
            "argument_bytes": int(m.argument_size_in_bytes),
            "temp_bytes": int(m.temp_size_in_bytes),
            "collective_pipeliner_ran": pipelined > 0, "pipelined_collectives": pipelined,
+           "compile_options": flag_set(flags),
            "compute_by_class_ms": {k: v * 1e3 for k, v in
                                    compute_by_class(text, H100_ROOFLINE).items()}}
     for gbit in (400, 100):

@@ -635,3 +635,30 @@ def test_stochastic_rounding_is_seeded_and_averages_out():
     x2[0, 0] += 1.0
     other = keyless(x2)
     assert np.mean(other != no_key) > 0.1, seed  # a new gradient: a new dither everywhere
+
+
+@pytest.mark.parametrize("options", [
+    dict(bits=4, stages=1),
+    dict(bits=8, stages=2, hadamard=True, stochastic_rounding=True),
+])
+def test_three_phases_compute_the_reduce_scatter_bit_for_bit(options):
+    """``qgz_quantize`` -> ``qgz_hop_local`` -> ``qgz_hop_nodes`` (run apart by
+    ``qgz_defer``) give ``qgz_reduce_scatter``'s result, bit for bit, on fresh gradients."""
+    from zeropp_jax.comm.qgz import qgz_hop_local, qgz_hop_nodes, qgz_quantize
+
+    seed = fresh_seed()
+    mesh = zpp.make_mesh(2, 4)
+    x = np.random.default_rng(seed).standard_normal((8, 4096)).astype(np.float32)
+    kw = dict(block_size=64, key=jax.random.key(seed % 2**31), **options)
+
+    def both(x):
+        x = x[0]
+        phased = qgz_hop_nodes(qgz_hop_local(qgz_quantize(x, **kw), **kw), x.shape[0], **kw)
+        return qgz_reduce_scatter(x, **kw)[None], phased[None]
+
+    f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P(("node", "local")),
+                              out_specs=(P(("node", "local")), P(("node", "local"))),
+                              check_vma=False))
+    whole, phased = f(x)
+    with seed_on_failure(seed):
+        np.testing.assert_array_equal(np.asarray(phased), np.asarray(whole))

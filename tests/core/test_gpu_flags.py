@@ -81,7 +81,7 @@ def test_sets_xla_flags_first_thing_and_keeps_the_users():
                      "--xla_gpu_enable_pipelined_reduce_scatter=true",
                      "--xla_gpu_enable_while_loop_double_buffering=true",
                      "--xla_gpu_experimental_collective_start_as_early_as_possible=true",
-                     "--xla_gpu_experimental_parallel_collective_overlap_limit=2"]
+                     "--xla_gpu_experimental_parallel_collective_overlap_limit=3"]
 
 
 def test_a_setting_in_the_other_spelling_is_the_users():

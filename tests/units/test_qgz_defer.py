@@ -1,7 +1,8 @@
-"""``qgz_defer``: a scanned stack's layers reduce each layer's gradient during the backward of
-the layer before it. The same ``reduce_gradient`` runs on the same flat gradient with the same
-flags, only later, so every step is bit for bit the step without it (fp32, fresh inputs);
-and the reduction does move: the first layer's, the last one waiting, runs after the loop."""
+"""``qgz_defer``: a scanned stack's layers reduce each layer's gradient during later layers'
+backward (``units.deferral``: qgZ's three phases in three iterations, or the whole gradient
+one iteration later). The same operations run on the same gradient with the same switches,
+only later, so every step is bit for bit the step without it (fp32, fresh inputs); and the
+reductions do move: what the pipe holds when the loop ends runs after it."""
 
 from __future__ import annotations
 
@@ -99,22 +100,31 @@ def _outside_loops(hlo: str, op: str) -> int:
     return len(re.findall(rf"= [^=]*\b{op}(-start)?\(", entry))
 
 
-def test_the_first_layers_reduction_runs_after_the_loop():
+@pytest.mark.parametrize("options, op, after_loop", [
+    # Staged: the pipe still holds layer 0's blocks (both hops to go) and layer 1's
+    # partial sums (the node hop): 3 all-to-alls after the loop.
+    ({}, "all-to-all", 3),
+    # qgz_until can switch qgZ off for a step: the whole flat gradient is carried instead,
+    # and the first layer's reduction runs after the loop: one more lax.cond between qgZ
+    # and the plain reduce-scatter there.
+    (dict(qgz_until=2, planned_steps=3), "conditional", 1),
+])
+def test_the_first_layers_reductions_run_after_the_loop(options, op, after_loop):
     # Without deferral every layer's qgZ all-to-alls are in the backward loop's body; with
-    # it, the first layer's (the last one waiting) run after the loop, in the entry
-    # computation: one more per hop (2 on 2 nodes of 4).
+    # it, what the pipe holds when the loop ends is reduced after it, in the entry
+    # computation (2 nodes of 4 devices: two hops a reduction).
     model = _Scanned(layers=4)
     x = np.zeros((16, 8), np.float32)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), x)["params"]
     batch = {"x": x, "y": np.zeros((16, 4), np.float32)}
     counts = {}
     for defer in (False, True):
-        state = zpp.TrainState.create(model=model, params=params, tx=optax.sgd(0.1),
-                                      mesh=zpp.make_mesh(2, 4),
-                                      config=zpp.ZeroPPConfig(**QGZ, qgz_defer=defer))
+        state = zpp.TrainState.create(
+            model=model, params=params, tx=optax.sgd(0.1), mesh=zpp.make_mesh(2, 4),
+            config=zpp.ZeroPPConfig(**QGZ, **options, qgz_defer=defer))
         hlo = _step().lower(state, batch).compile().as_text()
-        counts[defer] = _outside_loops(hlo, "all-to-all")
-    assert counts[True] == counts[False] + 2, counts
+        counts[defer] = _outside_loops(hlo, op)
+    assert counts[True] == counts[False] + after_loop, counts
 
 
 def test_settings_it_needs_are_checked():

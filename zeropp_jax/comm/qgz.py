@@ -294,6 +294,100 @@ def qgz_reduce_scatter(
     return out[:m]
 
 
+# -- In three phases -----------------------------------------------------------------------
+# Both hops quantized, on several nodes of several devices: qgZ as three separate steps, so a
+# caller can run them at different times (``config.qgz_defer``): the quantization (no
+# communication), the hop inside the node with its requantization, and the hop across nodes
+# with the last dequantization. Composed, they compute what ``qgz_reduce_scatter`` does, bit
+# for bit; it keeps its own order of collectives (stage by stage, each stage's two hops).
+
+
+def staged(nodes: int, local: int, hops: str = "both") -> bool:
+    """Whether qgZ on ``nodes x local`` devices runs as ``qgz_quantize`` -> ``qgz_hop_local``
+    -> ``qgz_hop_nodes``: both hops present and quantized."""
+    return nodes > 1 and local > 1 and hops == "both"
+
+
+def _phase_settings(n_slice: int, bits: int, block_size: int, stages: int) -> tuple[int, int]:
+    """``(m, m_pad)``: a device's slice, and that padded to whole blocks per stage."""
+    quantum = stages * block_size
+    return n_slice, -(-n_slice // quantum) * quantum
+
+
+def qgz_quantize(x: jax.Array, *, bits: int = 4, block_size: int = 256, stages: int = 1,
+                 implementation: str | None = None, hadamard: bool = False,
+                 stochastic_rounding: bool = False, key: jax.Array | None = None,
+                 node_axis: str = "node", local_axis: str = "local") -> dict:
+    """Phase 1 of staged qgZ (``staged``): this device's ``[n]`` gradient reordered and
+    block-quantized for the hop inside the node, stage by stage. No communication.
+    Returns ``{"values": per stage, "scales": per stage, "seeds": per stage (the hop-2
+    requantization's rounding seed; uint32 0 without stochastic rounding)}``."""
+    check_settings(bits, block_size, hadamard=hadamard)
+    nodes, local = jax.lax.axis_size(node_axis), jax.lax.axis_size(local_axis)
+    num = nodes * local
+    (n,) = x.shape
+    m, m_pad = _phase_settings(n // num, bits, block_size, stages)
+    if m_pad != m:
+        x = jnp.pad(x.reshape(num, m), ((0, 0), (0, m_pad - m))).reshape(-1)
+    impl = _resolve(implementation, hadamard)
+    signs = hadamard_signs(key, block_size) if hadamard else None
+    rkey = None
+    if stochastic_rounding:
+        device = jax.lax.axis_index(node_axis) * local + jax.lax.axis_index(local_axis)
+        rkey = rounding_key(key, x, device)
+    out: dict = {"values": [], "scales": [], "seeds": []}
+    for stage in range(stages):
+        seed0 = None if rkey is None else rounding_seed(rkey, stage, 0)
+        values, scales = _reorder_quantize(x, impl, nodes=nodes, local=local, stages=stages,
+                                           stage=stage, signs=signs, seed=seed0, bits=bits,
+                                           block_size=block_size)
+        out["values"].append(values)
+        out["scales"].append(scales)
+        out["seeds"].append(jnp.uint32(0) if rkey is None else rounding_seed(rkey, stage, 1))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def qgz_hop_local(q: dict, *, bits: int = 4, block_size: int = 256, stages: int = 1,
+                  implementation: str | None = None, hadamard: bool = False,
+                  stochastic_rounding: bool = False, key: jax.Array | None = None,
+                  node_axis: str = "node", local_axis: str = "local") -> dict:
+    """Phase 2 of staged qgZ: ``qgz_quantize``'s blocks sent inside the node (one
+    all-to-all over ``local_axis`` per stage), the ``L`` received summed in fp32 and
+    requantized for the node hop (still rotated). Returns ``{"values", "scales"}`` per
+    stage."""
+    local = jax.lax.axis_size(local_axis)
+    impl = _resolve(implementation, hadamard)
+    out: dict = {"values": [], "scales": []}
+    for values, scales, seed in zip(q["values"], q["scales"], q["seeds"]):
+        values, scales = _exchange(values, scales, local, local_axis)
+        values, scales = _dequantize_reduce_requantize(
+            values, scales, impl, seed=seed if stochastic_rounding else None, bits=bits,
+            block_size=block_size)
+        out["values"].append(values)
+        out["scales"].append(scales)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def qgz_hop_nodes(r: dict, n: int, *, bits: int = 4, block_size: int = 256, stages: int = 1,
+                  implementation: str | None = None, hadamard: bool = False,
+                  stochastic_rounding: bool = False, key: jax.Array | None = None,
+                  node_axis: str = "node", local_axis: str = "local") -> jax.Array:
+    """Phase 3 of staged qgZ: ``qgz_hop_local``'s partial sums sent across nodes (one
+    all-to-all over ``node_axis`` per stage), dequantized, summed in fp32 and rotated back.
+    ``n``: the gradient's length. Returns fp32 ``[n / P]``, as ``qgz_reduce_scatter``."""
+    nodes, local = jax.lax.axis_size(node_axis), jax.lax.axis_size(local_axis)
+    m, _ = _phase_settings(n // (nodes * local), bits, block_size, stages)
+    impl = _resolve(implementation, hadamard)
+    signs = hadamard_signs(key, block_size) if hadamard else None
+    parts = []
+    for values, scales in zip(r["values"], r["scales"]):
+        values, scales = _exchange(values, scales, nodes, node_axis)
+        parts.append(_dequantize_reduce(values, scales, impl, signs=signs, bits=bits,
+                                        block_size=block_size))
+    out = parts[0] if stages == 1 else jnp.concatenate(parts)
+    return out[:m]
+
+
 # -- Error feedback ------------------------------------------------------------------------
 # Each device keeps what its quantizations dropped and adds it back before the next call's
 # (LoCo, arXiv 2407.04480). Kept in the original (unrotated) domain, so the Hadamard signs

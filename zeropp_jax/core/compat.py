@@ -95,9 +95,12 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    pipelined gather then starts after that layer's gradient collectives, near the end of
    the iteration. ``xla_gpu_experimental_collective_start_as_early_as_possible`` (proto
    field 476, in jaxlib 0.10.2 and 0.11.2; openxla/xla PR #41799) and
-   ``xla_gpu_experimental_parallel_collective_overlap_limit=2`` (field 336, since 2024)
+   ``xla_gpu_experimental_parallel_collective_overlap_limit`` (field 336, since 2024)
    move it to the top (checked in 0.10.2 by the compiled schedules; the replayed scanned
-   7B ZeRO-3 step at 16x8 goes from 169 to 136 ms). Both are "experimental" names: a jaxlib
+   7B ZeRO-3 step at 16x8 goes from 169 to 136 ms). The limit is 3: with ``qgz_defer`` a
+   scanned layer's backward has three collectives to overlap (its regather and two
+   deferred qgZ hops), and at 2 the regather waited (7B ZeRO++ deferred at 16x8, 400
+   Gbit/s: 151 ms at 2, 143 at 3 and at 4; ZeRO-3 and ZeRO++ unchanged within 0.3 ms). Both are "experimental" names: a jaxlib
    that drops one fails ``gpu_overlap_flags``' test ("No such compile option").
 15. Whether 64-bit types are on (``x64_enabled``): ``jax.dtypes.canonicalize_dtype`` of
    float64 is float64 exactly then, under ``jax.config.update("jax_enable_x64", True)`` or
@@ -485,14 +488,14 @@ def gpu_cluster_devices(target_config: str, nodes: int, local: int) -> list[Any]
 # the previous loop iteration, its reduce-scatter (and all-reduce) into the next; the loop
 # unrolled by two, so the buffers those collectives carry across iterations alternate
 # instead of being copied each iteration; and the latency-hiding scheduler starts each
-# collective as early as its operands allow, with two in flight at once (they still run
+# collective as early as its operands allow, with three in flight at once (they still run
 # one after another on the collective stream), so the next layer's gather no longer waits
 # behind this layer's gradient.
 _PIPELINED_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 _SCHEDULING_FLAGS: dict[str, bool | int] = {
     "xla_gpu_enable_while_loop_double_buffering": True,
     "xla_gpu_experimental_collective_start_as_early_as_possible": True,
-    "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 3,
 }
 # The pipeliner's switches by spelling: the boolean fields of jaxlib 0.10.2, which
 # ``XLA_FLAGS`` still accepts in 0.11.2; the per-collective modes that replaced those

@@ -9,7 +9,7 @@ computes; it is off by default. Alone it copies the buffers it carries across it
 (double buffering) lets them alternate instead. And XLA's scheduler, by default, starts a
 collective only shortly before its result is needed, one at a time, which puts the next
 layer's gather behind this layer's gradient at the end of the iteration; two experimental
-scheduler options start each collective as soon as its input is ready, up to two in
+scheduler options start each collective as soon as its input is ready, up to three in
 flight. ``use_gpu_overlap_flags()`` turns all of them on for the process
 (through ``XLA_FLAGS``, read when JAX's GPU backend starts); ``gpu_overlap_flags()`` gives
 the same settings as ``compiler_options`` for one ``jax.jit(...).lower(...).compile``,
@@ -31,7 +31,7 @@ def gpu_overlap_flags() -> dict[str, bool | int | str]:
     """XLA options for overlapping a scanned stack's collectives with its compute, as
     ``compiler_options`` (``lowered.compile(gpu_overlap_flags())``): XLA's collective
     pipeliner for all-gathers, reduce-scatters and all-reduces, its while-loop double
-    buffering, collectives started as early as their inputs allow and two of them in
+    buffering, collectives started as early as their inputs allow and three of them in
     flight in the schedule. The pipeliner's switches are spelt as this jaxlib's compile
     options take them (``xla_gpu_enable_pipelined_*=True`` in jax 0.10,
     ``xla_gpu_pipeline_*="COLLECTIVE_PIPELINING_MODE_ON"`` in 0.11), which the first call

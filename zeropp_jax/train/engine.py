@@ -554,7 +554,7 @@ class Engine:
         outside its differentiation (``train_step`` does); else ``{}``."""
         if not (self.config.qgz_defer and self.config.stage == 3):
             return {}
-        return deferred_pipes(self.layouts, self.config)
+        return deferred_pipes(self.layouts, self.config, self.transports)
 
     # -- outside shard_map -----------------------------------------------------------------
 

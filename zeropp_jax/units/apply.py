@@ -20,9 +20,10 @@ import jax.numpy as jnp
 
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST, STACKED_SHARD, UnitLayout, merge_units
-from zeropp_jax.comm.transports import UnitTransports, plan_of, reduce_gradient
+from zeropp_jax.comm.transports import UnitTransports, plan_of
 from zeropp_jax.core import compat
 from zeropp_jax.core.config import ZeroPPConfig
+from zeropp_jax.units import deferral
 from zeropp_jax.units import unit as unit_policies
 from zeropp_jax.units.adapters.base import ModelAdapter, Stacked
 from zeropp_jax.units.bucket import bucket_gather, bucketable
@@ -75,10 +76,10 @@ def apply_units(
         it (``config.qgz_signs="per_step"``); None: they use a fixed key.
       feedback: unit name -> this device's kept qgZ errors (``config.qgz_error_feedback``;
         ``ShardedParams.feedback``); their gradient is the new errors.
-      pipes: scanned stack path -> a Ref of one layer's flat gradient (``[n_pad]``, compute
-        dtype; ``deferred_pipes``), made outside the step's differentiation: each layer's
-        gradient is reduced during the backward of the layer before it
-        (``config.qgz_pipeline``). None or a missing path: reduced in its own backward.
+      pipes: scanned stack path -> its pipe (``deferred_pipes``; Refs made outside the
+        step's differentiation): each layer's gradient is reduced during later layers'
+        backward (``config.qgz_defer``, ``units.deferral``). None or a missing path:
+        reduced in its own backward.
       *args, method, **kwargs: as for ``model.apply``.
     """
     frozen_layouts = frozen_layouts or {}
@@ -156,7 +157,7 @@ def apply_units(
             stacked = jnp.stack(rows)  # [layers, shard_len]
         else:
             stacked = _deferred_stack(rows, pipe, transports[lays[0].name].gradients,
-                                      config.param_jnp_dtype, qgz_on, step)
+                                      lays[0].n_pad, config.param_jnp_dtype, qgz_on, step)
         stacked_shards[path] = {STACKED_SHARD: stacked}
         rest = merge_units(rest, {path: stacked_shards[path]})
 
@@ -215,44 +216,45 @@ def apply_units(
                              collections=collections, **kwargs)
 
 
-def _deferred_stack(rows: list[jax.Array], pipe: Any, grads: Any, shard_dtype: Any,
-                    qgz_on: jax.Array | None, step: jax.Array | None) -> jax.Array:
+def _deferred_stack(rows: list[jax.Array], pipe: dict, grads: Any, n_pad: int,
+                    shard_dtype: Any, qgz_on: jax.Array | None,
+                    step: jax.Array | None) -> jax.Array:
     """The layers' primary shards stacked ``[layers, shard_len]`` for a scan whose layers
-    defer their gradient's reduction (``zero_unit(..., pipe=)``): in backward, layer ``i``'s
-    slot of the stacked cotangent holds layer ``i + 1``'s reduced shard, and ``pipe`` the
-    first layer's flat gradient, reduced here (the same ``reduce_gradient`` with the same
-    flags: the same bits as a reduction in the layer's own backward)."""
+    defer their gradient's reduction (``zero_unit(..., pipe=)``): backward puts each
+    layer's shard back in its slot and reduces what the pipe still holds
+    (``deferral.finish``)."""
     flags = {k: v for k, v in (("on", qgz_on), ("step", step)) if v is not None}
 
     @jax.custom_vjp
-    def stack(rows: tuple, pipe: Any, flags: dict) -> jax.Array:
+    def stack(rows: tuple, pipe: dict, flags: dict) -> jax.Array:
         return jnp.stack(rows)
 
-    def stack_fwd(rows: tuple, pipe: Any, flags: dict) -> tuple[jax.Array, tuple]:
+    def stack_fwd(rows: tuple, pipe: dict, flags: dict) -> tuple[jax.Array, tuple]:
         return jnp.stack(rows), (pipe, flags)
 
     def stack_bwd(res: tuple, g: jax.Array) -> tuple:
         pipe, flags = res
-        first = reduce_gradient(grads, pipe[...], shard_dtype, flags.get("on"),
-                                flags.get("step"))
-        return ((first, *(g[i - 1] for i in range(1, g.shape[0]))), None,
+        shards = deferral.finish(pipe, grads, g, n_pad, shard_dtype, flags.get("on"),
+                                 flags.get("step"))
+        return (shards, jax.tree_util.tree_map(lambda _: None, pipe),
                 {k: None for k in flags})
 
     stack.defvjp(stack_fwd, stack_bwd)
     return stack(tuple(rows), pipe, flags)
 
 
-def deferred_pipes(layouts: Mapping[str, UnitLayout], config: ZeroPPConfig
-                   ) -> dict[tuple[str, ...], Any]:
-    """One Ref per scanned stack, of one layer's flat gradient (zeros, ``[n_pad]`` in the
-    compute dtype), for ``apply_units(pipes=)``. Make them in the step, outside its
-    ``jax.grad``: a Ref made inside a differentiated function cannot cross into a
-    ``custom_vjp``'s backward."""
+def deferred_pipes(layouts: Mapping[str, UnitLayout], config: ZeroPPConfig,
+                   transports: Mapping[str, UnitTransports]) -> dict[tuple[str, ...], Any]:
+    """One pipe per scanned stack (``deferral.make_pipe``), for ``apply_units(pipes=)``.
+    Make them in the step, inside ``shard_map`` and outside its ``jax.grad``: a Ref made
+    inside a differentiated function cannot cross into a ``custom_vjp``'s backward."""
     stacks: dict[tuple[str, ...], UnitLayout] = {}
     for lay in layouts.values():
         if lay.layer is not None:
             stacks.setdefault(lay.path, lay)
-    return {path: compat.new_ref(jnp.zeros((lay.n_pad,), config.compute_jnp_dtype))
+    return {path: deferral.make_pipe(transports[lay.name].gradients, lay.n_pad,
+                                     config.compute_jnp_dtype,
+                                     switched=config.qgz_until is not None)
             for path, lay in stacks.items()}
 
 

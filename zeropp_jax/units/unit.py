@@ -33,6 +33,7 @@ from zeropp_jax.core import compat, scopes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.comm.frozen import merge_trees
 from zeropp_jax.core.mesh import AXES
+from zeropp_jax.units import deferral
 from zeropp_jax.units.ordering import GatherOrder, HandedOn, after
 from zeropp_jax.comm.partition import UnitLayout
 from zeropp_jax.comm.transports import UnitTransports, reduce_gradient
@@ -264,7 +265,7 @@ def zero_unit(
 
     def unit_bwd(res: tuple, cotangents: Any) -> tuple:
         pullback, kept, flags, n_arrived, feedback, n_prev, pipe = res
-        no_pipe = (None,) * len(pipe)
+        no_pipe = jax.tree_util.tree_map(lambda _: None, pipe)
         g, token, handed = cotangents
         no_flags = {k: None for k in flags}
         # The cotangent of the token this unit took: ready as soon as this backward starts.
@@ -297,26 +298,20 @@ def zero_unit(
         w, f = split(full, ffull)
         g_w, _, g_arrays = pullback.restore(w + f)(g)
         g_full = flat(g_w)
-        if pipe:
-            # A scanned layer with its gradient's reduction deferred (``pipe``: a Ref of
-            # one flat gradient, made outside the step's differentiation): this layer's
-            # gradient waits there, and the one waiting, the layer after it (whose
-            # backward ran in the previous iteration), is reduced now, its collectives
-            # beside this layer's compute. Its shard goes out as this layer's; the stacked
-            # shards' backward (``units.apply``) puts every shard back in its place and
-            # reduces the last one waiting, the first layer's.
-            (ref,) = pipe
-            if ref.shape != g_full[0].shape or ref.dtype != g_full[0].dtype:
-                raise ValueError(f"unit {layout.name!r}: its deferred gradient is "
-                                 f"{g_full[0].dtype}{list(g_full[0].shape)}, the pipe "
-                                 f"holds {ref.dtype}{list(ref.shape)}")
-            waiting = ref[...]
-            ref[...] = g_full[0]
-            g_full = (waiting,)
         if n_arrived:  # the bucket reduce-scatters this gradient with its other members'
             return ((None,), (None,) * n_stored, g_arrays,
                     no_flags, g_full + (None,) * (n_arrived - 1), (), prev_ct, no_pipe)
         on, step = flags.get("on"), flags.get("step")
+        if pipe:
+            # A scanned layer with its reduction deferred (``units.deferral``): its gradient
+            # goes into the pipe, and a later layer's shard, reduced now beside this
+            # layer's compute, goes out in its place (the stacked shards' backward puts
+            # every shard back in its slot).
+            with jax.named_scope(scopes.REDUCED):
+                shard = deferral.defer(pipe[0], grads, g_full[0], config.param_jnp_dtype,
+                                       on, step)
+            return ((shard,), (None,) * n_stored, g_arrays, no_flags, (), (), prev_ct,
+                    jax.tree_util.tree_map(lambda _: None, pipe))
         with jax.named_scope(scopes.REDUCED):  # marks the shards for train.axes' check
             if feedback:
                 # Error feedback: the kept errors go in, the new ones come back as their

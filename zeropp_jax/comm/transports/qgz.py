@@ -13,8 +13,12 @@ import jax.numpy as jnp
 from zeropp_jax.comm.qgz import (
     feedback_lengths,
     hop2_to_flat,
+    qgz_hop_local,
+    qgz_hop_nodes,
+    qgz_quantize,
     qgz_reduce_scatter,
     qgz_reduce_scatter_feedback,
+    staged,
 )
 from zeropp_jax.comm.transports.base import GradientFacts, GradientTransport
 from zeropp_jax.core.mesh import AXES
@@ -138,6 +142,32 @@ class QgzReduceScatter(GradientFacts):
     def quantized(self, g: jax.Array, key: jax.Array | None = None) -> jax.Array:
         num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
         return qgz_reduce_scatter(g, **self._kwargs(g.shape[0], num_devices, key))
+
+    # -- in three phases (config.qgz_defer) ---------------------------------------------
+
+    def staged(self, nodes: int, local: int) -> bool:
+        """Whether ``reduce_sum`` (qgZ on, no error feedback) can run as ``phase_quantize``
+        -> ``phase_local`` -> ``phase_nodes`` on ``nodes x local`` devices: both hops
+        quantized and present (``comm.qgz.staged``)."""
+        return staged(nodes, local, self.hops) and not self.error_feedback
+
+    def _phase_kwargs(self, n: int, step: jax.Array | None) -> dict:
+        num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
+        kw = self._kwargs(n, num_devices, self._key(step))
+        kw.pop("hops")
+        return kw
+
+    def phase_quantize(self, g_full: jax.Array, step: jax.Array | None = None) -> dict:
+        """``comm.qgz.qgz_quantize`` of a ``[n]`` gradient with this transport's settings."""
+        return qgz_quantize(g_full, **self._phase_kwargs(g_full.shape[0], step))
+
+    def phase_local(self, q: dict, n: int, step: jax.Array | None = None) -> dict:
+        """``comm.qgz.qgz_hop_local`` of ``phase_quantize``'s blocks (``n``: the length)."""
+        return qgz_hop_local(q, **self._phase_kwargs(n, step))
+
+    def phase_nodes(self, r: dict, n: int, step: jax.Array | None = None) -> jax.Array:
+        """``comm.qgz.qgz_hop_nodes``: fp32 ``[n / P]``, what ``reduce_sum`` returns."""
+        return qgz_hop_nodes(r, n, **self._phase_kwargs(n, step))
 
     def reduce_sum(self, g_full: jax.Array, on: jax.Array | None = None,
                    step: jax.Array | None = None) -> jax.Array:

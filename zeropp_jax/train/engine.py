@@ -31,7 +31,8 @@ from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.train import build
 from zeropp_jax.units.adapters import ModelAdapter
-from zeropp_jax.units.apply import apply_units, deferred_pipes
+from zeropp_jax.units import deferral
+from zeropp_jax.units.apply import apply_units
 from zeropp_jax.comm.frozen import FrozenShards, frozen_local_shards, merge_trees
 from zeropp_jax.core.mesh import AXES, mesh_shape
 from zeropp_jax.comm.partition import (
@@ -69,7 +70,7 @@ class StepState:
         and seeds follow it); None otherwise.
       pipes: with ``config.qgz_defer``, inside ``train_step``: scanned stack path -> the
         Ref that carries a layer's gradient to the next layer's backward
-        (``units.apply.deferred_pipes``); None otherwise.
+        (``units.deferral.pipes``); None otherwise.
     """
 
     frozen: FrozenShards | None = None
@@ -550,11 +551,11 @@ class Engine:
 
     def new_pipes(self) -> dict[tuple[str, ...], Any]:
         """With ``config.qgz_defer``, the Refs that carry each scanned stack's deferred
-        layer gradient (``units.apply.deferred_pipes``), to make once per traced step
+        layer gradient (``units.deferral.pipes``), to make once per traced step
         outside its differentiation (``train_step`` does); else ``{}``."""
         if not (self.config.qgz_defer and self.config.stage == 3):
             return {}
-        return deferred_pipes(self.layouts, self.config, self.transports)
+        return deferral.pipes(self.layouts, self.config, self.transports)
 
     # -- outside shard_map -----------------------------------------------------------------
 

@@ -76,7 +76,7 @@ def apply_units(
         it (``config.qgz_signs="per_step"``); None: they use a fixed key.
       feedback: unit name -> this device's kept qgZ errors (``config.qgz_error_feedback``;
         ``ShardedParams.feedback``); their gradient is the new errors.
-      pipes: scanned stack path -> its pipe (``deferred_pipes``; Refs made outside the
+      pipes: scanned stack path -> its pipe (``deferral.pipes``; Refs made outside the
         step's differentiation): each layer's gradient is reduced during later layers'
         backward (``config.qgz_defer``, ``units.deferral``). None or a missing path:
         reduced in its own backward.
@@ -156,8 +156,8 @@ def apply_units(
         if pipe is None:
             stacked = jnp.stack(rows)  # [layers, shard_len]
         else:
-            stacked = _deferred_stack(rows, pipe, transports[lays[0].name].gradients,
-                                      lays[0].n_pad, config.param_jnp_dtype, qgz_on, step)
+            stacked = deferral.stack(rows, pipe, transports[lays[0].name].gradients,
+                                     lays[0].n_pad, config.param_jnp_dtype, qgz_on, step)
         stacked_shards[path] = {STACKED_SHARD: stacked}
         rest = merge_units(rest, {path: stacked_shards[path]})
 
@@ -214,48 +214,6 @@ def apply_units(
             units[path_of[name]] = unit_call(name, path_of[name] == last)
     return adapter.run_units(units, rest, *args, method=method, order=order,
                              collections=collections, **kwargs)
-
-
-def _deferred_stack(rows: list[jax.Array], pipe: dict, grads: Any, n_pad: int,
-                    shard_dtype: Any, qgz_on: jax.Array | None,
-                    step: jax.Array | None) -> jax.Array:
-    """The layers' primary shards stacked ``[layers, shard_len]`` for a scan whose layers
-    defer their gradient's reduction (``zero_unit(..., pipe=)``): backward puts each
-    layer's shard back in its slot and reduces what the pipe still holds
-    (``deferral.finish``)."""
-    flags = {k: v for k, v in (("on", qgz_on), ("step", step)) if v is not None}
-
-    @jax.custom_vjp
-    def stack(rows: tuple, pipe: dict, flags: dict) -> jax.Array:
-        return jnp.stack(rows)
-
-    def stack_fwd(rows: tuple, pipe: dict, flags: dict) -> tuple[jax.Array, tuple]:
-        return jnp.stack(rows), (pipe, flags)
-
-    def stack_bwd(res: tuple, g: jax.Array) -> tuple:
-        pipe, flags = res
-        shards = deferral.finish(pipe, grads, g, n_pad, shard_dtype, flags.get("on"),
-                                 flags.get("step"))
-        return (shards, jax.tree_util.tree_map(lambda _: None, pipe),
-                {k: None for k in flags})
-
-    stack.defvjp(stack_fwd, stack_bwd)
-    return stack(tuple(rows), pipe, flags)
-
-
-def deferred_pipes(layouts: Mapping[str, UnitLayout], config: ZeroPPConfig,
-                   transports: Mapping[str, UnitTransports]) -> dict[tuple[str, ...], Any]:
-    """One pipe per scanned stack (``deferral.make_pipe``), for ``apply_units(pipes=)``.
-    Make them in the step, inside ``shard_map`` and outside its ``jax.grad``: a Ref made
-    inside a differentiated function cannot cross into a ``custom_vjp``'s backward."""
-    stacks: dict[tuple[str, ...], UnitLayout] = {}
-    for lay in layouts.values():
-        if lay.layer is not None:
-            stacks.setdefault(lay.path, lay)
-    return {path: deferral.make_pipe(transports[lay.name].gradients, lay.n_pad,
-                                     config.compute_jnp_dtype,
-                                     switched=config.qgz_until is not None)
-            for path, lay in stacks.items()}
 
 
 def apply_from_source(

@@ -19,21 +19,25 @@ Two depths, chosen per run (``staged``):
 * whole (any other gradient transport): the layer's flat gradient is carried as it is and
   reduced by the next iteration; the slot gets layer ``i + 1``'s shard.
 
-``finish`` runs after the loop (the stacked shards' backward): it reduces what is still in
-the pipe, the first one or two layers', and puts every shard back in its own slot. Every
-layer's reduction is the same operations on the same gradient with the same switches as
-``reduce_gradient``: the same bits.
+``finish`` runs after the loop (the stacked shards' backward, ``stack``): it reduces what
+is still in the pipe, the first one or two layers', and puts every shard back in its own
+slot. Every layer's reduction is the same operations on the same gradient with the same
+switches as ``reduce_gradient``: the same bits. The loop's first one or two iterations
+reduce what an earlier backward left in the pipe (zeros at the first) into slots
+``finish`` drops: one or two layers' collectives per step that carry nothing used.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.comm.transports import reduce_gradient
+from zeropp_jax.comm.partition import UnitLayout
+from zeropp_jax.comm.transports import UnitTransports, reduce_gradient
 from zeropp_jax.core import compat
+from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import AXES
 
 
@@ -115,3 +119,42 @@ def finish(pipe: dict, grads: Any, g_stacked: jax.Array, n_pad: int, shard_dtype
             first += (_mean(grads, grads.phase_nodes(r, n_pad, step), shard_dtype),)
     depth = len(first)
     return first + tuple(g_stacked[i - depth] for i in range(depth, layers))
+
+
+def stack(rows: list[jax.Array], pipe: dict, grads: Any, n_pad: int, shard_dtype: Any,
+          qgz_on: jax.Array | None, step: jax.Array | None) -> jax.Array:
+    """The layers' primary shards stacked ``[layers, shard_len]`` for a scan whose layers
+    defer their gradient's reduction (``zero_unit(..., pipe=)``): backward puts each
+    layer's shard back in its slot and reduces what the pipe still holds (``finish``)."""
+    flags = {k: v for k, v in (("on", qgz_on), ("step", step)) if v is not None}
+
+    @jax.custom_vjp
+    def stacked(rows: tuple, pipe: dict, flags: dict) -> jax.Array:
+        return jnp.stack(rows)
+
+    def stack_fwd(rows: tuple, pipe: dict, flags: dict) -> tuple[jax.Array, tuple]:
+        return jnp.stack(rows), (pipe, flags)
+
+    def stack_bwd(res: tuple, g: jax.Array) -> tuple:
+        pipe, flags = res
+        shards = finish(pipe, grads, g, n_pad, shard_dtype, flags.get("on"),
+                        flags.get("step"))
+        return (shards, jax.tree_util.tree_map(lambda _: None, pipe),
+                {k: None for k in flags})
+
+    stacked.defvjp(stack_fwd, stack_bwd)
+    return stacked(tuple(rows), pipe, flags)
+
+
+def pipes(layouts: Mapping[str, UnitLayout], config: ZeroPPConfig,
+          transports: Mapping[str, UnitTransports]) -> dict[tuple[str, ...], Any]:
+    """One pipe per scanned stack (``make_pipe``), for ``units.apply.apply_units(pipes=)``.
+    Make them in the step, inside ``shard_map`` and outside its ``jax.grad``: a Ref made
+    inside a differentiated function cannot cross into a ``custom_vjp``'s backward."""
+    stacks: dict[tuple[str, ...], UnitLayout] = {}
+    for lay in layouts.values():
+        if lay.layer is not None:
+            stacks.setdefault(lay.path, lay)
+    return {path: make_pipe(transports[lay.name].gradients, lay.n_pad,
+                            config.compute_jnp_dtype, switched=config.qgz_until is not None)
+            for path, lay in stacks.items()}

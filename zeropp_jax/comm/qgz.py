@@ -191,6 +191,33 @@ def _exchange(values: jax.Array, scales: jax.Array, rows: int, axis: str
     return unpack_rows(buf, value_bytes, values.dtype)
 
 
+def _padded_slice(m: int, block_size: int, stages: int) -> int:
+    """A device's slice of ``m`` elements padded to whole blocks in every stage."""
+    quantum = stages * block_size
+    return -(-m // quantum) * quantum
+
+
+def _prepare(x: jax.Array, *, nodes: int, local: int, block_size: int, stages: int,
+             implementation: str | None, hadamard: bool, stochastic_rounding: bool,
+             key: jax.Array | None, node_axis: str, local_axis: str) -> tuple:
+    """``(x padded, m, impl, signs, rkey)``: every slice of ``x`` padded to whole blocks
+    per stage (slice boundaries stay where ``psum_scatter`` puts them), the slice length
+    ``m`` before padding, the implementation, the Hadamard signs (or None) and the
+    stochastic rounding key (or None)."""
+    num = nodes * local
+    m = x.shape[0] // num
+    m_pad = _padded_slice(m, block_size, stages)
+    if m_pad != m:
+        x = jnp.pad(x.reshape(num, m), ((0, 0), (0, m_pad - m))).reshape(-1)
+    impl = _resolve(implementation, hadamard)
+    signs = hadamard_signs(key, block_size) if hadamard else None
+    rkey = None
+    if stochastic_rounding:
+        device = jax.lax.axis_index(node_axis) * local + jax.lax.axis_index(local_axis)
+        rkey = rounding_key(key, x, device)
+    return x, m, impl, signs, rkey
+
+
 def qgz_reduce_scatter(
     x: jax.Array,
     *,
@@ -271,19 +298,11 @@ def qgz_reduce_scatter(
         summed = jax.lax.psum_scatter(x, (node_axis, local_axis), scatter_dimension=0,
                                       tiled=True)
         return summed.astype(jnp.float32)
-    m = n // num
-    quantum = stages * block_size
-    m_pad = -(-m // quantum) * quantum
-    if m_pad != m:
-        # Pad every slice (not the end of x), so slice boundaries stay where psum_scatter
-        # puts them.
-        x = jnp.pad(x.reshape(num, m), ((0, 0), (0, m_pad - m))).reshape(-1)
-    impl = _resolve(implementation, hadamard)
-    signs = hadamard_signs(key, block_size) if hadamard else None
-    rkey = None
-    if stochastic_rounding:
-        device = jax.lax.axis_index(node_axis) * local + jax.lax.axis_index(local_axis)
-        rkey = rounding_key(key, x, device)
+    x, m, impl, signs, rkey = _prepare(
+        x, nodes=nodes, local=local, block_size=block_size, stages=stages,
+        implementation=implementation, hadamard=hadamard,
+        stochastic_rounding=stochastic_rounding, key=key, node_axis=node_axis,
+        local_axis=local_axis)
     parts = [
         _one_stage(x, nodes=nodes, local=local, bits=bits, block_size=block_size,
                    stages=stages, stage=s, impl=impl, node_axis=node_axis,
@@ -308,12 +327,6 @@ def staged(nodes: int, local: int, hops: str = "both") -> bool:
     return nodes > 1 and local > 1 and hops == "both"
 
 
-def _phase_settings(n_slice: int, bits: int, block_size: int, stages: int) -> tuple[int, int]:
-    """``(m, m_pad)``: a device's slice, and that padded to whole blocks per stage."""
-    quantum = stages * block_size
-    return n_slice, -(-n_slice // quantum) * quantum
-
-
 def qgz_quantize(x: jax.Array, *, bits: int = 4, block_size: int = 256, stages: int = 1,
                  implementation: str | None = None, hadamard: bool = False,
                  stochastic_rounding: bool = False, key: jax.Array | None = None,
@@ -324,17 +337,11 @@ def qgz_quantize(x: jax.Array, *, bits: int = 4, block_size: int = 256, stages: 
     requantization's rounding seed; uint32 0 without stochastic rounding)}``."""
     check_settings(bits, block_size, hadamard=hadamard)
     nodes, local = jax.lax.axis_size(node_axis), jax.lax.axis_size(local_axis)
-    num = nodes * local
-    (n,) = x.shape
-    m, m_pad = _phase_settings(n // num, bits, block_size, stages)
-    if m_pad != m:
-        x = jnp.pad(x.reshape(num, m), ((0, 0), (0, m_pad - m))).reshape(-1)
-    impl = _resolve(implementation, hadamard)
-    signs = hadamard_signs(key, block_size) if hadamard else None
-    rkey = None
-    if stochastic_rounding:
-        device = jax.lax.axis_index(node_axis) * local + jax.lax.axis_index(local_axis)
-        rkey = rounding_key(key, x, device)
+    x, _, impl, signs, rkey = _prepare(
+        x, nodes=nodes, local=local, block_size=block_size, stages=stages,
+        implementation=implementation, hadamard=hadamard,
+        stochastic_rounding=stochastic_rounding, key=key, node_axis=node_axis,
+        local_axis=local_axis)
     out: dict = {"values": [], "scales": [], "seeds": []}
     for stage in range(stages):
         seed0 = None if rkey is None else rounding_seed(rkey, stage, 0)
@@ -376,7 +383,7 @@ def qgz_hop_nodes(r: dict, n: int, *, bits: int = 4, block_size: int = 256, stag
     all-to-all over ``node_axis`` per stage), dequantized, summed in fp32 and rotated back.
     ``n``: the gradient's length. Returns fp32 ``[n / P]``, as ``qgz_reduce_scatter``."""
     nodes, local = jax.lax.axis_size(node_axis), jax.lax.axis_size(local_axis)
-    m, _ = _phase_settings(n // (nodes * local), bits, block_size, stages)
+    m = n // (nodes * local)
     impl = _resolve(implementation, hadamard)
     signs = hadamard_signs(key, block_size) if hadamard else None
     parts = []
@@ -410,8 +417,7 @@ def feedback_lengths(n: int, *, nodes: int, local: int, block_size: int, stages:
     if nodes == 1 and single_node == "reduce_scatter":
         return 0, 0
     m = n // (nodes * local)
-    quantum = stages * block_size
-    m_pad = -(-m // quantum) * quantum
+    m_pad = _padded_slice(m, block_size, stages)
     return n, (nodes * m_pad if nodes > 1 and local > 1 else 0)
 
 
@@ -466,8 +472,7 @@ def _with_feedback(x, feedback, *, nodes, local, bits, block_size, stages, singl
                                       tiled=True)
         return summed.astype(jnp.float32), (e1, e2)
     m = n // num
-    quantum = stages * block_size
-    m_pad = -(-m // quantum) * quantum
+    m_pad = _padded_slice(m, block_size, stages)
     y = x.astype(jnp.float32) + e1
     y_pad = y if m_pad == m else jnp.pad(y.reshape(num, m), ((0, 0), (0, m_pad - m))
                                          ).reshape(-1)

@@ -62,20 +62,26 @@ def test_refused_once_the_backends_started():
         zpp.use_gpu_overlap_flags()
 
 
-def test_sets_xla_flags_first_thing_and_keeps_the_users():
-    code = (
-        "import os, json\n"
-        "os.environ['XLA_FLAGS'] = '--xla_gpu_enable_pipelined_all_reduce=false'\n"
-        "import zeropp_jax as zpp\n"
-        "flags = zpp.use_gpu_overlap_flags()\n"
-        "assert zpp.use_gpu_overlap_flags() == flags  # idempotent\n"
-        "import jax; jax.devices()\n"
-        "print(json.dumps(os.environ['XLA_FLAGS'].split()))\n")
+def _xla_flags_after(users: str, code: str) -> list[str]:
+    """``XLA_FLAGS``, split, in a fresh process that set it to ``users`` and then ran
+    ``code`` (after ``import zeropp_jax as zpp``)."""
+    script = ("import os, json\n"
+              f"os.environ['XLA_FLAGS'] = {users!r}\n"
+              "import zeropp_jax as zpp\n"
+              + code +
+              "print(json.dumps(os.environ['XLA_FLAGS'].split()))\n")
     env = subprocess_env()
     env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=120, check=True).stdout
-    flags = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_sets_xla_flags_first_thing_and_keeps_the_users():
+    flags = _xla_flags_after("--xla_gpu_enable_pipelined_all_reduce=false",
+                             "flags = zpp.use_gpu_overlap_flags()\n"
+                             "assert zpp.use_gpu_overlap_flags() == flags  # idempotent\n"
+                             "import jax; jax.devices()\n")
     assert flags == ["--xla_gpu_enable_pipelined_all_reduce=false",
                      "--xla_gpu_enable_pipelined_all_gather=true",
                      "--xla_gpu_enable_pipelined_reduce_scatter=true",
@@ -86,16 +92,8 @@ def test_sets_xla_flags_first_thing_and_keeps_the_users():
 
 def test_a_setting_in_the_other_spelling_is_the_users():
     # jax 0.11's spelling of the all-gather switch in XLA_FLAGS: not set a second time.
-    code = (
-        "import os\n"
-        "os.environ['XLA_FLAGS'] = '--xla_gpu_pipeline_all_gather=off'\n"
-        "import zeropp_jax as zpp\n"
-        "print(zpp.use_gpu_overlap_flags())\n")
-    env = subprocess_env()
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    flags = out.strip().splitlines()[-1].split()
+    flags = _xla_flags_after("--xla_gpu_pipeline_all_gather=off",
+                             "zpp.use_gpu_overlap_flags()\n")
     assert flags[0] == "--xla_gpu_pipeline_all_gather=off"
     assert not any("pipelined_all_gather" in f for f in flags)
     assert "--xla_gpu_enable_pipelined_reduce_scatter=true" in flags

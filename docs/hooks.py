@@ -1100,20 +1100,34 @@ def gpu_cluster(data: dict, view: str | None) -> str:
     if view == "largest":
         return _table(
             ["model", "parameters", "mesh", "config", "compiled GB per GPU", "model GB",
-             "error", "fits 80 GB"],
+             "error", "fits 80 GB", "overlap limit"],
             [[r["model"], f"{r['params'] / 1e9:.1f}B", r["mesh"], r["config"],
               gb(r["memory_compiled_bytes"]), model_gb(r), error(r),
-              "yes" if r["fits_80gb"] else "no"]
+              "yes" if r["fits_80gb"] else "no", _overlap_limit(r)]
              for r in rows])
     return _table(
         ["model", "mesh", "config", "XLA flags", "compiled GB per GPU", "model GB", "error",
          "hidden 400G", "hidden 100G", "step ms 400G", "step ms 100G", "compute ms",
-         "pipelined collectives"],
+         "pipelined collectives", "overlap limit"],
         [[r["model"], r["mesh"], r["config"], r["flags"], gb(r["memory_compiled_bytes"]),
           model_gb(r), error(r), pct(r["hidden_fraction_400g"]),
           pct(r["hidden_fraction_100g"]), f"{r['step_ms_400g']:.0f}",
-          f"{r['step_ms_100g']:.0f}", f"{r['compute_ms']:.0f}", pipelined(r)]
+          f"{r['step_ms_100g']:.0f}", f"{r['compute_ms']:.0f}", pipelined(r),
+          _overlap_limit(r)]
          for r in rows])
+
+
+_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+
+
+def _overlap_limit(r: dict) -> str:
+    """How many collectives XLA's scheduler kept in flight for the row: from its compile
+    options; a row from before rows recorded them was compiled with the pipelined flag
+    sets' limit of then, 2 (``git log -S`` on ``core/compat.py``); "-" without the
+    option."""
+    if "compile_options" in r:
+        return str(r["compile_options"].get(_LIMIT, "-"))
+    return "2 (earlier run)" if r["flags"] in ("pipelined", "pipelined_single_buffer") else "-"
 
 
 def _seven_b_pipelined(r: dict) -> bool:
@@ -1180,11 +1194,12 @@ def _gpu_cluster_versions(data: dict) -> str:
             if "jax" not in run:
                 raise TableError("gpu_cluster: a run without its JAX version (run it again)")
             out.append([row["model"], row["mesh"], row["config"], row["flags"], run["jax"],
-                        str(row["pipelined_collectives"]),
+                        _overlap_limit(row), str(row["pipelined_collectives"]),
                         _pct(row["hidden_fraction_400g"]), f"{row['step_ms_400g']:.1f}",
                         f"{row['memory_compiled_bytes'] / 1e9:.2f}"])
-    return _table(["model", "mesh", "config", "flags", "jax", "pipelined collectives",
-                   "hidden 400G", "step ms 400G", "compiled GB per GPU"], out)
+    return _table(["model", "mesh", "config", "flags", "jax", "overlap limit",
+                   "pipelined collectives", "hidden 400G", "step ms 400G",
+                   "compiled GB per GPU"], out)
 
 
 def _gpu_cluster_calibrated(data: dict) -> str:

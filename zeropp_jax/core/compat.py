@@ -100,7 +100,9 @@ by running the tests that exercise each item on jax 0.10.2 and 0.11.2.
    7B ZeRO-3 step at 16x8 goes from 169 to 136 ms). The limit is 3: with ``qgz_defer`` a
    scanned layer's backward has three collectives to overlap (its regather and two
    deferred qgZ hops), and at 2 the regather waited (7B ZeRO++ deferred at 16x8, 400
-   Gbit/s: 151 ms at 2, 143 at 3 and at 4; ZeRO-3 and ZeRO++ unchanged within 0.3 ms). Both are "experimental" names: a jaxlib
+   Gbit/s: 151 ms at 2, 143 at 3 and at 4; ZeRO-3 and ZeRO++ unchanged within 0.3 ms,
+   the GSPMD FSDP peer 160 -> 152 ms; the unrolled 7B's ZeRO-3 144 -> 152 ms, where
+   XLA's default flags, 135, are better anyway). Both are "experimental" names: a jaxlib
    that drops one fails ``gpu_overlap_flags``' test ("No such compile option").
 15. Whether 64-bit types are on (``x64_enabled``): ``jax.dtypes.canonicalize_dtype`` of
    float64 is float64 exactly then, under ``jax.config.update("jax_enable_x64", True)`` or

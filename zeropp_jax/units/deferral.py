@@ -155,6 +155,8 @@ def pipes(layouts: Mapping[str, UnitLayout], config: ZeroPPConfig,
     for lay in layouts.values():
         if lay.layer is not None:
             stacks.setdefault(lay.path, lay)
+    # A transport with a switch step (qgz_until) gets qgZ's on/off flag in every step.
     return {path: make_pipe(transports[lay.name].gradients, lay.n_pad,
-                            config.compute_jnp_dtype, switched=config.qgz_until is not None)
+                            config.compute_jnp_dtype,
+                            switched=transports[lay.name].gradients.switch_step() is not None)
             for path, lay in stacks.items()}

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax.comm.partition import UnitLayout
-from zeropp_jax.comm.transports import UnitTransports, reduce_gradient
+from zeropp_jax.comm.transports import UnitTransports, mean_of_sum, reduce_gradient
 from zeropp_jax.core import compat
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.core.mesh import AXES
@@ -74,12 +74,6 @@ def _write(refs: Any, values: Any) -> None:
     jax.tree_util.tree_map(put, refs, values)
 
 
-def _mean(grads: Any, summed: jax.Array, shard_dtype: Any) -> jax.Array:
-    """``reduce_gradient``'s last step: the sum over all devices -> their mean, as stored."""
-    num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
-    return (summed / num_devices).astype(shard_dtype)
-
-
 def defer(pipe: dict, grads: Any, g_full: jax.Array, shard_dtype: Any,
           on: jax.Array | None, step: jax.Array | None) -> jax.Array:
     """One layer's backward with its reduction deferred: ``g_full`` (its ``[n_pad]`` flat
@@ -98,7 +92,7 @@ def defer(pipe: dict, grads: Any, g_full: jax.Array, shard_dtype: Any,
     q_in, r_in = _read(pipe["q"]), _read(pipe["r"])
     _write(pipe["q"], grads.phase_quantize(g_full, step))
     _write(pipe["r"], grads.phase_local(q_in, n, step))
-    return _mean(grads, grads.phase_nodes(r_in, n, step), shard_dtype)
+    return mean_of_sum(grads.phase_nodes(r_in, n, step), shard_dtype)
 
 
 def finish(pipe: dict, grads: Any, g_stacked: jax.Array, n_pad: int, shard_dtype: Any,
@@ -113,10 +107,10 @@ def finish(pipe: dict, grads: Any, g_stacked: jax.Array, n_pad: int, shard_dtype
         # The pipe holds layer 0's quantized gradient and layer 1's requantized partial
         # sums (with one layer, stale blocks no layer needs).
         q, r = _read(pipe["q"]), _read(pipe["r"])
-        first = (_mean(grads, grads.phase_nodes(grads.phase_local(q, n_pad, step), n_pad,
-                                                step), shard_dtype),)
+        r0 = grads.phase_local(q, n_pad, step)
+        first = (mean_of_sum(grads.phase_nodes(r0, n_pad, step), shard_dtype),)
         if layers > 1:
-            first += (_mean(grads, grads.phase_nodes(r, n_pad, step), shard_dtype),)
+            first += (mean_of_sum(grads.phase_nodes(r, n_pad, step), shard_dtype),)
     depth = len(first)
     return first + tuple(g_stacked[i - depth] for i in range(depth, layers))
 

@@ -311,7 +311,7 @@ def zero_unit(
                 shard = deferral.defer(pipe[0], grads, g_full[0], config.param_jnp_dtype,
                                        on, step)
             return ((shard,), (None,) * n_stored, g_arrays, no_flags, (), (), prev_ct,
-                    jax.tree_util.tree_map(lambda _: None, pipe))
+                    no_pipe)
         with jax.named_scope(scopes.REDUCED):  # marks the shards for train.axes' check
             if feedback:
                 # Error feedback: the kept errors go in, the new ones come back as their

@@ -34,6 +34,7 @@ as ``weight_format`` without a list of its own.
 from zeropp_jax.comm.transports.base import (
     GradientTransport,
     WeightTransport,
+    mean_of_sum,
     reduce_gradient,
 )
 from zeropp_jax.comm.transports.plan import TransportPlan, UnitTransports, plan_of
@@ -63,6 +64,7 @@ __all__ = [
     "gradient_format",
     "gradient_transport",
     "plan_of",
+    "mean_of_sum",
     "reduce_gradient",
     "weight_format",
     "weight_transport",

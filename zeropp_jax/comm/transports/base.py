@@ -220,12 +220,17 @@ def reduce_gradient(transport: GradientTransport, g_full: jax.Array, shard_dtype
 
     With ``feedback`` (this device's kept errors, for a transport with error feedback):
     ``(slice, new kept errors)``."""
-    num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
     if feedback:
         summed, kept = transport.reduce_sum_feedback(  # type: ignore[attr-defined]
             g_full, feedback, on, step)
-        return (summed / num_devices).astype(shard_dtype), kept
-    summed = transport.reduce_sum(g_full, on, step)
+        return mean_of_sum(summed, shard_dtype), kept
+    return mean_of_sum(transport.reduce_sum(g_full, on, step), shard_dtype)
+
+
+def mean_of_sum(summed: jax.Array, shard_dtype: Any) -> jax.Array:
+    """A slice summed over all ``P`` devices of ``("node", "local")`` -> their mean, in
+    ``shard_dtype`` (divided in the sum's dtype, fp32). Inside ``shard_map``."""
+    num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
     return (summed / num_devices).astype(shard_dtype)
 
 

@@ -166,3 +166,36 @@ def test_settings_it_needs_are_checked():
     with pytest.raises(ValueError, match="qgz_defer and qgz_error_feedback"):
         zpp.ZeroPPConfig(qgz=True, qgz_defer=True, qgz_error_feedback=True)
     assert zpp.ZeroPPConfig(gradients=zpp.Gradients(quantize=True, defer=True)).qgz_defer
+
+
+@pytest.mark.bitwise_programs
+def test_zoo_scan_stack_bf16_zeropp_gradients_are_the_same_bits():
+    # The zoo's MaxText-style nn.scan LM under the full ZeRO++ (qwZ, hpZ, qgZ; bf16),
+    # compiled with XLA's default fusion emitters: every step's gradients are the same
+    # bits. (The optimizer's update after them is XLA's to fuse: with AdamW the two
+    # programs' parameters may differ in the last bit, the deferral's arithmetic not.)
+    import zoo
+
+    seed = fresh_seed()
+    entry = zoo.scan_stack()
+    rng = np.random.default_rng(seed)
+    batches = [entry.make_batch(rng, 16) for _ in range(2)]
+    grads = {}
+    for defer in (False, True):
+        state = zpp.TrainState.create(model=entry.model, params=entry.params,
+                                      tx=optax.sgd(1e-3), mesh=zpp.make_mesh(2, 4),
+                                      config=zpp.ZeroPPConfig.zeropp(qgz_defer=defer))
+
+        @zpp.train_step
+        def step(state, batch):
+            _, g = jax.value_and_grad(
+                lambda p: entry.loss(state.apply_fn, p, batch, True))(state.params)
+            return state.apply_gradients(grads=g), g
+
+        grads[defer] = []
+        for b in batches:
+            state, g = step(state, b)
+            grads[defer] += jax.tree_util.tree_leaves(state.engine.consolidate(g))
+    with seed_on_failure(seed):
+        for a, b in zip(grads[False], grads[True]):
+            np.testing.assert_array_equal(a, b)

@@ -255,14 +255,16 @@ class ZeroPPConfig:
         bytes as ``"both"``, more bytes on the fast links inside the node, about half the
         quantization error (``comm.qgz.qgz_reduce_scatter``). Not with
         ``qgz_error_feedback``.
-      qgz_defer: with qgZ, a scanned stack's layers (``nn.scan``, ``nnx.scan``) reduce each
-        layer's gradient during the backward of the layer before it instead of at the end
-        of its own, so qgZ's all-to-alls run beside a layer's compute. XLA moves a scanned
-        layer's reduce-scatter across loop iterations itself, but not an all-to-all: without
-        this, qgZ's hops end every backward iteration with nothing left to overlap them. The
-        same arithmetic, bit for bit; one layer's flat gradient (compute dtype) more is live
-        through backward. Needs ``train_step`` (which carries the deferred gradient from one
-        iteration to the next); units outside a scanned stack are unchanged. Off by
+      qgz_defer: with qgZ, a scanned stack's layers (``nn.scan``, ``nnx.scan``) reduce their
+        gradients as a pipeline across the backward loop (``units.deferral``): layer ``i``'s
+        backward quantizes its own gradient, sends layer ``i + 1``'s blocks inside the node
+        and layer ``i + 2``'s across nodes, so qgZ's all-to-alls run beside a layer's
+        compute. XLA moves a scanned layer's reduce-scatter across loop iterations itself,
+        but not an all-to-all: without this, qgZ's hops end every backward iteration with
+        nothing left to overlap them. The same gradients, bit for bit; the quantized blocks
+        of two layers are live through backward (with ``qgz_until``, one layer's flat
+        gradient instead). Needs ``train_step`` (which makes the arrays that carry them from
+        one iteration to the next); units outside a scanned stack are unchanged. Off by
         default. Not with ``qgz_error_feedback``.
       offload_optimizer: keep the optimizer state (Adam's moments: 8 bytes per parameter,
         split over all devices) in each device's pinned host memory between steps

@@ -68,6 +68,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import zeropp_jax as zpp
+    from zeropp_jax.core.mesh import MeshInfo
     from benchmarks.common import brief_training, example_model_and_data
     from pallas_kernels.quantize import dequantize_reference, quantize_reference
     from zeropp_demo.gpt import loss_fn
@@ -308,7 +309,7 @@ def feedback_study(args, model, init, data, flat_grad, mesh) -> dict:
             t = r["transport"]
             if t.error_feedback:
                 if r["kept"] is None:
-                    per = t.feedback_specs(n, args.nodes, args.local)
+                    per = t.feedback_specs(n, MeshInfo(args.nodes, args.local))
                     r["kept"] = tuple(jax.device_put(jnp.zeros((num * s.shape[0],), s.dtype),
                                                      NamedSharding(mesh, spec)) for s in per)
                 if label not in fns:

@@ -34,6 +34,7 @@ LLAMA_70B = dict(layers=80, d_model=8192, vocab=32000, seq_len=SEQ, ffn=28672, h
 def rows() -> list[dict]:
     """One row per (remat, config, degree)."""
     import zeropp_jax as zpp
+    from zeropp_jax.core.mesh import MeshInfo
     from zeropp_jax.plan import presets
     from zeropp_jax.plan.cost_model import predict_step
     from zeropp_jax.plan.workload import config_workload, memory_breakdown, transformer_shape
@@ -46,9 +47,9 @@ def rows() -> list[dict]:
             for t in DEGREES:
                 shape = transformer_shape(**LLAMA_70B, tensor_parallel=t, name="Llama-2-70B")
                 local = GPUS // t
-                work = config_workload(config, shape, NODES, local, tokens_per_device=SEQ)
+                work = config_workload(config, shape, MeshInfo(NODES, local), tokens_per_device=SEQ)
                 pred = predict_step(work, hardware)
-                mem = memory_breakdown(config, shape, NODES, local, SEQ)
+                mem = memory_breakdown(config, shape, MeshInfo(NODES, local), SEQ)
                 out.append({
                     "remat": remat, "config": name, "tensor_parallel": t,
                     "data_parallel": NODES * local, "memory_gib": mem.total / 2**30,

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from zeropp_jax.core.mesh import MeshInfo
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.measure.comm_report import CommReport
 from zeropp_jax.plan.auto import plan
@@ -114,14 +115,15 @@ def constants(args: argparse.Namespace, floors: dict[str, float],
     """The probes' constants: compute throughput from zero3's floor, the fixed cost per
     collective between processes per bandwidth."""
     shape, tokens = demo_shape(args), tokens_per_device(args)
-    zero3 = config_workload(row_config("zero3"), shape, args.nodes, args.local, tokens)
+    zero3 = config_workload(row_config("zero3"), shape, MeshInfo(args.nodes, args.local), tokens)
     out = {"flops_per_s": zero3.flops_per_device / floors["zero3"],
            "inter_latency_s": dict(probe_s), "floors_s": dict(floors),
            "flops_per_device": zero3.flops_per_device, "tokens_per_device": tokens}
     # qwZ's dequantization: what its floor adds to zero3's, per element it dequantizes.
     weight_mode = next((m for m in ("qwz", "zeropp") if m in floors), None)
     if weight_mode is not None:
-        w = config_workload(row_config(weight_mode), shape, args.nodes, args.local, tokens)
+        w = config_workload(row_config(weight_mode), shape, MeshInfo(args.nodes, args.local),
+                            tokens)
         base = "hpz" if weight_mode == "zeropp" and "hpz" in floors else "zero3"
         extra = floors[weight_mode] - floors[base]
         weight_elems = w.quant_elems_per_device - w.grad_quant_elems_per_device
@@ -134,8 +136,9 @@ def grad_quant_elems(args: argparse.Namespace, row: str) -> float:
     """Elements one device runs through qgZ's gradient path per step in ``mode``: the
     work a compute floor lacks (one node alone: qgZ falls back to an unquantized
     reduce-scatter there)."""
-    return config_workload(row_config(row, args.local), demo_shape(args), args.nodes,
-                           args.local, tokens_per_device(args)).grad_quant_elems_per_device
+    return config_workload(row_config(row, args.local), demo_shape(args),
+                           MeshInfo(args.nodes, args.local),
+                           tokens_per_device(args)).grad_quant_elems_per_device
 
 
 def hardware(args: argparse.Namespace, const: dict[str, Any], bw: str, bits: float

@@ -69,6 +69,7 @@ def fit_overlap() -> float:
 
 def paper_rows(overlap: float | None = None, only: tuple | None = None) -> list[dict]:
     from zeropp_jax.core.config import ZeroPPConfig
+    from zeropp_jax.core.mesh import MeshInfo
     from zeropp_jax.plan import presets
     from zeropp_jax.plan.cost_model import predict_step
     from zeropp_jax.plan.workload import config_workload, transformer_shape
@@ -86,7 +87,7 @@ def paper_rows(overlap: float | None = None, only: tuple | None = None) -> list[
                 out = {}
                 for label, config in (("zero3", ZeroPPConfig()),
                                       ("zeropp", ZeroPPConfig.zeropp())):
-                    w = config_workload(config, shape, nodes, 16, tokens)
+                    w = config_workload(config, shape, MeshInfo(nodes, 16), tokens)
                     out[label] = predict_step(w, hw)
                 rows.append({"model": name, "layers": layers, "d_model": d,
                              "params": shape.params, "tokens_per_gpu": tokens,

@@ -66,6 +66,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from benchmarks.cli import add_out_argument, write_json  # noqa: E402
+from zeropp_jax.core.mesh import MeshInfo  # noqa: E402
 from zeropp_jax.core.gpu_flags import gpu_overlap_flags  # noqa: E402
 
 SEQ = 2048  # tokens per GPU: one sequence per device
@@ -253,7 +254,7 @@ def predicted_memory(shape, config, nodes: int, local: int, scanned: bool = True
     model = transformer_shape(shape.layers, shape.d_model, shape.vocab, SEQ, ffn=shape.ffn,
                               heads=shape.heads, kv_heads=shape.kv_heads, gated=True,
                               scanned=scanned, fused_attention=ATTENTION is not None)
-    return memory_breakdown(config, model, nodes, local, SEQ, backend="gpu",
+    return memory_breakdown(config, model, MeshInfo(nodes, local), SEQ, backend="gpu",
                             batch_bytes_per_device=(SEQ + 1) * 4).total
 
 

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from pallas_kernels.hadamard import rotate_reference, unrotate_reference
 from pallas_kernels.quantize import (dequantize_reference, quantize_reference,
                                      unpack_int4_reference)
@@ -423,7 +424,7 @@ def test_feedback_moves_the_same_bytes(mesh_shape, stages, switched):
     grad = jax.ShapeDtypeStruct((n * num,), jnp.bfloat16)
     flags = jax.ShapeDtypeStruct((num,), jnp.bool_)
     steps = jax.ShapeDtypeStruct((num,), jnp.int32)
-    kept = [_global(s, num) for s in tr.feedback_specs(n, nodes, local)]
+    kept = [_global(s, num) for s in tr.feedback_specs(n, MeshInfo(nodes, local))]
 
     def plain(g, on, step):
         return tr.reduce_sum(g, on[0] if switched else None, step[0])
@@ -431,8 +432,9 @@ def test_feedback_moves_the_same_bytes(mesh_shape, stages, switched):
     def feedback(g, on, step, *k):
         return tr.reduce_sum_feedback(g, k, on[0] if switched else None, step[0])
 
-    without = traced_collectives(plain, (grad, flags, steps), nodes, local)
-    with_fb = traced_collectives(feedback, (grad, flags, steps, *kept), nodes, local)
+    without = traced_collectives(plain, (grad, flags, steps), MeshInfo(nodes, local))
+    with_fb = traced_collectives(feedback, (grad, flags, steps, *kept),
+                                  MeshInfo(nodes, local))
     assert with_fb == without
     hops = [c.kind for c in without]
     # Two all-to-alls per stage (+ the fallback's reduce-scatter: cond's branch 0).
@@ -485,7 +487,7 @@ def _transport_inputs(rng, nodes=2, local=4, m=T_M):
     tr = _transport()
     num = nodes * local
     n = num * m
-    h1, h2 = tr.feedback_lengths(n, nodes, local)
+    h1, h2 = tr.feedback_lengths(n, MeshInfo(nodes, local))
     g = (rng.standard_t(3, size=(num, n)) * 10.0 ** rng.uniform(-1, 1, (num, 1))
          ).astype(np.float32)
     e1 = (0.05 * rng.standard_normal((num, h1))).astype(np.float32)
@@ -561,7 +563,7 @@ def test_repeated_calls_average_to_the_true_sum():
     g, _, _ = _transport_inputs(rng)
     tr, run = _transport_fn("fixed")  # Hadamard with fixed signs
     kept = tuple(np.zeros(_global(s, num).shape, s.dtype)
-                 for s in tr.feedback_specs(g.shape[1], nodes, local))
+                 for s in tr.feedback_specs(g.shape[1], MeshInfo(nodes, local)))
     total = np.zeros(g.shape[1])
     calls = 30
     for _ in range(calls):

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from zeropp_demo.gpt import GPT
 from zeropp_jax.comm.qgz import qgz_reduce_scatter
 from zeropp_jax.comm.transports import gradient_transport
@@ -142,7 +143,7 @@ def test_bytes_cross_nodes_as_qgz_and_16_bit_inside(mesh_shape):
     cross = gradient_transport(zpp.ZeroPPConfig(**base, qgz_hops="cross"))
     hier = gradient_transport(zpp.ZeroPPConfig(reduce_scatter="hierarchical"))
     assert cross.label() == "qgz-int4-cross" and both.label() == "qgz-int4"
-    b, c, h = (gradient_bytes(t, n_pad, "bfloat16", nodes, local) for t in (both, cross, hier))
+    b, c, h = (gradient_bytes(t, n_pad, "bfloat16", MeshInfo(nodes, local)) for t in (both, cross, hier))
     assert c.cross == b.cross < h.cross / 3.5  # INT4 + scales against bf16
     assert c.intra == h.intra > 3.5 * b.intra  # bf16 inside the node, as unquantized
 

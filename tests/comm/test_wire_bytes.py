@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from zeropp_jax.comm.transports import plan_of
 from zeropp_jax.comm.transports.base import gradient_bytes, weight_bytes
 from zeropp_jax.comm.transports.fp8 import Fp8Gather
@@ -82,7 +83,7 @@ def test_weight_transport_bytes_are_its_lowered_programs(name):
     t = _weight_transports()[name]
     n_pad = 8 * 4 * BLOCK
     specs = t.stored_specs(n_pad, F32)
-    said = weight_bytes(t, n_pad, F32, 4, 2)
+    said = weight_bytes(t, n_pad, F32, MeshInfo(4, 2))
 
     def forward(*stored):
         return t.gather(stored)[0]
@@ -104,7 +105,7 @@ def test_gradient_transport_bytes_are_its_lowered_program(name):
     mesh = zpp.make_mesh(2, 4)
     t = _gradient_transports()[name]
     n_pad = 8 * 2 * BLOCK
-    said = gradient_bytes(t, n_pad, F32, 2, 4)
+    said = gradient_bytes(t, n_pad, F32, MeshInfo(2, 4))
     full = jax.ShapeDtypeStruct((n_pad * 8,), F32)  # each device's full [n_pad] gradient
     got = _report_bytes(mesh, lambda g: t.reduce_sum(g), (full,))
     assert (said.intra, said.cross) == pytest.approx(got, rel=1e-12)
@@ -119,18 +120,19 @@ def test_closed_forms_on_a_64_node_mesh():
     reduce-scatter ``(N - 1) T`` across; qgZ INT4 crosses nodes once, with half a byte per
     value plus scales: ``(N - 1) / N`` of ``n (1/2 + 4 / B)`` per node."""
     nodes, local, n = 64, 8, 64 * 8 * 4 * BLOCK
-    plain = weight_bytes(PlainGather(BF16), n, F32, nodes, local)
+    mesh = MeshInfo(nodes, local)
+    plain = weight_bytes(PlainGather(BF16), n, F32, mesh)
     assert plain["forward"].cross == (nodes - 1) * 2 * n
     assert plain["forward"].intra == (local - 1) * 2 * n
     assert plain["backward"] == plain["forward"]  # ZeRO-3 regathers the same way
-    hpz = weight_bytes(SecondaryRegather(PlainGather(BF16)), n, F32, nodes, local)
+    hpz = weight_bytes(SecondaryRegather(PlainGather(BF16)), n, F32, mesh)
     assert hpz["forward"] == plain["forward"] and hpz["backward"].cross == 0
-    qwz = weight_bytes(QwzGather(8, BLOCK, BF16, "xla"), n, F32, nodes, local)
+    qwz = weight_bytes(QwzGather(8, BLOCK, BF16, "xla"), n, F32, mesh)
     assert qwz["forward"].cross == pytest.approx((nodes - 1) * n * (1 + 4 / BLOCK), rel=1e-12)
-    flat = gradient_bytes(FlatReduceScatter(), n, F32, nodes, local)
+    flat = gradient_bytes(FlatReduceScatter(), n, F32, mesh)
     assert flat.cross == (nodes - 1) * 4 * n
     qgz = gradient_bytes(QgzReduceScatter(4, BLOCK, 1, "xla", FlatReduceScatter()), n, F32,
-                         nodes, local)
+                         mesh)
     assert qgz.cross == pytest.approx((nodes - 1) * n * (0.5 + 4 / BLOCK), rel=1e-12)
 
 
@@ -139,22 +141,23 @@ def test_smoothing_and_fp8_move_the_same_bytes():
     move exactly what they move without them; FP8 weights move INT8 qwZ's bytes (one per
     value, four per block)."""
     nodes, local, n = 64, 8, 64 * 8 * 4 * BLOCK
+    mesh = MeshInfo(nodes, local)
     flat = FlatReduceScatter()
     qwz_by_bits = {}
     for bits in (4, 8):
-        plain = gradient_bytes(QgzReduceScatter(bits, BLOCK, 2, "xla", flat), n, F32, nodes,
-                               local)
+        plain = gradient_bytes(QgzReduceScatter(bits, BLOCK, 2, "xla", flat), n, F32,
+                               mesh)
         for kw in ({"hadamard": True}, {"stochastic_rounding": True},
                    {"hadamard": True, "stochastic_rounding": True}):
             smooth = QgzReduceScatter(bits, BLOCK, 2, "xla", flat, **kw)
-            assert gradient_bytes(smooth, n, F32, nodes, local) == plain
+            assert gradient_bytes(smooth, n, F32, mesh) == plain
         qwz = qwz_by_bits[bits] = weight_bytes(QwzGather(bits, BLOCK, BF16, "xla"), n, F32,
-                                               nodes, local)
+                                               mesh)
         rotated = QwzGather(bits, BLOCK, BF16, "xla", hadamard=True)
-        assert weight_bytes(rotated, n, F32, nodes, local) == qwz
+        assert weight_bytes(rotated, n, F32, mesh) == qwz
     qwz8 = qwz_by_bits[8]  # traced once, in the loop
-    assert weight_bytes(Fp8Gather(BLOCK, BF16), n, F32, nodes, local) == qwz8
-    assert weight_bytes(Fp8Gather(BLOCK, BF16, hadamard=True), n, F32, nodes, local) == qwz8
+    assert weight_bytes(Fp8Gather(BLOCK, BF16), n, F32, mesh) == qwz8
+    assert weight_bytes(Fp8Gather(BLOCK, BF16, hadamard=True), n, F32, mesh) == qwz8
 
 
 class _TwoLayers(nn.Module):

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from zeropp_jax.plan import auto, presets
 from zeropp_jax.plan.auto import candidate_configs, plan
 from zeropp_jax.plan.workload import (
@@ -62,7 +63,7 @@ def _kept_bytes_per_device(state) -> float:
 def test_the_feedback_term_is_the_states_kept_errors(nodes, local):
     state = _state(EF, nodes, local)
     shape = shape_of_state(state)
-    m = memory_breakdown(EF, shape, nodes, local)
+    m = memory_breakdown(EF, shape, MeshInfo(nodes, local))
     kept = _kept_bytes_per_device(state)
     assert m.feedback == kept > 0
     # The engine's own global shapes, split over the devices, say the same.
@@ -77,7 +78,7 @@ def test_the_feedback_term_is_the_states_kept_errors(nodes, local):
     assert kept == sum(n + h + 4 * (n + h) // 256 + 4 for n, h in zip(pads, hop2))
     # It is state: the arguments of the step, not counted in ``states``.
     base = memory_breakdown(dataclasses.replace(EF, qgz_error_feedback=False), shape,
-                            nodes, local)
+                            MeshInfo(nodes, local))
     assert m.states == base.states and m.arguments == base.states + kept
     assert m.total > base.total + kept
 
@@ -86,16 +87,16 @@ def test_no_feedback_term_without_feedback_or_on_one_node():
     off = zpp.ZeroPPConfig.zeropp()
     state = _state(off, 2, 4)
     assert state.params.feedback == {}
-    assert memory_breakdown(off, shape_of_state(state), 2, 4).feedback == 0
+    assert memory_breakdown(off, shape_of_state(state), MeshInfo(2, 4)).feedback == 0
     # One node: qgZ does not quantize, so nothing is kept.
     state = _state(EF, 1, 8)
     shape = shape_of_state(state)
     assert state.params.feedback == {}
-    m = memory_breakdown(EF, shape, 1, 8)
+    m = memory_breakdown(EF, shape, MeshInfo(1, 8))
     assert m.feedback == 0
     # The same step as without it (unbucketed: error feedback turns the bucket off).
     base = memory_breakdown(dataclasses.replace(EF, qgz_error_feedback=False, bucket=False),
-                            shape, 1, 8)
+                            shape, MeshInfo(1, 8))
     assert m.total == base.total
 
 
@@ -104,13 +105,13 @@ def test_the_feedback_term_does_not_shrink_with_devices():
     # parameter on every GPU (FP8 and a scale per 256), over 10x the state's 12 / 128.
     shape = transformer_shape(32, 4096, 32000, 4096, ffn=11008, gated=True, heads=32)
     on = dataclasses.replace(EF, remat="full")
-    m = memory_breakdown(on, shape, 16, 8, 4096)
+    m = memory_breakdown(on, shape, MeshInfo(16, 8), 4096)
     assert m.feedback == pytest.approx(shape.params * (1 + 1 / 8) * (1 + 4 / 256), rel=0.01)
     assert m.feedback > 10 * m.states
     # The quantization work counts each unit's decode and encode (2 (h1 + h2) elements).
     off = dataclasses.replace(on, qgz_error_feedback=False)
-    extra = (config_workload(on, shape, 16, 8, memo=MEMO).grad_quant_elems_per_device
-             - config_workload(off, shape, 16, 8, memo=MEMO).grad_quant_elems_per_device)
+    extra = (config_workload(on, shape, MeshInfo(16, 8), memo=MEMO).grad_quant_elems_per_device
+             - config_workload(off, shape, MeshInfo(16, 8), memo=MEMO).grad_quant_elems_per_device)
     assert extra == pytest.approx(2 * shape.params * (1 + 1 / 8), rel=0.01)
 
 
@@ -138,7 +139,7 @@ def test_labels_and_the_planner(shared_traces):
     assert with_ef.keys() == without.keys()
     for label, c in with_ef.items():
         grown = c.prediction.memory_bytes - without[label].prediction.memory_bytes
-        kept = memory_breakdown(c.config, shape, 4, 2).feedback
+        kept = memory_breakdown(c.config, shape, MeshInfo(4, 2)).feedback
         assert (grown >= kept > 0) if c.config.qgz else (grown == kept == 0)
 
 
@@ -166,7 +167,7 @@ def test_the_memory_model_is_the_compiled_step_with_feedback():
     shape = dataclasses.replace(
         shape, blocks=frozenset(n for n, _ in shape.units if n.startswith("block_")),
         itemsize=4, **acts)
-    m = memory_breakdown(EF, shape, 2, 4, batch[:, :-1].size / 8, backend="cpu",
+    m = memory_breakdown(EF, shape, MeshInfo(2, 4), batch[:, :-1].size / 8, backend="cpu",
                          batch_bytes_per_device=np.asarray(batch).nbytes / 8)
     assert m.arguments == stats.argument_size_in_bytes
     assert m.feedback == _kept_bytes_per_device(state)

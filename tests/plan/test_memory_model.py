@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from helpers import zoo_train_step
 from zeropp_jax.comm.partition import padded_length
 from zeropp_jax.measure.comm_report import comm_report
@@ -93,7 +94,8 @@ def _llama_memory(name, entry, state, batch, nodes, local):
     ranks = nodes * local
     tokens = batch["input_ids"].size / ranks
     batch_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(batch)) / ranks
-    model = memory_breakdown(CONFIGS[name], _llama_shape(entry, state), nodes, local, tokens,
+    model = memory_breakdown(CONFIGS[name], _llama_shape(entry, state), MeshInfo(nodes, local),
+                             tokens,
                              backend="cpu", batch_bytes_per_device=batch_bytes)
     return model, tokens, batch_bytes
 
@@ -121,12 +123,12 @@ def test_the_memory_model_is_the_compiled_step_of_a_transformers_llama(name, lla
     measured = stats.argument_size_in_bytes + stats.temp_size_in_bytes
     assert model.total == pytest.approx(measured, rel=0.10), (model, measured)
     # The workload carries the same bytes (less the batch, which it is not told of).
-    assert config_workload(CONFIGS[name], shape, 2, 4, tokens, backend="cpu", memo=MEMO
+    assert config_workload(CONFIGS[name], shape, MeshInfo(2, 4), tokens, backend="cpu", memo=MEMO
                            ).memory_bytes_per_device == model.total - batch_bytes
     # Its weights under 1024 elements each, a layer keeps its float32 copies for backward
     # and regathers nothing: the workload's collectives are the compiled step's.
     report = report_workload(comm_report(compiled, mesh))
-    work = config_workload(CONFIGS[name], shape, 2, 4, memo=MEMO)
+    work = config_workload(CONFIGS[name], shape, MeshInfo(2, 4), memo=MEMO)
     assert work.cross_node_collectives == report.cross_node_collectives
     assert work.intra_node_collectives == report.intra_node_collectives
 
@@ -138,24 +140,25 @@ def test_the_memory_model_by_hand():
     block = dict(shape.units)["block_0"]
     zero3 = zpp.ZeroPPConfig()
     # The state: fp32 primary shards and Adam's two moments over 8 devices, 3 scalars.
-    assert memory_breakdown(zero3, shape, 2, 4).states == shape.params * 12 / 8 + 12
+    assert memory_breakdown(zero3, shape, MeshInfo(2, 4)).states == shape.params * 12 / 8 + 12
     # Activations: per block and token 8 d + 2 heads x seq + 3 ffn + 2 heads + 4 elements
     # (8 x 64 + 32 + 768 + 6 = 1318), 2 bytes each; and 2 d + 2 outside the blocks. The
     # peak is the start of the last block's backward, which adds the gradient flowing
     # through it (d + ffn, bfloat16) and, the softmax materialized, three float32
     # heads x seq arrays (its probabilities, their gradient and the scores').
     per_token = 2 * 1318 * 2 + 2 * 130 + (64 + 256) * 2 + 3 * 16 * 4
-    a, b = (memory_breakdown(zero3, shape, 2, 4, t) for t in (1000, 2000))
+    a, b = (memory_breakdown(zero3, shape, MeshInfo(2, 4), t) for t in (1000, 2000))
     assert a.moment == b.moment == "backward block_1 (start)"
     assert b.activations - a.activations == pytest.approx(1000 * per_token, rel=1e-12)
     # Its weights: the rest unit's (all step) and the block's, and with backward prefetch
     # (one unit ahead) the block before it, regathered already.
     rest = dict(shape.units)["<rest>"]
     assert b.gathered == 2 * (rest + 2 * block)
-    alone = memory_breakdown(dataclasses.replace(zero3, prefetch=0), shape, 2, 4, 2000)
+    alone = memory_breakdown(dataclasses.replace(zero3, prefetch=0), shape, MeshInfo(2, 4), 2000)
     assert alone.gathered == 2 * (rest + block)
     # A larger vocabulary makes the loss the peak: two float32 [tokens, vocab] arrays.
-    wide = memory_breakdown(zero3, transformer_shape(2, 64, 1000, 16, heads=1), 2, 4, 2000)
+    wide = memory_breakdown(zero3, transformer_shape(2, 64, 1000, 16, heads=1), MeshInfo(2, 4),
+                            2000)
     assert wide.moment == "loss" and wide.loss == 2000 * 2 * 1000 * 4
     # hpZ: each block that regathers holds a bfloat16 secondary over the node's 4 devices
     # from its forward to its regather (the embedding regathers nothing, the head is
@@ -163,16 +166,16 @@ def test_the_memory_model_by_hand():
     # it regathers). With it, block_1 regathered during the head's backward and block_0
     # regathers as block_1's backward starts: their full weights are held instead (above),
     # their secondaries are spent.
-    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True, prefetch=0), shape, 2, 4, 2000)
+    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True, prefetch=0), shape, MeshInfo(2, 4), 2000)
     assert hpz.moment == "backward block_1 (start)"
     assert hpz.secondary == 2 * (2 * block / 4)
-    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True), shape, 2, 4, 2000)
+    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True), shape, MeshInfo(2, 4), 2000)
     assert hpz.moment == "backward block_1 (start)"
     assert hpz.secondary == 0
     # Remat "full" keeps each block's input (d) and recomputes one block at a time: at the
     # start of the last block's backward, the inputs, that block's 1318 elements a token
     # and the gradients flowing through it (d + ffn), beside the 2 d + 2 outside.
-    full = memory_breakdown(zpp.ZeroPPConfig(remat="full"), shape, 2, 4, 2000)
+    full = memory_breakdown(zpp.ZeroPPConfig(remat="full"), shape, MeshInfo(2, 4), 2000)
     assert full.moment == "backward block_1 (start)"
     assert full.activations == 2000 * (2 * (2 * 64 + 1318 + 320 + 130) + 3 * 16 * 4)
 
@@ -183,7 +186,7 @@ def test_a_7b_llama_on_128_gpus_is_its_activations():
     # and their exponentials alone are 2 x 32 heads x 4096 elements a token and a layer.
     shape = transformer_shape(32, 4096, 32000, 4096, ffn=11008, gated=True, heads=32)
     assert 6.7e9 < shape.params < 6.8e9
-    m = memory_breakdown(zpp.ZeroPPConfig(), shape, 16, 8, 4096)
+    m = memory_breakdown(zpp.ZeroPPConfig(), shape, MeshInfo(16, 8), 4096)
     assert m.states == pytest.approx(shape.params * 12 / 128, rel=0.01)  # 0.59 GiB
     # With the last layer's softmax backward: three float32 32 x 4096 arrays a token.
     attention = 32 * 4096 * 2 * 32 * 4096 * 2 + 3 * 32 * 4096 * 4096 * 4
@@ -193,14 +196,14 @@ def test_a_7b_llama_on_128_gpus_is_its_activations():
     # the recomputed layer's 4 d + (4 d + 2 x 32 heads x 4096 + 2 x 32 + 5 ffn) + 4 =
     # 350020 and its gradients d + ffn = 15104, in bfloat16; and its softmax's backward,
     # three float32 32 x 4096 arrays. A tenth of the activations without remat, roughly.
-    full = memory_breakdown(zpp.ZeroPPConfig(remat="full"), shape, 16, 8, 4096)
+    full = memory_breakdown(zpp.ZeroPPConfig(remat="full"), shape, MeshInfo(16, 8), 4096)
     per_token = 2 * (32 * 4096 + 8194 + 350020 + 15104) + 3 * 32 * 4096 * 4
     assert full.activations == 4096 * per_token
     assert full.activations < m.activations / 9
     # hpZ's secondary over a node's 8 GPUs: 2 bytes x the layers / 8 (1.4 GiB), of the 30
     # layers not regathered at the last layer's backward (it regathered during the
     # head's backward, the layer before it regathers now: backward prefetch).
-    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True, remat="full"), shape, 16, 8, 4096)
+    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True, remat="full"), shape, MeshInfo(16, 8), 4096)
     assert hpz.moment == "backward block_31 (start)"
     assert hpz.secondary == pytest.approx(2 * 30 * dict(shape.units)["block_0"] / 8,
                                           rel=1e-3)
@@ -260,7 +263,7 @@ def test_the_memory_model_is_the_compiled_step_of_each_model(model, name, remat)
     config = dataclasses.replace(CONFIGS[name], remat=remat)
     compiled, shape, tokens, batch_bytes = _compiled(model, config)
     stats = compiled.memory_analysis()
-    m = memory_breakdown(config, shape, 2, 4, tokens, backend="cpu",
+    m = memory_breakdown(config, shape, MeshInfo(2, 4), tokens, backend="cpu",
                          batch_bytes_per_device=batch_bytes)
     assert m.states == stats.argument_size_in_bytes
     measured = stats.argument_size_in_bytes + stats.temp_size_in_bytes
@@ -303,7 +306,7 @@ def test_scanned_blocks_keep_only_their_matmul_outputs():
     layers, tokens = 8, 128
     shapes = {s: transformer_shape(layers, 256, 1000, tokens, ffn=688, heads=4, gated=True,
                                    scanned=s) for s in (False, True)}
-    unrolled, scanned = (memory_breakdown(zpp.ZeroPPConfig(), shapes[s], 2, 4, tokens)
+    unrolled, scanned = (memory_breakdown(zpp.ZeroPPConfig(), shapes[s], MeshInfo(2, 4), tokens)
                          for s in (False, True))
     assert unrolled.moment == scanned.moment == f"backward block_{layers - 1} (end)"
     shape = shapes[True]
@@ -316,7 +319,7 @@ def test_scanned_blocks_keep_only_their_matmul_outputs():
     # remat "full" keeps block inputs alone, scanned or not; a scanned stack also holds
     # its layers' fp32 primary shards stacked for the loop (each block padded to the 8
     # devices, an eighth of it per device) until the update.
-    full = [memory_breakdown(zpp.ZeroPPConfig(remat="full"), shapes[s], 2, 4, tokens)
+    full = [memory_breakdown(zpp.ZeroPPConfig(remat="full"), shapes[s], MeshInfo(2, 4), tokens)
             for s in (False, True)]
     shard = padded_length(dict(shape.units)["block_0"], 8,
                           zpp.ZeroPPConfig().flat_alignment) * 4 / 8

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from helpers import fresh_seed
 from zeropp_jax.plan.workload import (
     config_workload,
@@ -43,11 +44,11 @@ def test_zero_moves_the_same_bytes_across_nodes_whatever_the_split(preset):
     config = getattr(zpp.ZeroPPConfig, preset)()
     rng = np.random.default_rng(fresh_seed())
     nodes, gpus = int(rng.choice([2, 4, 16])), 8
-    base = config_workload(config, transformer_shape(**SHAPE), nodes, gpus,
+    base = config_workload(config, transformer_shape(**SHAPE), MeshInfo(nodes, gpus),
                            tokens_per_device=256)
     for t in (2, 4):
-        work = config_workload(config, transformer_shape(**SHAPE, tensor_parallel=t), nodes,
-                               gpus // t, tokens_per_device=256)
+        work = config_workload(config, transformer_shape(**SHAPE, tensor_parallel=t),
+                               MeshInfo(nodes, gpus // t), tokens_per_device=256)
         zero = sum(c.cross_bytes_per_node * c.count for c in work.collectives
                    if c.what != "tensor parallel")
         assert zero == pytest.approx(base.cross_bytes_per_node, rel=1e-3)
@@ -59,10 +60,10 @@ def test_zero_moves_the_same_bytes_across_nodes_whatever_the_split(preset):
 
 def test_the_states_stay_a_devices_share_and_the_gathered_weights_shrink():
     config = zpp.ZeroPPConfig.zero3()
-    one = memory_breakdown(config, transformer_shape(**SHAPE), 2, 8, 256)
+    one = memory_breakdown(config, transformer_shape(**SHAPE), MeshInfo(2, 8), 256)
     for t in (2, 4):
-        rank = memory_breakdown(config, transformer_shape(**SHAPE, tensor_parallel=t), 2,
-                                8 // t, 256)
+        rank = memory_breakdown(config, transformer_shape(**SHAPE, tensor_parallel=t),
+                                MeshInfo(2, 8 // t), 256)
         assert rank.states == pytest.approx(one.states, rel=1e-3)
         assert rank.gathered < one.gathered / t * 1.05
         assert rank.activations < one.activations

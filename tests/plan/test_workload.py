@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from tests.helpers import SMALL, init_params, make_step, tokens
 from zeropp_demo.gpt import GPT
 from zeropp_jax.measure.comm_report import comm_report
@@ -47,7 +48,7 @@ def test_the_workload_is_the_compiled_step(name):
     report = comm_report(make_step().lower(state, tokens(16, seed=seed)).compile(), mesh)
     compiled = report_workload(report)
     # After a step has been traced the units are known in call order (the kept last unit).
-    model = config_workload(CONFIGS[name], shape_of_state(state), 2, 4, memo=MEMO)
+    model = config_workload(CONFIGS[name], shape_of_state(state), MeshInfo(2, 4), memo=MEMO)
     # Counts from the compiled program: XLA drops the embedding's backward gather there (its
     # gradient needs no weights), as the model does.
     assert model.cross_node_collectives == compiled.cross_node_collectives
@@ -91,8 +92,9 @@ def test_zeropp_cuts_cross_node_bytes_as_the_paper_counts():
     regathered = sum(n for name, n in shape.units if name.startswith("block_"))
     expected = (1.015625 + 0.515625) * total / (4 * total + 2 * regathered)
     for nodes, local in ((2, 4), (4, 8), (16, 8)):
-        zero3 = config_workload(zpp.ZeroPPConfig(), shape, nodes, local, memo=MEMO)
-        zeropp = config_workload(zpp.ZeroPPConfig.zeropp(), shape, nodes, local, memo=MEMO)
+        zero3 = config_workload(zpp.ZeroPPConfig(), shape, MeshInfo(nodes, local), memo=MEMO)
+        zeropp = config_workload(zpp.ZeroPPConfig.zeropp(), shape, MeshInfo(nodes, local),
+                                 memo=MEMO)
         ratio = zeropp.cross_bytes_per_node / zero3.cross_bytes_per_node
         # Padding: each unit pads to a multiple of devices x 256 (a quantization block per
         # device), at most that many elements per unit.
@@ -107,10 +109,10 @@ def test_flops_and_memory_follow_the_shape():
     block = 12 * 64 * 64 + 13 * 64
     assert dict(shape.units)["block_0"] == block
     assert shape.flops_per_token == 6 * (2 * 12 * 64 * 64 + 6400) + 12 * 2 * 64 * 16
-    w = config_workload(zpp.ZeroPPConfig(), shape, 2, 4, tokens_per_device=10)
+    w = config_workload(zpp.ZeroPPConfig(), shape, MeshInfo(2, 4), tokens_per_device=10)
     assert w.flops_per_device == 10 * shape.flops_per_token
-    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True), shape, 2, 4, tokens_per_device=10)
-    assert hpz.total == config_workload(zpp.ZeroPPConfig(hpz=True), shape, 2, 4,
+    hpz = memory_breakdown(zpp.ZeroPPConfig(hpz=True), shape, MeshInfo(2, 4), tokens_per_device=10)
+    assert hpz.total == config_workload(zpp.ZeroPPConfig(hpz=True), shape, MeshInfo(2, 4),
                                         tokens_per_device=10).memory_bytes_per_device
     # hpZ keeps a bf16 secondary over the node's 4 devices of each block that regathers
     # (the embedding regathers nothing, the head is kept) from its forward to its
@@ -120,7 +122,7 @@ def test_flops_and_memory_follow_the_shape():
     # start of this backward: none (tests/plan/test_memory_model.py).
     assert hpz.moment == "backward block_1 (end)"
     assert hpz.secondary == 0
-    alone = memory_breakdown(zpp.ZeroPPConfig(hpz=True, prefetch=0), shape, 2, 4,
+    alone = memory_breakdown(zpp.ZeroPPConfig(hpz=True, prefetch=0), shape, MeshInfo(2, 4),
                              tokens_per_device=10)
     assert alone.moment == "backward block_1 (end)"
     assert alone.secondary == 2 * block / 4
@@ -153,7 +155,7 @@ def test_the_workload_is_the_compiled_step_of_a_transformers_gpt2(name):
 
         batch = entry.make_batch(np.random.default_rng(seed), 8)
         compiled = report_workload(comm_report(step.lower(state, batch).compile(), mesh))
-    model = config_workload(CONFIGS[name], shape_of_state(state), 2, 4, memo=MEMO)
+    model = config_workload(CONFIGS[name], shape_of_state(state), MeshInfo(2, 4), memo=MEMO)
     assert model.cross_node_collectives == compiled.cross_node_collectives
     assert model.intra_node_collectives == compiled.intra_node_collectives
     assert model.cross_bytes_per_node == pytest.approx(compiled.cross_bytes_per_node, rel=1e-12)

@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from helpers import U32, fresh_seed
 from zeropp_jax.comm.qgz import hop2_to_flat
 from zeropp_jax.comm.transports.qgz import FEEDBACK_BLOCK, decode_error
@@ -109,7 +110,7 @@ def _kept_flat(state, name) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     m = n_pad // P_DEV
     bufs = [np.asarray(b.astype(jnp.float32)).reshape(P_DEV, -1)
             for b in state.params.feedback[name]]
-    h1, h2 = state.engine.transports[name].gradients.feedback_lengths(n_pad, NODES, LOCAL)
+    h1, h2 = state.engine.transports[name].gradients.feedback_lengths(n_pad, MeshInfo(NODES, LOCAL))
     total, bound = np.zeros(n_pad), np.zeros(n_pad)
     stages = state.config.qgz_pipeline_stages
     for d in range(P_DEV):

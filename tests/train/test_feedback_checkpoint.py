@@ -16,7 +16,7 @@ import pytest
 import zeropp_jax as zpp
 from zeropp_jax.comm.qgz import hop2_to_flat
 from zeropp_jax.comm.transports.qgz import FEEDBACK_BLOCK, decode_error
-from zeropp_jax.core.mesh import mesh_shape
+from zeropp_jax.core.mesh import MeshInfo, mesh_shape
 from zeropp_jax.train import checkpoint as ckpt
 
 from helpers import U32
@@ -111,7 +111,7 @@ def _kept(state):
     for name, bufs in state.params.feedback.items():
         lay = engine.layouts[name]
         transport = engine.transports[name].gradients
-        h1, h2 = transport.feedback_lengths(lay.n_pad, nodes, local)
+        h1, h2 = transport.feedback_lengths(lay.n_pad, MeshInfo(nodes, local))
         v1, s1, v2, s2 = (np.asarray(b) for b in bufs[:4])
         total = np.zeros(lay.n_pad)
         size = np.zeros(lay.n_pad)
@@ -309,3 +309,47 @@ def test_changed_kept_errors_fail_the_checksum(trained, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="feedback/f1_0 fails its checksum"):
         ckpt.restore(d2, start)
     ckpt.load_params(d2)  # the weights do not depend on the kept errors
+
+
+def test_the_transport_describes_what_the_checkpoint_stores(trained, tmp_path):
+    """The checkpoint stores the gradient transport's own record of its kept buffers
+    (``feedback_record``) and hands it back for the restore (``reshard_feedback``): a
+    record in a format this version cannot decode is refused naming the fix, and a
+    checkpoint written before the records carried their format (block and format beside
+    the units) still restores bit for bit."""
+    state, d, _, start = trained
+    step_dir = d / "step_00000002"
+    meta = json.loads((step_dir / "meta.json").read_text())
+    engine = state.engine
+    for rec in meta["feedback"]["units"]:
+        lay = engine.layouts[rec["name"]]
+        said = engine.transports[rec["name"]].gradients.feedback_record(lay.n, lay.n_pad,
+                                                                         engine.info)
+        assert {k: rec[k] for k in said} == said
+        # Same mesh, same layout: the stored buffers are the new ones (nothing to convert).
+        assert engine.transports[rec["name"]].gradients.reshard_feedback(
+            rec, engine.info, said, engine.info) is None
+
+    def rewritten(edit) -> pathlib.Path:
+        d2 = tmp_path / f"ckpt{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(d, d2)
+        path = d2 / "step_00000002" / "meta.json"
+        m = json.loads(path.read_text())
+        edit(m["feedback"])
+        path.write_text(json.dumps(m))
+        return d2
+
+    def other_format(info):
+        info["units"][0]["format"] = "e5m2"
+
+    with pytest.raises(ckpt.CheckpointError, match="qgz_error_feedback=False"):
+        ckpt.restore(rewritten(other_format), start)
+
+    def older_layout(info):  # the run-wide fields of earlier checkpoints
+        for rec in info["units"]:
+            info["block"], info["format"] = rec.pop("block"), rec.pop("format")
+
+    back = ckpt.restore(rewritten(older_layout), start)
+    for name, bufs in state.params.feedback.items():
+        for x, y in zip(bufs, back.params.feedback[name]):
+            np.testing.assert_array_equal(_bits(x), _bits(y), err_msg=name)

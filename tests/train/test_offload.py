@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from helpers import fresh_seed, SMALL, init_params, make_step, tokens
 from zeropp_demo.gpt import GPT
 
@@ -256,8 +257,8 @@ def test_the_memory_model_moves_the_moments_to_the_host():
     nodes, local, tokens = 4, 8, 4096.0
     for base in (zpp.ZeroPPConfig.zero3(), zpp.ZeroPPConfig.zeropp()):
         on = memory_breakdown(dataclasses.replace(base, offload_optimizer=True), shape,
-                              nodes, local, tokens)
-        off = memory_breakdown(base, shape, nodes, local, tokens)
+                              MeshInfo(nodes, local), tokens)
+        off = memory_breakdown(base, shape, MeshInfo(nodes, local), tokens)
         moments = off.states - on.states
         # Exactly Adam's 8 bytes per (padded) parameter leave the device for the host.
         assert moments == pytest.approx(on.host, rel=1e-12)
@@ -306,9 +307,9 @@ def test_the_memory_model_moves_offloaded_shards_to_the_host():
         rng.integers(8, 64)), vocab=32000, seq_len=2048)
     devices = 32
     base = zpp.ZeroPPConfig.zeropp()
-    none = memory_breakdown(base, shape, 4, 8, 4096.0)
+    none = memory_breakdown(base, shape, MeshInfo(4, 8), 4096.0)
     both = memory_breakdown(dataclasses.replace(base, offload_optimizer=True,
-                                                offload_params=True), shape, 4, 8, 4096.0)
+                                                offload_params=True), shape, MeshInfo(4, 8), 4096.0)
     params = sum(n for _, n in shape.units)
     # fp32 shards (4) and Adam's moments (8) per parameter leave the device.
     assert none.states - both.states == pytest.approx(both.host, rel=1e-12)
@@ -424,10 +425,10 @@ def test_the_memory_model_counts_the_offloaded_fraction():
         transformer_shape
 
     shape = transformer_shape(layers=8, d_model=1024, vocab=32000, seq_len=2048)
-    full = memory_breakdown(zpp.ZeroPPConfig(offload_optimizer=True), shape, 2, 8, 2048.0)
+    full = memory_breakdown(zpp.ZeroPPConfig(offload_optimizer=True), shape, MeshInfo(2, 8), 2048.0)
     for ratio in (0.25, 0.5, 0.75):
         part = memory_breakdown(zpp.ZeroPPConfig(offload_optimizer=True, offload_ratio=ratio),
-                                shape, 2, 8, 2048.0)
+                                shape, MeshInfo(2, 8), 2048.0)
         # Whole units: at least the ratio of the moments, at most one unit more.
         biggest = max(n for _, n in shape.units) * ADAM_BYTES_PER_PARAM / 16
         assert ratio * full.host <= part.host <= ratio * full.host + biggest * 1.01

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import zeropp_jax as zpp
+from zeropp_jax.comm.transports import plan_of
 from zeropp_jax.train.tensor_parallel import check_rules, tensor_parallel
 
 ZERO3 = zpp.ZeroPPConfig.zero3()
@@ -98,23 +99,23 @@ def test_forms_flax_accepts_are_kept_and_made_hashable():
     assert check_rules(None, None, _tp_mesh()) == ((), ())
     assert check_rules((), [], _tp_mesh()) == ((), ())
     # Nested lists and tuples of axes split the same dimension as Flax reads them.
-    tp = tensor_parallel(_boxes(), checked, None, _tp_mesh(), ZERO3, None)
+    tp = tensor_parallel(_boxes(), checked, None, _tp_mesh(), plan_of(ZERO3), None)
     assert tp.dims == {"up": {"kernel": 1}, "down": {"kernel": 0}, "bias": -1}
 
 
 def test_a_parameter_name_mapped_to_a_data_axis_is_refused():
     with pytest.raises(ValueError) as err:
         tensor_parallel(_boxes(), [("mlp", "model"), ("embed", "node")], None, _tp_mesh(),
-                        ZERO3, None)
+                        plan_of(ZERO3), None)
     text = str(err.value)
     for needed in ("logical_axis_rules entry ('embed', 'node')", "data axis 'node'",
                    "['down']['kernel']", "Map 'embed' to None"):
         assert needed in text, (needed, text)
     with pytest.raises(ValueError, match="data axis 'local'"):
-        tensor_parallel(_boxes(), [("mlp", ("local",))], None, _tp_mesh(), ZERO3, None)
+        tensor_parallel(_boxes(), [("mlp", ("local",))], None, _tp_mesh(), plan_of(ZERO3), None)
     # A rule for a name no parameter carries (the activations' batch) may name them.
     tp = tensor_parallel(_boxes(), [("batch", ("node", "local")), ("mlp", "model")], None,
-                         _tp_mesh(), ZERO3, None)
+                         _tp_mesh(), plan_of(ZERO3), None)
     assert tp.dims["up"]["kernel"] == 1
     assert ("batch", None) in tp.rules  # read inside the step, where the data axes are its own
 
@@ -123,12 +124,12 @@ def test_param_axes_checked_and_an_entry_naming_no_parameter_warns():
     mesh, rules = _tp_mesh(), [("mlp", "model")]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a matching entry says nothing
-        tp = tensor_parallel(_boxes(), rules, [("^bias$", ("mlp",))], mesh, ZERO3, None)
+        tp = tensor_parallel(_boxes(), rules, [("^bias$", ("mlp",))], mesh, plan_of(ZERO3), None)
     assert tp.dims["bias"] == 0
     with pytest.warns(UserWarning) as record:
         tp = tensor_parallel(_boxes(), rules,
                              [("^bias$", ("mlp",)), ("bias", ("embed",)), ("ffn/w", ("mlp",))],
-                             mesh, ZERO3, None)
+                             mesh, plan_of(ZERO3), None)
     texts = [str(w.message) for w in record]
     assert len(texts) == 2, texts
     # Shadowed by the first entry, and matching nothing: both split nothing.

@@ -25,6 +25,7 @@ import optax
 import pytest
 
 import zeropp_jax as zpp
+from zeropp_jax.core.mesh import MeshInfo
 from qgz_bound import assert_within_bound, qgz_error_bounds
 from helpers import (
     FLOAT64,
@@ -599,7 +600,7 @@ def test_comm_report_separates_tensor_parallel_collectives(zeropp_state, step):
 
     shape = shape_of_state(state)
     assert shape.tensor_parallel == 2
-    work = config_workload(state.engine.config, shape, 2, 2)
+    work = config_workload(state.engine.config, shape, MeshInfo(2, 2))
     data = sum(r.cross_node_bytes * r.count for r in report.rows if r.axis == "data")
     assert work.cross_bytes_per_node * 2 == data
     assert "over model axes" in report.table()

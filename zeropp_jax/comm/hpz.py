@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax.comm.collectives import all_gather_flat, to_wire, from_wire
-from zeropp_jax.core.mesh import LOCAL, NODE
+from zeropp_jax.core.mesh import LOCAL, NODE, MeshInfo
 
 
-def group_nodes(hpz_group_size: int | None, nodes: int, local: int) -> int:
+def group_nodes(hpz_group_size: int | None, mesh: MeshInfo) -> int:
     """Nodes per hpZ group, ``k``, checked against the mesh. ``None`` means one node."""
     if hpz_group_size is None:
         return 1
+    nodes, local = mesh.shape
     valid = [k * local for k in range(1, nodes + 1) if nodes % k == 0]
     if hpz_group_size not in valid:
         raise ValueError(

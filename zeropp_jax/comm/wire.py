@@ -30,7 +30,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.core import compat
-from zeropp_jax.core.mesh import AXES, NODE
+from zeropp_jax.core.mesh import AXES, NODE, MeshInfo
 
 # jaxpr primitive -> collective kind (the names comm_report reads from program text).
 _KINDS = {
@@ -99,28 +99,29 @@ def count_bytes(kind: str, nbytes: float, groups: Sequence[Sequence[int]], local
     return intra, cross
 
 
-def axis_groups(axes: Any, nodes: int, local: int) -> list[list[int]]:
+def axis_groups(axes: Any, mesh: MeshInfo) -> list[list[int]]:
     """Replica groups of a collective over ``axes`` (a name or a tuple of names of
-    ``("node", "local")``) on a ``nodes x local`` node-major mesh, device ids in the
-    order the axes are given."""
+    ``("node", "local")``) on ``mesh``'s node-major data axes, device ids in the order the
+    axes are given."""
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    ids = np.arange(nodes * local).reshape(nodes, local)
+    ids = np.arange(mesh.data).reshape(mesh.shape)
     dims = [AXES.index(a) for a in axes]
     other = [d for d in range(2) if d not in dims]
     size = int(np.prod([ids.shape[d] for d in dims]))
     return ids.transpose(other + dims).reshape(-1, size).tolist()
 
 
-def _permute_pairs(axis: Any, perm: Sequence[tuple[int, int]], nodes: int, local: int
+def _permute_pairs(axis: Any, perm: Sequence[tuple[int, int]], mesh: MeshInfo
                    ) -> list[tuple[int, int]]:
     """Device (source, target) pairs of a ``ppermute`` over one axis of the mesh."""
     (name,) = (axis,) if isinstance(axis, str) else tuple(axis)
+    nodes, local = mesh.shape
     if name == NODE:
         return [(s * local + j, d * local + j) for s, d in perm for j in range(local)]
     return [(i * local + s, i * local + d) for s, d in perm for i in range(nodes)]
 
 
-def jaxpr_collectives(jaxpr: Any, nodes: int, local: int) -> list[tuple[str, float, list]]:
+def jaxpr_collectives(jaxpr: Any, mesh: MeshInfo) -> list[tuple[str, float, list]]:
     """(kind, per-device result bytes, groups or pairs) of every collective in ``jaxpr``
     and the jaxprs inside it (each branch of a ``cond`` counted, as a program's text is)."""
     rows = []
@@ -131,12 +132,12 @@ def jaxpr_collectives(jaxpr: Any, nodes: int, local: int) -> list[tuple[str, flo
                          for v in eqn.outvars)
             axis = eqn.params.get("axis_name", eqn.params.get("axes"))
             if kind == "collective-permute":
-                groups = _permute_pairs(axis, eqn.params["perm"], nodes, local)
+                groups = _permute_pairs(axis, eqn.params["perm"], mesh)
             else:
-                groups = axis_groups(axis, nodes, local)
+                groups = axis_groups(axis, mesh)
             rows.append((kind, nbytes, groups))
         for _, _, sub in compat.sub_jaxprs(eqn.params):
-            rows += jaxpr_collectives(sub, nodes, local)
+            rows += jaxpr_collectives(sub, mesh)
     return rows
 
 
@@ -152,35 +153,35 @@ class TracedCollective:
 
 
 def traced_collectives(fn: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct],
-                       nodes: int, local: int) -> tuple[TracedCollective, ...]:
-    """The collectives ``fn`` runs inside ``shard_map`` on a ``nodes x local`` mesh, in
+                       mesh: MeshInfo) -> tuple[TracedCollective, ...]:
+    """The collectives ``fn`` runs inside ``shard_map`` on ``mesh``'s data axes, in
     program order.
 
     ``fn`` takes one local block per spec (``specs``: the global shapes, each split on its
     first dimension over ``("node", "local")``). Traced only (``jax.make_jaxpr`` on an
     ``AbstractMesh``), so any mesh size works without devices."""
-    mesh = AbstractMesh((nodes, local), AXES)
-    mapped = jax.shard_map(fn, mesh=mesh, in_specs=tuple(P(AXES) for _ in specs),
+    abstract = AbstractMesh(mesh.shape, AXES)
+    mapped = jax.shard_map(fn, mesh=abstract, in_specs=tuple(P(AXES) for _ in specs),
                            out_specs=P(AXES), check_vma=False)
     # The inputs carry the sharding the in_specs say: jax >= 0.11 checks them against it
     # (a spec without one reads as replicated there and is refused).
-    sharding = NamedSharding(mesh, P(AXES))
+    sharding = NamedSharding(abstract, P(AXES))
     closed = jax.make_jaxpr(mapped)(*[jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
                                       for s in specs])
     out = []
-    for kind, nbytes, groups in jaxpr_collectives(closed.jaxpr, nodes, local):
-        spans = any(len({d // local for d in g}) > 1 for g in groups)
-        out.append(TracedCollective(kind, WireBytes(*count_bytes(kind, nbytes, groups, local)),
-                                    spans))
+    for kind, nbytes, groups in jaxpr_collectives(closed.jaxpr, mesh):
+        spans = any(len({mesh.node_of(d) for d in g}) > 1 for g in groups)
+        out.append(TracedCollective(
+            kind, WireBytes(*count_bytes(kind, nbytes, groups, mesh.local)), spans))
     return tuple(out)
 
 
-def traced_bytes(fn: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct], nodes: int,
-                 local: int) -> WireBytes:
-    """Bytes ``fn`` moves, run inside ``shard_map`` on a ``nodes x local`` mesh (the sum of
+def traced_bytes(fn: Callable[..., Any], specs: Sequence[jax.ShapeDtypeStruct],
+                 mesh: MeshInfo) -> WireBytes:
+    """Bytes ``fn`` moves, run inside ``shard_map`` on ``mesh``'s data axes (the sum of
     ``traced_collectives``)."""
     total = WireBytes()
-    for c in traced_collectives(fn, specs, nodes, local):
+    for c in traced_collectives(fn, specs, mesh):
         total = total + c.bytes
     return total
 

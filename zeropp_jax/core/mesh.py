@@ -10,6 +10,7 @@ ZeRO leaves to XLA's partitioner: the step is manual over the data axes only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Sequence
 
@@ -190,14 +191,79 @@ def _with_model_axis(nodes: int | None, local: int | None, devices: list, model:
 
 def mesh_shape(mesh: Mesh) -> tuple[int, int]:
     """``(nodes, local)`` of a ``("node", "local")`` or ``("node", "local", "model")``
-    mesh: the data-parallel axes ZeRO shards over."""
-    if tuple(mesh.axis_names) not in (AXES, AXES + (MODEL,)):
-        raise ValueError(
-            f"zeropp_jax needs a mesh with axes {AXES} or {AXES + (MODEL,)}, got "
-            f"{tuple(mesh.axis_names)}; build it with zeropp_jax.make_mesh(nodes, local) "
-            "or make_mesh(nodes, local, model=...)"
-        )
-    return mesh.shape[NODE], mesh.shape[LOCAL]
+    mesh: the data-parallel axes ZeRO shards over (``MeshInfo.of(mesh).shape``)."""
+    return MeshInfo.of(mesh).shape
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshInfo:
+    """A run's mesh, as numbers: what everything that sizes, counts or prices the run asks
+    instead of a ``Mesh`` or a ``(nodes, local)`` pair. Built once per run from its mesh
+    (``MeshInfo.of(mesh)``) or, for the planner and the cost models, from numbers
+    (``MeshInfo(nodes, local)``): no devices needed. Frozen and hashable.
+
+    Attributes:
+      nodes: size of the ``"node"`` axis (the outer data-parallel axis; a node's devices
+        share fast links).
+      local: size of the ``"local"`` axis (data-parallel devices per node).
+      model: size of the ``"model"`` axis (tensor-parallel degree), 1 without one.
+    """
+
+    nodes: int
+    local: int
+    model: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "local", "model"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MeshInfo.{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, int(v))
+
+    @classmethod
+    def of(cls, mesh: Any) -> "MeshInfo":
+        """The numbers of ``mesh`` (a ``Mesh`` or an abstract mesh with axes
+        ``("node", "local")`` or ``("node", "local", "model")``), or ``mesh`` itself if it
+        is a ``MeshInfo`` already."""
+        if isinstance(mesh, MeshInfo):
+            return mesh
+        names = tuple(mesh.axis_names)
+        if names not in (AXES, AXES + (MODEL,)):
+            raise ValueError(
+                f"zeropp_jax needs a mesh with axes {AXES} or {AXES + (MODEL,)}, got "
+                f"{names}; build it with zeropp_jax.make_mesh(nodes, local) "
+                "or make_mesh(nodes, local, model=...)")
+        sizes = dict(zip(names, mesh.axis_sizes))
+        return cls(sizes[NODE], sizes[LOCAL], sizes.get(MODEL, 1))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(nodes, local)``: the data-parallel axes' sizes."""
+        return self.nodes, self.local
+
+    @property
+    def data(self) -> int:
+        """Devices ZeRO shards over: ``nodes * local`` (each tensor-parallel slice's
+        group)."""
+        return self.nodes * self.local
+
+    @property
+    def devices(self) -> int:
+        """Every device of the mesh: ``nodes * local * model``."""
+        return self.data * self.model
+
+    @classmethod
+    def inside(cls) -> "MeshInfo":
+        """The data axes' sizes as seen inside ``shard_map`` (``jax.lax.axis_size``)."""
+        return cls(jax.lax.axis_size(NODE), jax.lax.axis_size(LOCAL))
+
+    def node_of(self, device: int) -> int:
+        """The node of data-parallel device ``device`` (node-major: ``device // local``)."""
+        return device // self.local
+
+    def resized(self, nodes: int | None = None, local: int | None = None) -> "MeshInfo":
+        """The same mesh with other data-axis sizes (None keeps one)."""
+        return dataclasses.replace(self, nodes=nodes or self.nodes, local=local or self.local)
 
 
 def model_size(mesh: Any) -> int:

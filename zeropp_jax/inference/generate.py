@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST
 from zeropp_jax.comm.placement import pin_slices, sharded_spec
-from zeropp_jax.comm.transports.hpz import SecondaryRegather, secondary_of
+from zeropp_jax.comm.transports import WeightTransport
 from zeropp_jax.core import compat
 from zeropp_jax.core.mesh import AXES, manual_axes
 from zeropp_jax.inference.conventions import (
@@ -58,7 +58,7 @@ PyTree = Any
 SHARDED = P(AXES)
 
 
-def _transports(engine: Engine) -> dict[str, SecondaryRegather]:
+def _transports(engine: Engine) -> dict[str, WeightTransport]:
     """Per unit part (``"params/<unit>"``, ``"frozen/<unit>"``): the plan's transport,
     rebuilding from hpZ's secondary (over one node unless ``config.hpz`` sets a larger
     group)."""
@@ -66,7 +66,7 @@ def _transports(engine: Engine) -> dict[str, SecondaryRegather]:
     for name, t in engine.transports.items():
         for part, transport in (("params/", t.weights), ("frozen/", t.frozen)):
             if transport is not None:
-                out[part + name] = secondary_of(transport)
+                out[part + name] = engine.plan.secondary(transport)
     return out
 
 
@@ -350,7 +350,7 @@ def _unit_weights(engine: Engine, name: str, source: Any, frozen: Any, hpz: bool
     for kind, transport, layout, stored in parts:
         if hpz:
             kept = tuple(tie(x) for x in source[kind + name])
-            full = secondary_of(transport).regather(kept)
+            full = engine.plan.secondary(transport).regather(kept)
         else:
             full = transport.gather(tuple(compat.on_device(tie(x)) for x in stored))[0]
         tree = merge_trees(tree, layout.unflatten(full.astype(cdt)))

@@ -114,10 +114,11 @@ def plot_partition(mesh: Any, config: Any = None, *, ax: Any = None) -> Any:
     from matplotlib.patches import Rectangle
 
     from zeropp_jax.comm.transports import plan_of
+    from zeropp_jax.core.mesh import MeshInfo
 
     nodes, local = _shape(mesh)
     p = nodes * local
-    group = plan_of(config).secondary_devices(nodes, local) if config is not None else 0
+    group = plan_of(config).secondary_devices(MeshInfo(nodes, local)) if config is not None else 0
     hpz = group > 0
     k = group // local if hpz else 1
     fig, ax = plt.subplots(figsize=(max(6, p * 0.8), 2.2)) if ax is None else (ax.figure, ax)

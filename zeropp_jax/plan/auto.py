@@ -59,7 +59,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import mesh_shape
+from zeropp_jax.core.mesh import MeshInfo
 from zeropp_jax.plan import presets
 from zeropp_jax.plan.measured import calibrated_shape, compiled_memory, step_of_state
 from zeropp_jax.plan.cost_model import Hardware, StepPrediction, predict_step
@@ -290,8 +290,8 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
     memo: dict = {}  # traced transports, shared by every candidate of this call
 
     def costed(config: ZeroPPConfig, t: int = 1) -> Candidate:
-        w = config_workload(config, shapes[t], hw.nodes, hw.local // t, memory_tokens,
-                            memo=memo, backend=backend)
+        w = config_workload(config, shapes[t], MeshInfo(hw.nodes, hw.local // t),
+                            memory_tokens, memo=memo, backend=backend)
         if memory_tokens != tokens_per_device:  # memory at the lowered step's tokens alone
             w = dataclasses.replace(w, flops_per_device=tokens_per_device
                                     * shapes[t].flops_per_token)
@@ -410,8 +410,7 @@ def _activations(x: Any, shape: ModelShape, lowered: Any, tokens_per_device: flo
         return shape, "gpu", tokens_per_device, note, None
     engine = x.engine
     measured = compiled_memory(step, x)
-    nodes, local = mesh_shape(engine.mesh)
-    shape = calibrated_shape(shape, engine.config, nodes, local, measured)
+    shape = calibrated_shape(shape, engine.config, engine.info, measured)
     seq = f", sequences of {measured.sequence}" if measured.sequence else ""
     note = (f"activations measured: {shape.activation_bytes_per_token:,.0f} bytes per token "
             f"(the compiled step of this state: {measured.total / 2**20:,.2f} MiB per device "

@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import mesh_shape
+from zeropp_jax.core.mesh import MeshInfo
 from zeropp_jax.plan.workload import ModelShape, memory_breakdown
 
 # Where a train step leaves a handle on its lowered program in the state's engine memo
@@ -118,12 +118,11 @@ def compiled_memory(step: Any, state: Any) -> CompiledMemory:
         raise ValueError("the compiled step has no memory analysis on this backend: give "
                          "tokens_per_device and plan without lowered=")
     args = compiled.args_info[0] if compiled.args_info else ()
-    nodes, local = mesh_shape(state.engine.mesh)
+    devices = state.engine.info.data
     batch = args[1] if len(args) > 1 else ()
-    tokens, batch_bytes = batch_tokens(batch, nodes * local)
+    tokens, batch_bytes = batch_tokens(batch, devices)
     leaves = [x for x in jax.tree_util.tree_leaves(batch) if getattr(x, "shape", ())]
-    ids = model_call_ids(state.engine, leaves[0].shape[0] / (nodes * local)) if leaves \
-        else None
+    ids = model_call_ids(state.engine, leaves[0].shape[0] / devices) if leaves else None
     if ids is not None:
         tokens = float(ids[0] * ids[1])
     if not tokens:
@@ -179,10 +178,10 @@ def step_of_state(state: Any) -> Any:
     return found
 
 
-def calibrated_shape(shape: ModelShape, config: ZeroPPConfig, nodes: int, local: int,
+def calibrated_shape(shape: ModelShape, config: ZeroPPConfig, mesh: MeshInfo,
                      measured: CompiledMemory) -> ModelShape:
     """``shape`` with ``activation_bytes_per_token`` set so that the memory model of the
-    compiled step (``config`` on ``nodes x local``, ``measured.tokens_per_device`` tokens,
+    compiled step (``config`` on ``mesh``, ``measured.tokens_per_device`` tokens,
     ``measured.backend``) is ``measured.total``: what the compiled step holds beyond the
     model's other terms, per token (the batch's bytes among it).
 
@@ -195,7 +194,7 @@ def calibrated_shape(shape: ModelShape, config: ZeroPPConfig, nodes: int, local:
 
     def total(x: float) -> float:
         return memory_breakdown(config, dataclasses.replace(base, activation_bytes_per_token=x),
-                                nodes, local, t, backend=measured.backend).total
+                                mesh, t, backend=measured.backend).total
 
     at_zero = total(0.0)
     if measured.total <= at_zero or not t:

@@ -7,7 +7,7 @@ Get one from a ``TrainState`` (``shape_of_state``), from a params tree and a wra
 (``shape_of_params``), or from a transformer's dimensions (``transformer_shape``, for models
 too large to build).
 
-``config_workload(config, shape, nodes, local, tokens_per_device)`` lists the step's
+``config_workload(config, shape, MeshInfo(nodes, local), tokens_per_device)`` lists the step's
 collectives the way the engine runs them, each traced from the unit's own transports on an
 abstract ``nodes x local`` mesh (``comm.transports.base.weight_collectives``), so the bytes
 and the count of collectives between nodes are what the library moves at that mesh size:
@@ -40,11 +40,11 @@ from typing import Any, Mapping
 import jax
 
 from zeropp_jax.comm.partition import REST, UnitLayout, offloaded_units, padded_length
-from zeropp_jax.comm.transports import plan_of
+from zeropp_jax.comm.transports import TransportPlan, plan_of
 from zeropp_jax.comm.transports.base import gradient_collectives, weight_collectives
 from zeropp_jax.comm.wire import TracedCollective, axis_groups, count_bytes
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import AXES
+from zeropp_jax.core.mesh import AXES, MeshInfo
 from zeropp_jax.measure.comm_report import CommReport
 from zeropp_jax.plan.cost_model import CollectiveCost, Workload
 from zeropp_jax.units.apply import first_unit, kept_unit
@@ -409,51 +409,49 @@ def _traced(memo: dict, key: tuple, trace: Any) -> Any:
     return memo[key]
 
 
-def _unit_phases(config: ZeroPPConfig, n: int, nodes: int, local: int,
+def _unit_phases(plan: TransportPlan, n: int, mesh: MeshInfo,
                  memo: dict) -> tuple[tuple[TracedCollective, ...], ...]:
     """(forward, backward, gradient) collectives of a trainable unit of ``n`` parameters.
 
     The traces depend on the transports only (hashable frozen dataclasses), so a caller
     that prices many configurations passes one ``memo`` and traces each transport, unit
     size and mesh once."""
-    n_pad = padded_length(n, nodes * local, config.flat_alignment)
-    plan = plan_of(config)
-    w = _traced(memo, ("weights", plan.weights, n_pad, config.param_jnp_dtype, nodes, local),
+    config = plan.config
+    n_pad = padded_length(n, mesh.data, config.flat_alignment)
+    w = _traced(memo, ("weights", plan.weights, n_pad, config.param_jnp_dtype, mesh),
                   lambda: weight_collectives(plan.weights, n_pad, config.param_jnp_dtype,
-                                             nodes, local))
-    g = _traced(memo, ("gradients", plan.gradients, n_pad, config.compute_jnp_dtype, nodes,
-                         local),
+                                             mesh))
+    g = _traced(memo, ("gradients", plan.gradients, n_pad, config.compute_jnp_dtype, mesh),
                   lambda: gradient_collectives(plan.gradients, n_pad,
-                                               config.compute_jnp_dtype, nodes, local))
+                                               config.compute_jnp_dtype, mesh))
     return w["forward"], w["backward"], g
 
 
-def _frozen_transport(config: ZeroPPConfig, n: int, devices: int) -> tuple[Any, int]:
+def _frozen_transport(plan: TransportPlan, n: int, devices: int) -> tuple[Any, int]:
     """(transport, padded length) of a frozen part of ``n`` parameters on ``devices``."""
-    n_pad = padded_length(n, devices, plan_of(config).frozen_alignment())
+    n_pad = padded_length(n, devices, plan.frozen_alignment())
     layout = UnitLayout("frozen", (), None, ((n,),), n, n_pad, devices)
-    return plan_of(config).unit(None, layout).frozen, n_pad
+    return plan.unit(None, layout).frozen, n_pad
 
 
-def _frozen_phases(config: ZeroPPConfig, n: int, nodes: int, local: int,
+def _frozen_phases(plan: TransportPlan, n: int, mesh: MeshInfo,
                    memo: dict) -> tuple[tuple[TracedCollective, ...], ...]:
-    transport, n_pad = _frozen_transport(config, n, nodes * local)
-    w = _traced(memo, ("weights", transport, n_pad, config.param_jnp_dtype, nodes, local),
-                  lambda: weight_collectives(transport, n_pad, config.param_jnp_dtype, nodes,
-                                             local))
+    transport, n_pad = _frozen_transport(plan, n, mesh.data)
+    dtype = plan.config.param_jnp_dtype
+    w = _traced(memo, ("weights", transport, n_pad, dtype, mesh),
+                  lambda: weight_collectives(transport, n_pad, dtype, mesh))
     return w["forward"], w["backward"]
 
 
-def _costs(what: str, traced: tuple[TracedCollective, ...], nodes: int, local: int
+def _costs(what: str, traced: tuple[TracedCollective, ...], mesh: MeshInfo
            ) -> list[CollectiveCost]:
-    return [CollectiveCost(what, c.kind, c.bytes.cross / nodes,
-                           c.bytes.intra / (nodes * local), c.spans_nodes) for c in traced]
+    return [CollectiveCost(what, c.kind, c.bytes.cross / mesh.nodes,
+                           c.bytes.intra / mesh.data, c.spans_nodes) for c in traced]
 
 
-def feedback_sizes(config: ZeroPPConfig, n_pad: int, nodes: int, local: int
-                   ) -> tuple[int, int, int]:
+def feedback_sizes(plan: TransportPlan, n_pad: int, mesh: MeshInfo) -> tuple[int, int, int]:
     """What qgZ's error feedback (``config.qgz_error_feedback``) keeps per device for a
-    trainable unit of padded length ``n_pad`` on a ``nodes x local`` mesh: (stored bytes,
+    trainable unit of padded length ``n_pad`` on ``mesh``: (stored bytes,
     ``h1``, ``h2``), read from the run's gradient transport
     (``QgzReduceScatter.feedback_specs`` and ``feedback_lengths``, as
     ``Engine.feedback_specs`` lays them out).
@@ -465,7 +463,7 @@ def feedback_sizes(config: ZeroPPConfig, n_pad: int, nodes: int, local: int
     two devices a node or more) ``h2 = nodes x m_pad`` (about ``n_pad / local``). With
     one node qgZ does not quantize (``h1 = h2 = 0``): nothing is kept.
     (0, 0, 0) without error feedback (``TransportPlan.feedback``)."""
-    return plan_of(config).feedback(n_pad, nodes, local)
+    return plan.feedback(n_pad, mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,11 +538,11 @@ class MemoryBreakdown:
         return self.total - self.arguments
 
 
-def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,
+def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, mesh: MeshInfo,
                      tokens_per_device: float = 0.0, *, backend: str = "gpu",
                      batch_bytes_per_device: float = 0.0) -> MemoryBreakdown:
-    """Peak bytes one device holds in a step of ``config`` training ``shape`` on a ``nodes
-    x local`` mesh with ``tokens_per_device`` tokens per device, the state donated
+    """Peak bytes one device holds in a step of ``config`` training ``shape`` on ``mesh``
+    (its data axes) with ``tokens_per_device`` tokens per device, the state donated
     (``train_step(donate_state=True)``: the new state takes the old one's buffers).
 
     The step is followed unit by unit as the engine runs it, and the peak is the largest
@@ -593,7 +591,8 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     """
     if backend not in ("gpu", "cpu"):
         raise ValueError(f"backend is 'gpu' or 'cpu', got {backend!r}")
-    devices = nodes * local
+    plan = plan_of(config)
+    devices = mesh.data
     c = config.compute_jnp_dtype.itemsize
     p = config.param_jnp_dtype.itemsize
     m = shape.itemsize or c
@@ -607,13 +606,12 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # The arguments: primary shards and Adam's moments (fp32 each), frozen storage, batch.
     frozen_sizes = dict(shape.frozen)
     pad_frozen = functools.partial(padded_length, num_shards=devices,
-                                   align=plan_of(config).frozen_alignment())
+                                   align=plan.frozen_alignment())
     trainable = sum(pad(n) for _, n in shape.units)
-    plan = plan_of(config)
 
     def frozen_storage(n: int) -> float:
         """Bytes a frozen part of ``n`` parameters is stored in, over all devices."""
-        transport, n_pad = _frozen_transport(config, n, devices)
+        transport, n_pad = _frozen_transport(plan, n, devices)
         specs = transport.stored_specs(n_pad, config.param_jnp_dtype)
         return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in specs))
 
@@ -634,7 +632,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     # what the step holds of a unit's new ones once it is reduced, and the fp32 errors
     # while it is reduced (``feedback_sizes``; all 0 without error feedback).
     def kept_errors(u: str) -> float:
-        return feedback_sizes(config, pad(sizes[u]), nodes, local)[0] if u in sizes else 0.0
+        return feedback_sizes(plan, pad(sizes[u]), mesh)[0] if u in sizes else 0.0
 
     def new_errors(u: str) -> float:
         """Unit ``u``'s new errors, from its reduce-scatter to the step's end: as stored.
@@ -643,7 +641,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         each), hop 2's fp32 error."""
         if u not in sizes:
             return 0.0
-        stored, h1, h2 = feedback_sizes(config, pad(sizes[u]), nodes, local)
+        stored, h1, h2 = feedback_sizes(plan, pad(sizes[u]), mesh)
         if backend == "cpu" and stored:
             return 5.0 * h1 + 4.0 * h2 + 4
         return float(stored)
@@ -655,7 +653,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
         its encoding), and hop 2's kept error decoded and its new one."""
         if u not in sizes:
             return 0.0
-        _, h1, h2 = feedback_sizes(config, pad(sizes[u]), nodes, local)
+        _, h1, h2 = feedback_sizes(plan, pad(sizes[u]), mesh)
         return 4.0 * (h1 + 2 * h2)
 
     feedback = float(sum(kept_errors(u) for u in sizes))
@@ -700,7 +698,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
     holds = {u for u in order if u == kept or (cast and config.remat == "minimal"
                                                and u in shape.small_weights)}
     regathered = [u for u in order if u not in holds and u not in shape.no_regather]
-    group = plan.secondary_devices(nodes, local)
+    group = plan.secondary_devices(mesh)
     sec = {u: gathered(u) / group for u in regathered} if group else {}
 
     # Activations kept from forward to backward.
@@ -850,10 +848,10 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, nodes: int, local:
                            extra[moment], moment, feedback, host)
 
 
-def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: int,
+def config_workload(config: ZeroPPConfig, shape: ModelShape, mesh: MeshInfo,
                     tokens_per_device: float = 0.0, label: str = "", scalar_bytes: int = 8,
                     *, backend: str = "gpu", memo: dict | None = None) -> Workload:
-    """One step of ``config`` training ``shape`` on a ``nodes x local`` mesh with
+    """One step of ``config`` training ``shape`` on ``mesh`` (its data axes) with
     ``tokens_per_device`` tokens per device (rules in the module docstring).
     ``scalar_bytes``: the step's scalar outputs (loss and metrics), all-reduced together.
     ``memo``: a dict the caller keeps across calls (a planner pricing many configurations),
@@ -861,14 +859,15 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     if config.stage != 3:
         raise ValueError("the cost model covers ZeRO-3 and ZeRO++ (stage=3) configurations; "
                          f"got stage={config.stage}")
-    devices = nodes * local
+    plan = plan_of(config)
+    devices = mesh.data
     kept = shape.kept if config.keep_last_unit else None
     costs: list[CollectiveCost] = []
     quant = grad_quant = 0.0
     sizes, frozen_names = dict(shape.units), dict(shape.frozen)
     # The unit whose forward gather and gradient reduce-scatter carry the rest unit's too.
     partner = shape.first if (
-        plan_of(config).buckets() and REST in sizes and REST not in frozen_names
+        plan.buckets() and REST in sizes and REST not in frozen_names
         and shape.first in sizes and shape.first != kept
         and shape.first not in frozen_names) else None
     # A unit that keeps its weights' cast copies for backward regathers nothing
@@ -879,35 +878,33 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
     # once per transport across every configuration it prices.
     memo = {} if memo is None else memo
     for name, n in shape.units:
-        fwd, bwd, grad = _unit_phases(config, n, nodes, local, memo)
+        fwd, bwd, grad = _unit_phases(plan, n, mesh, memo)
         if name == partner:  # one collective moves both: the padded lengths add up
             pad = functools.partial(padded_length, num_shards=devices,
                                     align=config.flat_alignment)
-            fwd, _, grad = _unit_phases(config, pad(n) + pad(sizes[REST]), nodes, local,
-                                         memo)
+            fwd, _, grad = _unit_phases(plan, pad(n) + pad(sizes[REST]), mesh, memo)
         regathers = (name not in (REST, kept) and name not in shape.no_regather
                      and name not in copies)
         if not (name == REST and partner):
-            costs += _costs(f"{name} forward", fwd, nodes, local)
+            costs += _costs(f"{name} forward", fwd, mesh)
         if regathers:
-            costs += _costs(f"{name} backward", bwd, nodes, local)
+            costs += _costs(f"{name} backward", bwd, mesh)
         if not (name == REST and partner):
-            costs += _costs(f"{name} gradient", grad, nodes, local)
-        w_elems, g_elems = plan_of(config).quantized_elems(
-            n, padded_length(n, devices, config.flat_alignment), 1 + regathers, True, nodes,
-            local)
+            costs += _costs(f"{name} gradient", grad, mesh)
+        w_elems, g_elems = plan.quantized_elems(
+            n, padded_length(n, devices, config.flat_alignment), 1 + regathers, True, mesh)
         quant, grad_quant = quant + w_elems + g_elems, grad_quant + g_elems
     for name, n in shape.frozen:
-        fwd, bwd = _frozen_phases(config, n, nodes, local, memo)
+        fwd, bwd = _frozen_phases(plan, n, mesh, memo)
         regathers = name != kept and name not in shape.no_regather
-        costs += _costs(f"{name} frozen forward", fwd, nodes, local)
+        costs += _costs(f"{name} frozen forward", fwd, mesh)
         if regathers:
-            costs += _costs(f"{name} frozen backward", bwd, nodes, local)
+            costs += _costs(f"{name} frozen backward", bwd, mesh)
     # The step's scalars (loss, metrics) share one all-reduce over every device.
-    intra, cross = count_bytes("all-reduce", scalar_bytes, axis_groups(AXES, nodes, local),
-                               local)
-    costs.append(CollectiveCost("loss and metrics", "all-reduce", cross / nodes,
-                                intra / devices, nodes > 1))
+    intra, cross = count_bytes("all-reduce", scalar_bytes, axis_groups(AXES, mesh),
+                               mesh.local)
+    costs.append(CollectiveCost("loss and metrics", "all-reduce", cross / mesh.nodes,
+                                intra / devices, mesh.nodes > 1))
     t = shape.tensor_parallel
     if t > 1:
         # ``local`` counts data-parallel devices: a node holds ``t`` data groups (one per
@@ -919,7 +916,7 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
         size = tokens_per_device * shape.tp_elems_per_token * config.compute_jnp_dtype.itemsize
         costs.append(CollectiveCost("tensor parallel", "all-reduce", 0.0,
                                     2 * (t - 1) / t * size, False, shape.tp_allreduces))
-    memory = memory_breakdown(config, shape, nodes, local, tokens_per_device,
+    memory = memory_breakdown(config, shape, mesh, tokens_per_device,
                               backend=backend).total
     # Offloaded state over the host link per step: Adam's moments in and out at the
     # update; primary shards to the device for each gather (forward, backward's regather:
@@ -930,7 +927,7 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, nodes: int, local: 
                   + 6 * config.param_jnp_dtype.itemsize * config.offload_params)
                for u, n in shape.units) / devices
     return Workload(tuple(costs), tokens_per_device * shape.flops_per_token, quant, memory,
-                    label or config_label(config), grad_quant, host)
+                    label or plan.label(), grad_quant, host)
 
 
 def report_workload(report: CommReport, flops_per_device: float = 0.0,

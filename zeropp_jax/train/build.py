@@ -23,7 +23,7 @@ from zeropp_jax.comm.frozen import (
     as_predicate,
     split_frozen,
 )
-from zeropp_jax.comm.transports import frozen_format, plan_of
+from zeropp_jax.comm.transports import TransportPlan, frozen_format
 from zeropp_jax.comm.partition import (
     REST,
     UnitLayout,
@@ -44,7 +44,7 @@ from zeropp_jax.comm.placement import (
     sharded_spec,
 )
 from zeropp_jax.core import compat
-from zeropp_jax.core.mesh import manual_axes
+from zeropp_jax.core.mesh import MeshInfo, manual_axes
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.train.optim import check_elementwise
 from zeropp_jax.train.tensor_parallel import TensorParallel, layer_dim
@@ -82,17 +82,17 @@ def split_variables(
     return params, collections
 
 
-def check_setup(params: PyTree, tx: optax.GradientTransformation, config: ZeroPPConfig,
-                nodes: int, local: int) -> None:
+def check_setup(params: PyTree, tx: optax.GradientTransformation, plan: TransportPlan,
+                mesh: MeshInfo) -> None:
     """Raises if there are no parameters, ``tx`` is not elementwise, or the hpZ group size
-    does not fit a ``(nodes, local)`` mesh."""
+    of ``plan`` does not fit ``mesh``."""
     if not isinstance(params, Mapping) or not jax.tree_util.tree_leaves(params):
         raise ValueError(
             "the model has no parameters, so there is nothing for ZeRO to shard; "
             "check that params comes from model.init(...)['params']"
         )
     check_elementwise(tx)
-    plan_of(config).secondary_devices(nodes, local)  # raises naming the valid hpZ sizes
+    plan.secondary_devices(mesh)  # raises naming the valid hpZ sizes
 
 
 def stack_paths(stacked: Sequence[str | Sequence[str]], units: Any,
@@ -194,7 +194,7 @@ def unit_layouts(
 
 
 def frozen_layouts(frozen_trees: Mapping[Path, PyTree], num_devices: int,
-                   config: ZeroPPConfig, tp: TensorParallel | None = None
+                   plan: TransportPlan, tp: TensorParallel | None = None
                    ) -> dict[str, UnitLayout]:
     """The flat layout of each unit's frozen part, by unit name (whole blocks of its
     storage: ``TransportPlan.frozen_alignment``), in ``tp.size`` slices with ``tp``."""
@@ -203,7 +203,7 @@ def frozen_layouts(frozen_trees: Mapping[Path, PyTree], num_devices: int,
         dims, rest = split_units(tp.frozen_dims, tuple(p for p in frozen_trees if p))
         dims[()] = rest
     return {
-        unit_name(p): make_unit_layout(p, f, num_devices, plan_of(config).frozen_alignment(),
+        unit_name(p): make_unit_layout(p, f, num_devices, plan.frozen_alignment(),
                                        tp=1 if tp is None else tp.size, tp_dims=dims.get(p))
         for p, f in frozen_trees.items()
     }
@@ -331,15 +331,16 @@ def place_collections(collections: PyTree, mesh: Mesh) -> PyTree:
 def store_frozen(
     layouts: Mapping[str, UnitLayout],
     trees: Mapping[Path, PyTree],
-    config: ZeroPPConfig,
+    plan: TransportPlan,
     mesh: Mesh,
 ) -> FrozenShards:
     """Frozen subtrees -> their primary shards on ``mesh`` (split over the data axes),
-    quantized if configured."""
+    quantized if ``plan``'s config says so."""
+    config = plan.config
     values, scales = {}, {}
     for name, lay in layouts.items():
         flat = flat_numpy(lay, trees[lay.path], config.param_jnp_dtype)
-        stored = plan_of(config).store_frozen(flat, lay)
+        stored = plan.store_frozen(flat, lay)
         sharding = NamedSharding(mesh, SLICED_SHARDED if lay.tp > 1 else SHARDED)
         values[name] = place(stored[0], sharding)
         if len(stored) > 1:
@@ -348,12 +349,11 @@ def store_frozen(
     return FrozenShards(values, scales, bool(scales), config.weight_bits, config.block_size)
 
 
-def check_feedback(config: ZeroPPConfig, layouts: Mapping[str, UnitLayout], nodes: int,
-                   local: int) -> None:
+def check_feedback(plan: TransportPlan, layouts: Mapping[str, UnitLayout],
+                   mesh: MeshInfo) -> None:
     """Raises if the gradient transport keeps errors between steps (qgZ's error feedback,
     on a mesh where it quantizes) for a unit that is a layer of a scanned stack."""
-    plan = plan_of(config)
-    if any(lay.layer is not None and plan.feedback(lay.n_pad, nodes, local)[0]
+    if any(lay.layer is not None and plan.feedback(lay.n_pad, mesh)[0]
            for lay in layouts.values()):
         raise ValueError(
             "qgz_error_feedback does not support scanned layer stacks (nn.scan / "

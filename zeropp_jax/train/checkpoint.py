@@ -54,16 +54,10 @@ devices' buffers, with checksums like every other array), apart from the weights
 
 - onto the same mesh shape (nodes x local) with the same unit layouts, every device gets
   its own errors back, bit for bit, and training continues exactly as it would have;
-- onto another mesh, where a device's errors mean nothing (they are laid out by the
-  writing mesh's slices and quantization hops), the rule is: per unit, every device's kept
-  errors are decoded, put into the layout of the unit's flat gradient (hop 2's into the
-  slices they belong to) and summed over devices and hops, in fp32, over the unit's real
-  elements: the gradient mass that was not sent yet. Every device of the new mesh keeps
-  an equal share of it, total / (number of devices), as its hop-1 error (re-encoded in FP8
-  with block scales, which rounds it once more: by at most 2^-4 of each element plus
-  2^-10 of its block's scale) and nothing for hop 2, so the next step sends the whole
-  total. On a single node qgZ does not quantize (it reduce-scatters in full precision) and
-  keeps no errors: there the mass is dropped;
+- onto another mesh, or with other unit layouts, the gradient transport that keeps them
+  says what they become (``reshard_feedback``; for qgZ the rule of
+  ``comm.transports.kept_errors``: the gradient mass not sent yet, summed over the old
+  devices and shared out equally over the new ones);
 - a checkpoint without kept errors (saved with the feedback off, or by an older
   zeropp_jax) restores into a state with the feedback on with errors of zero, as a new
   run starts; a state with the feedback off ignores the checkpoint's errors (the
@@ -91,16 +85,9 @@ from jax.sharding import NamedSharding
 from zeropp_jax.core import compat
 from zeropp_jax.core import processes
 from zeropp_jax.comm.frozen import merge_trees
-from zeropp_jax.core.mesh import mesh_shape
+from zeropp_jax.core.mesh import MeshInfo, mesh_shape
 from zeropp_jax.comm.partition import REST, UnitLayout, merge_units, unit_of
 from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams, is_prng_key, place
-from zeropp_jax.comm.qgz import hop2_to_flat
-from zeropp_jax.comm.transports.qgz import (
-    FEEDBACK_BLOCK,
-    FEEDBACK_FORMAT,
-    decode_error,
-    encode_error,
-)
 from zeropp_jax.train import canonical, writer_lock
 from zeropp_jax.train.state import TrainState
 
@@ -390,37 +377,29 @@ def _flat(arrays: dict) -> dict[str, jax.Array]:
     return {f"{g}/{k}": x for g, d in arrays.items() for k, x in d.items()}
 
 
-# -- kept qgZ errors ---------------------------------------------------------------------------
-# Per unit and device five buffers (``QgzReduceScatter.feedback_specs``): hop 1's FP8 values
-# and fp32 scales, hop 2's, and a use count; globally each is the devices' buffers end to
-# end (device node * local + local index), split over ("node", "local"). Stored under
-# ``feedback/`` as ``feedback/f{i}_{k}`` (unit i of meta["feedback"]["units"], buffer k),
-# empty buffers (no hop 2, or nothing quantized on one node) left out: orbax cannot store
-# them.
-
-_FEEDBACK_LAYOUT = ("n", "n_pad", "h1", "h2", "stages", "shapes", "dtypes")
+# -- kept gradient-transport state (qgZ's errors) ---------------------------------------------
+# Per unit, the buffers its gradient transport keeps between steps (``feedback_specs``),
+# each global (the devices' buffers end to end, split over ("node", "local")), and the
+# transport's record of them (``feedback_record``). Stored under ``feedback/`` as
+# ``feedback/f{i}_{k}`` (unit i of meta["feedback"]["units"], buffer k), empty buffers left
+# out: orbax cannot store them. What the buffers mean, and how they move to another mesh
+# (``reshard_feedback``), is the transport's business.
 
 
 def _feedback_units(engine: Any) -> list[dict]:
-    """One record per unit with kept errors on this engine's mesh (``[]`` without
-    ``qgz_error_feedback``): its lengths (``n`` real, ``n_pad`` padded), the per-device
-    fp32 error lengths of hop 1 and hop 2 (``h1``, ``h2``), qgZ's pipeline stages (hop 2's
-    layout), and the global shapes and dtypes of the five stored buffers."""
-    nodes, local = mesh_shape(engine.mesh)
+    """One record per unit that keeps state on this engine's mesh (``[]`` when none does):
+    its name and its gradient transport's ``feedback_record``."""
     recs = []
-    for name, specs in engine.feedback_specs().items():
+    for name in engine.feedback_specs():
         lay = engine.layouts[name]
-        transport = engine.transports[name].gradients
-        h1, h2 = transport.feedback_lengths(lay.n_pad, nodes, local)
-        recs.append({"name": name, "n": lay.n, "n_pad": lay.n_pad, "h1": int(h1),
-                     "h2": int(h2), "stages": int(getattr(transport, "stages", 1)),
-                     "shapes": [int(s.shape[0]) for s in specs],
-                     "dtypes": [str(np.dtype(s.dtype)) for s in specs]})
+        rec = engine.transports[name].gradients.feedback_record(lay.n, lay.n_pad, engine.info)
+        if rec is not None:
+            recs.append({"name": name, **rec})
     return recs
 
 
 def _feedback_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict | None]:
-    """The kept errors to store (``{"f{i}_{k}": global array}``) and their record for
+    """The kept buffers to store (``{"f{i}_{k}": global array}``) and their record for
     ``meta["feedback"]`` (None when the state keeps none)."""
     engine = state.engine
     kept = getattr(state.params, "feedback", None) or {}
@@ -431,14 +410,13 @@ def _feedback_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict | No
     for i, rec in enumerate(recs):
         bufs = kept[rec["name"]]
         if [tuple(x.shape) for x in bufs] != [(n,) for n in rec["shapes"]]:
-            raise AssertionError(f"unit {rec['name']!r}: kept errors of shapes "
+            raise AssertionError(f"unit {rec['name']!r}: kept buffers of shapes "
                                  f"{[x.shape for x in bufs]}, expected {rec['shapes']}")
         rec["stored"] = [k for k, n in enumerate(rec["shapes"]) if n]
         for k in rec["stored"]:
             arrays[f"f{i}_{k}"] = bufs[k]
-    nodes, local = mesh_shape(engine.mesh)
-    return arrays, {"nodes": nodes, "local": local, "block": FEEDBACK_BLOCK,
-                    "format": FEEDBACK_FORMAT, "units": recs}
+    nodes, local = engine.info.shape
+    return arrays, {"nodes": nodes, "local": local, "units": recs}
 
 
 def _feedback_real(info: dict) -> dict[str, int]:
@@ -452,60 +430,18 @@ def _zeros(shape: int, dtype: Any, sharding: NamedSharding) -> jax.Array:
     return place(np.zeros((shape,), jnp.dtype(dtype)), sharding)
 
 
-def _feedback_converter(engine: Any, old: dict, old_mesh: tuple[int, int], new: dict
-                        ) -> Any:
-    """A jitted function: unit's stored buffers from another mesh (hop 1's values and
-    scales, hop 2's; None where the writing mesh kept none; any global length at least
-    the stored one, zero padded) -> its five buffers on this engine's mesh, by the rule of
-    the module docstring; the use counts are set to 1, as after a step (a step reads only
-    the counts its gradient brings, ``Engine._next_feedback``). Global arrays in and out:
-    each process reads and writes only its own devices' pieces, and the sum over the old
-    devices is XLA's to communicate (so its fp32 order, and the last bit of a scale, may
-    depend on how the devices are split into processes)."""
-    nodes_o, local_o = old_mesh
-    devices_o = nodes_o * local_o
-    nodes, local = mesh_shape(engine.mesh)
-    devices = nodes * local
-    sharded = NamedSharding(engine.mesh, SHARDED)
-
-    def decode_all(values: jax.Array, scales: jax.Array, h: int) -> jax.Array:
-        """Every old device's buffer -> fp32 ``[devices_o, h]``."""
-        h_pad = -(-h // FEEDBACK_BLOCK) * FEEDBACK_BLOCK
-        flat = decode_error(values[: devices_o * h_pad],
-                            scales[: devices_o * h_pad // FEEDBACK_BLOCK], devices_o * h_pad)
-        return flat.reshape(devices_o, h_pad)[:, :h]
-
-    def convert(v1, s1, v2, s2):
-        total = jnp.zeros((old["n_pad"],), jnp.float32)  # the old flat gradient layout
-        if old["h1"]:  # hop 1: already in that layout
-            total = total + jnp.sum(decode_all(v1, s1, old["h1"]), axis=0)
-        if old["h2"]:  # hop 2: per local index j, its rows into slices i' * local + j
-            e2 = decode_all(v2, s2, old["h2"]).reshape(nodes_o, local_o, old["h2"])
-            by_local = jnp.sum(e2, axis=0)  # hop2_to_flat is linear: add nodes first
-            for j in range(local_o):
-                total = total + hop2_to_flat(by_local[j], nodes=nodes_o, local=local_o,
-                                             stages=old["stages"],
-                                             m=old["n_pad"] // devices_o, local_index=j)
-        share = total[: old["n"]] / jnp.float32(devices)
-        out = []
-        if new["h1"]:
-            values, scales = encode_error(jnp.pad(share, (0, new["h1"] - old["n"])))
-            out += [jnp.tile(values, devices), jnp.tile(scales, devices)]
-        else:  # one node: nothing is quantized, nothing is kept
-            out += [jnp.zeros((0,), jnp.dtype(new["dtypes"][0])),
-                    jnp.zeros((0,), jnp.dtype(new["dtypes"][1]))]
-        out += [jnp.zeros((new["shapes"][k],), jnp.dtype(new["dtypes"][k])) for k in (2, 3)]
-        out.append(jnp.ones((new["shapes"][4],), jnp.dtype(new["dtypes"][4])))
-        return tuple(out)
-
-    key = ("checkpoint.feedback", json.dumps([old, list(old_mesh), new], sort_keys=True))
-    return engine.remembered(key, lambda: jax.jit(convert, out_shardings=(sharded,) * 5))
+def _stored_record(info: dict, rec: dict) -> dict:
+    """A unit's stored record, with the run-wide fields older checkpoints kept beside the
+    units (the errors' block and format)."""
+    return {**{k: info[k] for k in ("block", "format") if k in info}, **rec}
 
 
 def _restore_feedback(path: pathlib.Path, meta: dict, state: TrainState) -> dict:
-    """The kept errors for a restore into ``state`` (``ShardedParams.feedback``; ``{}``
-    when its config keeps none), by the rule of the module docstring. Collective, like
-    ``restore``: every process reads its own devices' pieces of ``feedback/``."""
+    """The kept buffers for a restore into ``state`` (``ShardedParams.feedback``; ``{}``
+    when its config keeps none): the stored ones on the same mesh and layout, else what
+    each unit's gradient transport makes of them (``reshard_feedback``); zeros for a unit
+    with none stored. Collective, like ``restore``: every process reads its own devices'
+    pieces of ``feedback/``."""
     engine = state.engine
     mine = _feedback_units(engine)
     if not mine:
@@ -513,30 +449,27 @@ def _restore_feedback(path: pathlib.Path, meta: dict, state: TrainState) -> dict
     info = meta.get("feedback")
     if not info:
         return engine.zero_feedback()
-    if info.get("block") != FEEDBACK_BLOCK or info.get("format") != FEEDBACK_FORMAT:
-        raise CheckpointError(
-            f"{path} stores its kept qgZ errors as {info.get('format')} in blocks of "
-            f"{info.get('block')}; this zeropp_jax reads {FEEDBACK_FORMAT} in blocks of "
-            f"{FEEDBACK_BLOCK}. Restore it with the version that wrote it, or into a state "
-            "with qgz_error_feedback=False"
-        )
     sharded = NamedSharding(engine.mesh, SHARDED)
-    nodes, local = mesh_shape(engine.mesh)
-    devices = nodes * local
-    same_mesh = (info["nodes"], info["local"]) == (nodes, local)
-    saved = {r["name"]: (i, r) for i, r in enumerate(info["units"])}
-    plan: dict[str, tuple | None] = {}
+    devices = engine.info.data
+    old_mesh = MeshInfo(info["nodes"], info["local"])
+    saved = {r["name"]: (i, _stored_record(info, r)) for i, r in enumerate(info["units"])}
+    how: dict[str, tuple | None] = {}
     args: dict[str, Any] = {}
     for rec in mine:
         if rec["name"] not in saved:
-            plan[rec["name"]] = None
+            how[rec["name"]] = None
             continue
         i, old = saved[rec["name"]]
-        exact = same_mesh and all(old[k] == rec[k] for k in _FEEDBACK_LAYOUT)
-        plan[rec["name"]] = (i, old, exact)
-        for k in old["stored"]:  # all of them (orbax reads whole trees; the counts are P)
+        try:
+            convert = engine.transports[rec["name"]].gradients.reshard_feedback(
+                old, old_mesh, rec, engine.info)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        how[rec["name"]] = (i, old, convert)
+        for k in old["stored"]:  # all of them (orbax reads whole trees)
             # Onto another mesh: the stored length rounded up to whole shards, zeros after.
-            shape = rec["shapes"][k] if exact else -(-old["shapes"][k] // devices) * devices
+            shape = (rec["shapes"][k] if convert is None
+                     else -(-old["shapes"][k] // devices) * devices)
             args[f"f{i}_{k}"] = compat.orbax_resizing_restore_args(
                 sharded, (shape,), jnp.dtype(old["dtypes"][k]))
     read: dict[str, jax.Array] = {}
@@ -550,20 +483,23 @@ def _restore_feedback(path: pathlib.Path, meta: dict, state: TrainState) -> dict
     out = {}
     for rec in mine:
         name = rec["name"]
-        if plan[name] is None:  # no errors kept for this unit: zero, as a new run's
-            out[name] = tuple(_zeros(n, dt, sharded)
-                              for n, dt in zip(rec["shapes"], rec["dtypes"]))
+        zeros = [_zeros(n, dt, sharded) for n, dt in zip(rec["shapes"], rec["dtypes"])]
+        if how[name] is None:  # nothing stored for this unit: zeros, as a new run's
+            out[name] = tuple(zeros)
             continue
-        i, old, exact = plan[name]
-        if exact:
-            out[name] = tuple(read[f"f{i}_{k}"] if k in old["stored"]
-                              else _zeros(n, dt, sharded)
-                              for k, (n, dt) in enumerate(zip(rec["shapes"], rec["dtypes"])))
+        i, old, convert = how[name]
+        if convert is None:
+            out[name] = tuple(read[f"f{i}_{k}"] if k in old["stored"] else zeros[k]
+                              for k in range(len(zeros)))
             continue
-        convert = _feedback_converter(engine, {k: old[k] for k in _FEEDBACK_LAYOUT},
-                                      (info["nodes"], info["local"]),
-                                      {k: rec[k] for k in _FEEDBACK_LAYOUT})
-        out[name] = convert(*(read.get(f"f{i}_{k}") for k in range(4)))
+        # Global arrays in and out: each process reads and writes only its own devices'
+        # pieces, and the sum over the old devices is XLA's to communicate (so its fp32
+        # order, and the last bit of a scale, may depend on how the devices are split
+        # into processes).
+        key = ("checkpoint.feedback", json.dumps([old, old_mesh.shape, rec], sort_keys=True))
+        jitted = engine.remembered(key, lambda: jax.jit(
+            convert, out_shardings=(sharded,) * len(zeros)))
+        out[name] = jitted(*(read.get(f"f{i}_{k}") for k in range(len(old["shapes"]))))
     return out
 
 

@@ -32,9 +32,9 @@ from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.train import build
 from zeropp_jax.units.adapters import ModelAdapter
 from zeropp_jax.units import deferral
-from zeropp_jax.units.apply import apply_units
+from zeropp_jax.units.apply import UnitInputs, UnitRun, apply_units
 from zeropp_jax.comm.frozen import FrozenShards, frozen_local_shards, merge_trees
-from zeropp_jax.core.mesh import AXES, mesh_shape
+from zeropp_jax.core.mesh import AXES, MeshInfo
 from zeropp_jax.comm.partition import (
     REST,
     UnitLayout,
@@ -49,11 +49,15 @@ from zeropp_jax.comm.placement import (
     place,
     to_host,
 )
-from zeropp_jax.comm.transports import TransportPlan, UnitTransports, plan_of, reduce_gradient
-from zeropp_jax.comm.transports.base import gradient_bytes, weight_bytes
+from zeropp_jax.comm.transports import (
+    TransportPlan,
+    UnitTransports,
+    gradient_bytes,
+    reduce_gradient,
+    unsliced,
+    weight_bytes,
+)
 from zeropp_jax.comm.wire import WireBytes
-from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
-from zeropp_jax.comm.transports.sliced import unsliced
 
 PyTree = Any
 
@@ -174,6 +178,10 @@ class Engine:
     # programs. Nothing
     # outside the engine holds these, so dropping the state frees them with the model.
     memo: dict = dataclasses.field(default_factory=dict, repr=False)
+    # How this run's bytes travel (``comm.transports.TransportPlan``), resolved from the
+    # config once, when the run is built (``TrainState.create``): what the step,
+    # generation and the measurements ask.
+    plan: TransportPlan | None = dataclasses.field(default=None, repr=False)
 
     @property
     def model(self) -> Any:
@@ -182,15 +190,23 @@ class Engine:
         return self.adapter.module
 
     def __post_init__(self) -> None:
+        if self.plan is None or self.plan.config is not self.config:
+            raise ValueError("Engine needs the plan of its config: "
+                             "plan=comm.transports.plan_of(config), resolved once per run")
         if not self.transports:
             object.__setattr__(self, "transports", self.plan.units(self.layouts,
                                                                    self.frozen_layouts))
 
     @property
-    def plan(self) -> TransportPlan:
-        """How this run's bytes travel (``comm.transports.TransportPlan``), resolved from the
-        config once: what the step, generation and the measurements ask."""
-        return plan_of(self.config)
+    def units_run(self) -> UnitRun:
+        """What the unit-by-unit call needs of this run (``units.apply.UnitRun``)."""
+        return UnitRun(self.adapter, self.plan, self.layouts, self.frozen_layouts,
+                       self.transports, self.explicit_units, self.memo.setdefault("resident", {}))
+
+    @property
+    def info(self) -> MeshInfo:
+        """This run's mesh as numbers (``core.mesh.MeshInfo``)."""
+        return MeshInfo.of(self.mesh)
 
     def remembered(self, key: Any, build: Callable[[], Any]) -> Any:
         """``memo[key]``, built by ``build()`` the first time it is asked for."""
@@ -230,9 +246,7 @@ class Engine:
         transport's own collectives (``comm.wire``), so it holds at any mesh size: layouts
         are re-padded for ``nodes * local`` devices. With tensor parallelism every slice's
         bytes are counted (each slice moves over the data devices that hold it)."""
-        this_nodes, this_local = mesh_shape(self.mesh)
-        nodes, local = nodes or this_nodes, local or this_local
-        devices = nodes * local
+        mesh = self.info.resized(nodes, local)
         cfg = self.config
         out: dict[str, dict[str, WireBytes]] = {}
         for name, t in self.transports.items():
@@ -242,28 +256,27 @@ class Engine:
             for transport, lay, align in parts:
                 if transport is None:
                     continue
-                n_pad = padded_length(lay.n, devices, align)
+                n_pad = padded_length(lay.n, mesh.data, align)
                 # Tensor-parallel slices: each moves its own buffer over its own data group.
                 times = lambda b, k=lay.tp: WireBytes(b.intra * k, b.cross * k)  # noqa: E731
                 for k, v in weight_bytes(unsliced(transport), n_pad, cfg.param_jnp_dtype,
-                                         nodes, local).items():
+                                         mesh).items():
                     row[k] = row.get(k, WireBytes()) + times(v)
                 if transport is t.weights:
                     row["gradient"] = times(gradient_bytes(
-                        unsliced(t.gradients), n_pad, cfg.compute_jnp_dtype, nodes, local))
+                        unsliced(t.gradients), n_pad, cfg.compute_jnp_dtype, mesh))
             out[name] = row
         return out
 
     @property
     def num_devices(self) -> int:
-        nodes, local = mesh_shape(self.mesh)
-        return nodes * local
+        return self.info.data
 
     @property
     def secondary_devices(self) -> int:
         """Devices of the group trainable weights are rebuilt inside in backward (hpZ's
         secondary partition, ``TransportPlan.secondary_devices``); 0: the whole mesh."""
-        return self.plan.secondary_devices(*mesh_shape(self.mesh))
+        return self.plan.secondary_devices(self.info)
 
     # -- inside shard_map ------------------------------------------------------------------
 
@@ -341,13 +354,10 @@ class Engine:
         """The model's call on this device's shards: unit by unit (stage 3) or on the
         replicated weights (stages 1 and 2)."""
         if self.config.stage == 3:
-            return apply_units(
-                self.adapter, self.layouts, params.units, self.config, *args, method=method,
-                frozen_layouts=self.frozen_layouts, frozen=frozen, qgz_on=step.qgz_on,
-                collections=collections, warn_resident=self.explicit_units,
-                memo=self.memo.setdefault("resident", {}), transports=self.transports,
-                step=step.step, feedback=params.feedback, pipes=step.pipes, **kwargs,
-            )
+            inputs = UnitInputs(params.units, frozen, params.feedback, step.qgz_on, step.step,
+                                step.pipes)
+            return apply_units(self.units_run, inputs, *args, method=method,
+                               collections=collections, **kwargs)
         tree = {"params": self.unflatten_full(params.units), **collections}
         return self.adapter.apply(tree, *args, method=method, **kwargs)
 
@@ -451,7 +461,7 @@ class Engine:
             g = {}
             for name, full in grads.units.items():
                 if cfg.stage == 2:
-                    g[name] = reduce_gradient(FlatReduceScatter(), full, cfg.param_jnp_dtype)
+                    g[name] = reduce_gradient(self.plan.replicated_gradients(), full, cfg.param_jnp_dtype)
                 else:
                     summed = (jax.lax.psum(full, AXES).astype(accumulation_dtype(full.dtype))
                               / self.num_devices)
@@ -559,21 +569,20 @@ class Engine:
 
     # -- outside shard_map -----------------------------------------------------------------
 
-    def feedback_specs(self, nodes: int | None = None, local: int | None = None
+    def feedback_specs(self, mesh: MeshInfo | None = None
                        ) -> dict[str, tuple[jax.ShapeDtypeStruct, ...]]:
-        """Unit name -> the global shapes of its kept qgZ errors on a ``nodes x local``
-        mesh (default: this run's): each per-device buffer of
+        """Unit name -> the global shapes of its kept qgZ errors on ``mesh`` (default:
+        this run's): each per-device buffer of
         ``QgzReduceScatter.feedback_specs`` put end to end over the devices. Empty without
         ``config.qgz_error_feedback`` or where qgZ quantizes nothing (one node); every
         trainable unit otherwise."""
         cfg = self.config
-        this_nodes, this_local = mesh_shape(self.mesh)
-        nodes, local = nodes or this_nodes, local or this_local
-        devices = nodes * local
+        mesh = mesh or self.info
+        devices = mesh.data
         out = {}
         for name, lay in self.layouts.items():
             n_pad = padded_length(lay.n, devices, cfg.flat_alignment)
-            per_device = self.transports[name].gradients.feedback_specs(n_pad, nodes, local)
+            per_device = self.transports[name].gradients.feedback_specs(n_pad, mesh)
             if not per_device:  # nothing quantized on this mesh (one node): nothing kept
                 continue
             out[name] = tuple(jax.ShapeDtypeStruct((devices * s.shape[0],), s.dtype)

@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from zeropp_jax.core import processes, scopes
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import mesh_shape
+from zeropp_jax.comm.transports import plan_of
+from zeropp_jax.core.mesh import MeshInfo
 from zeropp_jax.train import build
 from zeropp_jax.train.engine import Engine
 from zeropp_jax.train.tensor_parallel import annotated, check_rules, tensor_parallel
@@ -225,9 +226,10 @@ class TrainState:
         # The model's kind is decided here, once: everything after asks the adapter.
         raw, (adapter, params, collections) = params, adapt(model, params, collections)
         build.check_arguments(params, config)
-        nodes, local = mesh_shape(mesh)
+        # The run, resolved once: its mesh as numbers and how its bytes travel.
+        info, plan = MeshInfo.of(mesh), plan_of(config)
         params, collections = build.split_variables(params, collections, batch_stats)
-        build.check_setup(params, tx, config, nodes, local)
+        build.check_setup(params, tx, plan, info)
         abstract = build.is_abstract(params)
         if abstract and (frozen is not None or jax.tree_util.tree_leaves(collections)):
             raise NotImplementedError(
@@ -236,13 +238,13 @@ class TrainState:
 
         stacked = build.stack_paths(stacked, units, params)
         tp = tensor_parallel(annotated(raw, params, adapter), logical_axis_rules,
-                             param_axes, mesh, config, frozen)
+                             param_axes, mesh, plan, frozen)
         unit_trees, rest = build.split_into_units(params, units, adapter, stacked)
         build.check_frozen(frozen, stacked, config)
         unit_trees, rest, frozen_trees = build.split_frozen_units(unit_trees, rest, frozen)
-        layouts, trees = build.unit_layouts(unit_trees, rest, stacked, nodes * local,
+        layouts, trees = build.unit_layouts(unit_trees, rest, stacked, info.data,
                                             config.flat_alignment, tp)
-        frozen_layouts = build.frozen_layouts(frozen_trees, nodes * local, config, tp)
+        frozen_layouts = build.frozen_layouts(frozen_trees, info.data, plan, tp)
 
         pdt = config.param_jnp_dtype
         master = build.place_units(layouts, trees, pdt, build.master_sharding(mesh, config))
@@ -251,15 +253,15 @@ class TrainState:
                                          build.offloaded(config, layouts))
         engine = Engine(adapter, tx, mesh, config, layouts, opt_specs, frozen_layouts,
                         explicit_units=units is not None and units != "auto",
-                        tensor_rules=() if tp is None else tp.rules)
+                        tensor_rules=() if tp is None else tp.rules, plan=plan)
         warn_if_unbalanced(*engine.unit_table(), params)
         step = build.replicated_zero(mesh, abstract)
         placed_collections = build.place_collections(collections, mesh)
         skipped = build.replicated_zero(mesh, abstract)
         if config.stage == 3:
-            frozen_shards = (build.store_frozen(frozen_layouts, frozen_trees, config, mesh)
+            frozen_shards = (build.store_frozen(frozen_layouts, frozen_trees, plan, mesh)
                              if frozen_layouts else None)
-            build.check_feedback(config, layouts, nodes, local)
+            build.check_feedback(plan, layouts, info)
             params = ShardedParams(master, True, engine.zero_feedback(abstract))
             return cls(step, params, opt_state, None, engine, skipped, frozen_shards,
                        placed_collections)

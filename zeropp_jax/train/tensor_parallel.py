@@ -18,9 +18,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from zeropp_jax.comm.frozen import as_predicate, split_frozen
-from zeropp_jax.comm.transports import frozen_format, plan_of
+from zeropp_jax.comm.transports import TransportPlan, frozen_format
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import AXES, MODEL, mesh_shape, model_size
+from zeropp_jax.core.mesh import AXES, MODEL, MeshInfo, model_size
 from zeropp_jax.units.adapters import ModelAdapter
 
 PyTree = Any
@@ -198,7 +198,7 @@ def annotated(raw: PyTree, params: PyTree, adapter: ModelAdapter) -> PyTree:
 
 def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
                     param_axes: Sequence[tuple[str, Sequence[Any]]] | None, mesh: Mesh,
-                    config: ZeroPPConfig, frozen: Any) -> TensorParallel | None:
+                    plan: TransportPlan, frozen: Any) -> TensorParallel | None:
     """The run's tensor parallelism: None on a mesh without a ``"model"`` axis. Each
     parameter's split dimension comes from its Flax partitioning metadata
     (``nn.with_logical_partitioning`` or ``nnx.with_partitioning`` names through ``rules``,
@@ -211,10 +211,9 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
     if size == 1:
         return None
     unsupported = [
-        ("stage=3", config.stage != 3),
-        ("quantize_frozen=False", frozen_format(config) is not None),
-        ("qgz_error_feedback=False",
-         plan_of(config).feedback(1 << 20, *mesh_shape(mesh))[0] > 0)]
+        ("stage=3", plan.config.stage != 3),
+        ("quantize_frozen=False", frozen_format(plan.config) is not None),
+        ("qgz_error_feedback=False", plan.feedback(1 << 20, MeshInfo.of(mesh))[0] > 0)]
     missing = [need for need, bad in unsupported if bad]
     if missing:
         raise NotImplementedError(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from zeropp_jax.comm.frozen import frozen_local_shards, merge_trees
 from zeropp_jax.comm.partition import REST, STACKED_SHARD, UnitLayout, merge_units
-from zeropp_jax.comm.transports import UnitTransports, plan_of
+from zeropp_jax.comm.transports import TransportPlan, UnitTransports
 from zeropp_jax.core import compat
 from zeropp_jax.core.config import ZeroPPConfig
 from zeropp_jax.units import deferral
@@ -33,56 +33,87 @@ from zeropp_jax.units.unit import zero_unit
 PyTree = Any
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class UnitRun:
+    """What ``apply_units`` needs of the run: fixed for as long as the run lives (the
+    engine makes one, ``Engine.units_run``).
+
+    Attributes:
+      adapter: the model's adapter (``adapters.adapt``).
+      plan: how the run's bytes travel (``comm.transports.TransportPlan``); its config is
+        the run's settings.
+      layouts: unit name -> layout of its trainable part, including the rest unit
+        ``REST`` if the model has parameters outside every unit.
+      frozen_layouts: unit name -> layout of its frozen part (units with frozen params).
+      transports: unit name -> its transports (``TransportPlan.units``).
+      warn_resident: warn when units must stay gathered for the whole step (the user
+        chose them; the default policy's leftovers are resident without a word).
+      memo: where ``find_resident`` keeps its answers for this model (the engine's), so
+        a second trace of the same call does not trace the model again; None: no reuse.
+    """
+
+    adapter: ModelAdapter
+    plan: TransportPlan
+    layouts: Mapping[str, UnitLayout]
+    frozen_layouts: Mapping[str, UnitLayout]
+    transports: Mapping[str, UnitTransports]
+    warn_resident: bool = False
+    memo: dict | None = None
+
+    @property
+    def config(self) -> ZeroPPConfig:
+        return self.plan.config
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitInputs:
+    """This device's values for one call (traced, inside ``shard_map``).
+
+    Attributes:
+      shards: unit name -> this device's primary shard ``[layout.shard_len]``.
+      frozen: a ``FrozenShards`` holding this device's frozen storage (for units with
+        frozen parts).
+      feedback: unit name -> this device's kept qgZ errors (``config.qgz_error_feedback``;
+        ``ShardedParams.feedback``); their gradient is the new errors.
+      qgz_on: with ``config.qgz_until``, the traced bool choosing qgZ (True) or the plain
+        reduce-scatter for this step; None: qgZ whenever ``config.qgz``.
+      step: the traced optimizer step, for gradient transports whose randomness follows
+        it (``config.qgz_signs="per_step"``); None: they use a fixed key.
+      pipes: scanned stack path -> its pipe (``deferral.pipes``; Refs made outside the
+        step's differentiation): each layer's gradient is reduced during later layers'
+        backward (``config.qgz_defer``, ``units.deferral``). None or a missing path:
+        reduced in its own backward.
+    """
+
+    shards: Mapping[str, jax.Array]
+    frozen: Any = None
+    feedback: Mapping[str, tuple] | None = None
+    qgz_on: jax.Array | None = None
+    step: jax.Array | None = None
+    pipes: Mapping[tuple[str, ...], Any] | None = None
+
+
 def apply_units(
-    adapter: ModelAdapter,
-    layouts: Mapping[str, UnitLayout],
-    shards: Mapping[str, jax.Array],
-    config: ZeroPPConfig,
+    run: UnitRun,
+    inputs: UnitInputs,
     *args: Any,
     method: str | Callable | None = None,
-    frozen_layouts: Mapping[str, UnitLayout] | None = None,
-    frozen: Any = None,
-    qgz_on: jax.Array | None = None,
     collections: Mapping[str, PyTree] | None = None,
-    warn_resident: bool = False,
-    memo: dict | None = None,
-    transports: Mapping[str, UnitTransports],
-    step: jax.Array | None = None,
-    feedback: Mapping[str, tuple] | None = None,
-    pipes: Mapping[tuple[str, ...], Any] | None = None,
     **kwargs: Any,
 ) -> Any:
     """The model's call with ZeRO-3 parameters. Runs inside ``shard_map``.
 
     Args:
-      adapter: the model's adapter (``adapters.adapt``).
-      layouts: unit name -> layout of its trainable part, including the rest unit ``REST``
-        if the model has parameters outside every unit.
-      shards: unit name -> this device's primary shard ``[layout.shard_len]``.
-      config: the run's settings.
-      frozen_layouts: unit name -> layout of its frozen part (units with frozen params).
-      frozen: a ``FrozenShards`` holding this device's frozen storage (with
-        ``frozen_layouts``).
-      qgz_on: with ``config.qgz_until``, the traced bool choosing qgZ (True) or the plain
-        reduce-scatter for this step; None: qgZ whenever ``config.qgz``.
+      run: the run's adapter, plan, layouts and transports (``UnitRun``).
+      inputs: this device's shards and the step's traced values (``UnitInputs``).
       collections: the model's other variable collections (``batch_stats``), full and
         replicated; with ``mutable=`` the call returns ``(output, updated collections)``.
-      warn_resident: warn when units must stay gathered for the whole step (the user
-        chose them; the default policy's leftovers are resident without a word).
-      transports: unit name -> its transports (``TransportPlan.units``, ``Engine.transports``).
-      memo: where ``find_resident`` keeps its answers for this model (the engine's), so
-        a second trace of the same call does not trace the model again; None: no reuse.
-      step: the traced optimizer step, for gradient transports whose randomness follows
-        it (``config.qgz_signs="per_step"``); None: they use a fixed key.
-      feedback: unit name -> this device's kept qgZ errors (``config.qgz_error_feedback``;
-        ``ShardedParams.feedback``); their gradient is the new errors.
-      pipes: scanned stack path -> its pipe (``deferral.pipes``; Refs made outside the
-        step's differentiation): each layer's gradient is reduced during later layers'
-        backward (``config.qgz_defer``, ``units.deferral``). None or a missing path:
-        reduced in its own backward.
       *args, method, **kwargs: as for ``model.apply``.
     """
-    frozen_layouts = frozen_layouts or {}
+    adapter, config, layouts, transports = run.adapter, run.config, run.layouts, run.transports
+    frozen_layouts = run.frozen_layouts or {}
+    shards, frozen, qgz_on, step = inputs.shards, inputs.frozen, inputs.qgz_on, inputs.step
+    feedback, pipes = inputs.feedback, inputs.pipes
     if frozen_layouts and frozen is None:
         raise ValueError(
             "this model has frozen parameters but apply_fn found no frozen shards: call "
@@ -172,11 +203,12 @@ def apply_units(
               for name in names if name != REST}
     resident, calls = find_resident(adapter, shapes, stacked_units, rest,
                                     config.compute_jnp_dtype, args,
-                                    {**kwargs, "collections": collections}, method, memo)
+                                    {**kwargs, "collections": collections}, method,
+                                    run.memo)
     # Units whose weights are read outside their own calls (a tied head reading
     # ``.variables``, a module passed to another unit as an attribute) are gathered once
     # for the whole step, like the rest unit: the gradient is the exact sum over every use.
-    if resident and warn_resident:
+    if resident and run.warn_resident:
         warnings.warn(
             f"units {sorted('/'.join(map(str, p)) for p in resident)} are read outside their own "
             "calls (a tied head reading .variables, a module passed to another unit, a "
@@ -192,8 +224,7 @@ def apply_units(
         # root-level parameters) are used wherever the model likes: gathered for the step.
         # With config.bucket, the first unit the model calls shares its gather and its
         # gradient's reduce-scatter (units.bucket): both run at the step's two ends anyway.
-        partner = _bucket_partner(config, calls, names, path_of, resident, last, layouts,
-                                  frozen_layouts, transports)
+        partner = _bucket_partner(run, calls, names, path_of, resident, last)
         if partner is None:
             # keep: its full weights are alive for the step anyway; a secondary or a
             # regather would only add to them.
@@ -275,17 +306,16 @@ def first_unit(calls: tuple[tuple[str, ...], ...]) -> tuple[str, ...] | None:
     return calls[0] if calls.count(calls[0]) == lead else None
 
 
-def _bucket_partner(config: ZeroPPConfig, calls: tuple[tuple[str, ...], ...], names: set[str],
+def _bucket_partner(run: UnitRun, calls: tuple[tuple[str, ...], ...], names: set[str],
                     path_of: Mapping[str, tuple[str, ...]], resident: set[tuple[str, ...]],
-                    kept: tuple[str, ...] | None, layouts: Mapping[str, UnitLayout],
-                    frozen_layouts: Mapping[str, UnitLayout],
-                    transports: Mapping[str, UnitTransports]) -> str | None:
+                    kept: tuple[str, ...] | None) -> str | None:
     """The unit whose collectives the rest unit shares (``config.bucket``), or None.
 
     The first unit the model calls, if no other unit is called between its calls (one
     far later would hold its weights from the step's start to then), it is not a scanned stack, not
     resident and not the kept unit, and neither it nor the rest unit has frozen parameters
     or a transport that would change its values in a bucket (``bucket.bucketable``)."""
+    layouts, frozen_layouts, transports = run.layouts, run.frozen_layouts, run.transports
     if not calls or REST not in layouts:
         return None
     by_path = {path_of[n]: n for n in names if n != REST}
@@ -294,7 +324,7 @@ def _bucket_partner(config: ZeroPPConfig, calls: tuple[tuple[str, ...], ...], na
     if (name is None or first in resident or first == kept or name not in layouts
             or REST in frozen_layouts or name in frozen_layouts):
         return None
-    if not bucketable(plan_of(config), [transports[n] for n in (REST, name)]):
+    if not bucketable(run.plan, [transports[n] for n in (REST, name)]):
         return None
     if layouts[REST].num_shards != layouts[name].num_shards:
         return None

@@ -38,15 +38,14 @@ from zeropp_jax.comm.partition import UnitLayout
 from zeropp_jax.comm.transports import UnitTransports, mean_of_sum, reduce_gradient
 from zeropp_jax.core import compat
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import AXES
+from zeropp_jax.core.mesh import AXES, MeshInfo
 
 
 def staged(grads: Any, switched: bool) -> bool:
     """Whether ``grads`` (a gradient transport) defers in three phases on this mesh (inside
     ``shard_map``): qgZ's ``staged`` transports, when no ``qgz_until`` switch (``switched``)
     can turn qgZ off for the step."""
-    nodes, local = jax.lax.axis_size(AXES[0]), jax.lax.axis_size(AXES[1])
-    return (not switched and hasattr(grads, "staged") and grads.staged(nodes, local))
+    return (not switched and hasattr(grads, "staged") and grads.staged(MeshInfo.inside()))
 
 
 def make_pipe(grads: Any, n_pad: int, dtype: Any, switched: bool) -> dict:

@@ -34,8 +34,10 @@ as ``weight_format`` without a list of its own.
 from zeropp_jax.comm.transports.base import (
     GradientTransport,
     WeightTransport,
+    gradient_bytes,
     mean_of_sum,
     reduce_gradient,
+    weight_bytes,
 )
 from zeropp_jax.comm.transports.plan import TransportPlan, UnitTransports, plan_of
 from zeropp_jax.comm.transports.registry import (
@@ -49,6 +51,7 @@ from zeropp_jax.comm.transports.registry import (
     weight_format,
     weight_transport,
 )
+from zeropp_jax.comm.transports.sliced import unsliced
 
 
 __all__ = [
@@ -61,11 +64,14 @@ __all__ = [
     "frozen_alignment",
     "frozen_format",
     "UnitTransports",
+    "gradient_bytes",
     "gradient_format",
     "gradient_transport",
     "plan_of",
     "mean_of_sum",
     "reduce_gradient",
+    "unsliced",
+    "weight_bytes",
     "weight_format",
     "weight_transport",
 ]

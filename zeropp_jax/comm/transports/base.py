@@ -16,13 +16,13 @@ the config.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from zeropp_jax.comm.wire import TracedCollective, WireBytes, traced_collectives
-from zeropp_jax.core.mesh import AXES
+from zeropp_jax.core.mesh import AXES, MeshInfo
 
 Buffers = tuple[jax.Array, ...]
 
@@ -86,9 +86,9 @@ class WeightTransport(Protocol):
         alone: element-wise, or blockwise without position-dependent steps."""
         ...
 
-    def secondary_devices(self, nodes: int, local: int) -> int:
-        """Devices of the group backward regathers inside (hpZ's secondary partition, on a
-        ``nodes x local`` mesh); 0 when backward regathers over the whole mesh."""
+    def secondary_devices(self, mesh: MeshInfo) -> int:
+        """Devices of the group backward regathers inside (hpZ's secondary partition, on
+        ``mesh``); 0 when backward regathers over the whole mesh."""
         ...
 
 
@@ -109,9 +109,9 @@ class GradientTransport(Protocol):
         """Its part of a run's short name (``"qgz-int4-had"``); "" for a plain one."""
         ...
 
-    def quantized_elems(self, n: int, nodes: int, local: int) -> float:
+    def quantized_elems(self, n: int, mesh: MeshInfo) -> float:
         """Elements one device runs through quantization kernels per reduce-scatter of an
-        ``n``-element gradient on a ``nodes x local`` mesh."""
+        ``n``-element gradient on ``mesh``."""
         ...
 
     def bucketable(self) -> bool:
@@ -128,14 +128,27 @@ class GradientTransport(Protocol):
         """True if ``reduce_sum`` needs the traced optimizer step (``step=``)."""
         ...
 
-    def feedback_specs(self, n_pad: int, nodes: int, local: int
-                       ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    def feedback_specs(self, n_pad: int, mesh: MeshInfo) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Per-device shapes of the errors kept for a unit of padded length ``n_pad``
-        between steps (error feedback); ``()`` when nothing is kept."""
+        between steps (error feedback) on ``mesh``; ``()`` when nothing is kept."""
         ...
 
-    def feedback_lengths(self, n_pad: int, nodes: int, local: int) -> tuple[int, int]:
+    def feedback_lengths(self, n_pad: int, mesh: MeshInfo) -> tuple[int, int]:
         """The fp32 lengths ``(h1, h2)`` behind ``feedback_specs`` (``(0, 0)``: none)."""
+        ...
+
+    def feedback_record(self, n: int, n_pad: int, mesh: MeshInfo) -> dict[str, Any] | None:
+        """A JSON-able description of what is kept for a unit of ``n`` elements (padded
+        ``n_pad``) on ``mesh``, which a checkpoint stores beside the buffers and hands back
+        to ``reshard_feedback``; None when nothing is kept."""
+        ...
+
+    def reshard_feedback(self, old: dict[str, Any], old_mesh: MeshInfo, new: dict[str, Any],
+                         mesh: MeshInfo) -> Callable[..., tuple[jax.Array, ...]] | None:
+        """How kept buffers written on ``old_mesh`` with record ``old`` become those of
+        record ``new`` on ``mesh``: None when they are the same bits, else a pure function
+        of the stored global buffers (None for one not stored) -> the new global buffers.
+        Raises ``ValueError`` naming the fix for a record it cannot read."""
         ...
 
 
@@ -155,7 +168,7 @@ class WeightFacts:
     def bucketable(self) -> bool:
         return True
 
-    def secondary_devices(self, nodes: int, local: int) -> int:
+    def secondary_devices(self, mesh: MeshInfo) -> int:
         return 0
 
 
@@ -165,7 +178,7 @@ class GradientFacts:
     def label(self) -> str:
         return ""
 
-    def quantized_elems(self, n: int, nodes: int, local: int) -> float:
+    def quantized_elems(self, n: int, mesh: MeshInfo) -> float:
         return 0.0
 
     def bucketable(self) -> bool:
@@ -177,12 +190,18 @@ class GradientFacts:
     def follows_step(self) -> bool:
         return False
 
-    def feedback_specs(self, n_pad: int, nodes: int, local: int
-                       ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    def feedback_specs(self, n_pad: int, mesh: MeshInfo) -> tuple[jax.ShapeDtypeStruct, ...]:
         return ()
 
-    def feedback_lengths(self, n_pad: int, nodes: int, local: int) -> tuple[int, int]:
+    def feedback_lengths(self, n_pad: int, mesh: MeshInfo) -> tuple[int, int]:
         return 0, 0
+
+    def feedback_record(self, n: int, n_pad: int, mesh: MeshInfo) -> dict[str, Any] | None:
+        return None
+
+    def reshard_feedback(self, old: dict[str, Any], old_mesh: MeshInfo, new: dict[str, Any],
+                         mesh: MeshInfo) -> Callable[..., tuple[jax.Array, ...]] | None:
+        raise ValueError(f"{type(self).__name__} keeps nothing between steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,10 +253,10 @@ def mean_of_sum(summed: jax.Array, shard_dtype: Any) -> jax.Array:
     return (summed / num_devices).astype(shard_dtype)
 
 
-def weight_collectives(transport: WeightTransport, n_pad: int, param_dtype: Any, nodes: int,
-                       local: int) -> dict[str, tuple[TracedCollective, ...]]:
-    """The collectives ``transport`` runs for one unit of padded length ``n_pad`` on a
-    ``nodes x local`` mesh: ``{"forward": the gather's, "backward": the regather's}``.
+def weight_collectives(transport: WeightTransport, n_pad: int, param_dtype: Any,
+                       mesh: MeshInfo) -> dict[str, tuple[TracedCollective, ...]]:
+    """The collectives ``transport`` runs for one unit of padded length ``n_pad`` on
+    ``mesh``: ``{"forward": the gather's, "backward": the regather's}``.
 
     Traced on an abstract mesh (``wire.traced_collectives``), so it is what the transport
     does, at any mesh size."""
@@ -250,34 +269,34 @@ def weight_collectives(transport: WeightTransport, n_pad: int, param_dtype: Any,
         _, moved = transport.gather(stored)
         return transport.regather(transport.keep(stored, moved))
 
-    fwd = traced_collectives(forward, specs, nodes, local)
+    fwd = traced_collectives(forward, specs, mesh)
     # The forward gather's collectives come first in program order; the rest regather.
-    return {"forward": fwd, "backward": traced_collectives(both, specs, nodes, local)[len(fwd):]}
+    return {"forward": fwd, "backward": traced_collectives(both, specs, mesh)[len(fwd):]}
 
 
 def gradient_collectives(transport: GradientTransport, n_pad: int, grad_dtype: Any,
-                         nodes: int, local: int) -> tuple[TracedCollective, ...]:
+                         mesh: MeshInfo) -> tuple[TracedCollective, ...]:
     """The collectives ``transport`` runs to reduce-scatter one unit's ``[n_pad]`` gradient
-    of ``grad_dtype`` on a ``nodes x local`` mesh (traced, as ``weight_collectives``)."""
-    full = jax.ShapeDtypeStruct((n_pad * nodes * local,), jnp.dtype(grad_dtype))
-    return traced_collectives(lambda g: transport.reduce_sum(g), (full,), nodes, local)
+    of ``grad_dtype`` on ``mesh`` (traced, as ``weight_collectives``)."""
+    full = jax.ShapeDtypeStruct((n_pad * mesh.data,), jnp.dtype(grad_dtype))
+    return traced_collectives(lambda g: transport.reduce_sum(g), (full,), mesh)
 
 
 def _total(collectives: tuple[TracedCollective, ...]) -> WireBytes:
     return sum((c.bytes for c in collectives), WireBytes())
 
 
-def weight_bytes(transport: WeightTransport, n_pad: int, param_dtype: Any, nodes: int,
-                 local: int) -> dict[str, WireBytes]:
-    """What ``transport`` moves for one unit of padded length ``n_pad`` on a
-    ``nodes x local`` mesh: ``{"forward": the gather, "backward": the regather}``
-    (``weight_collectives``' bytes, summed)."""
+def weight_bytes(transport: WeightTransport, n_pad: int, param_dtype: Any,
+                 mesh: MeshInfo) -> dict[str, WireBytes]:
+    """What ``transport`` moves for one unit of padded length ``n_pad`` on ``mesh``:
+    ``{"forward": the gather, "backward": the regather}`` (``weight_collectives``' bytes,
+    summed)."""
     return {k: _total(v) for k, v in
-            weight_collectives(transport, n_pad, param_dtype, nodes, local).items()}
+            weight_collectives(transport, n_pad, param_dtype, mesh).items()}
 
 
-def gradient_bytes(transport: GradientTransport, n_pad: int, grad_dtype: Any, nodes: int,
-                   local: int) -> WireBytes:
+def gradient_bytes(transport: GradientTransport, n_pad: int, grad_dtype: Any,
+                   mesh: MeshInfo) -> WireBytes:
     """What ``transport`` moves to reduce-scatter one unit's ``[n_pad]`` gradient of
-    ``grad_dtype`` on a ``nodes x local`` mesh (``gradient_collectives``' bytes, summed)."""
-    return _total(gradient_collectives(transport, n_pad, grad_dtype, nodes, local))
+    ``grad_dtype`` on ``mesh`` (``gradient_collectives``' bytes, summed)."""
+    return _total(gradient_collectives(transport, n_pad, grad_dtype, mesh))

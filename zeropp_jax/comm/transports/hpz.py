@@ -10,7 +10,7 @@ import jax
 from zeropp_jax.comm.hpz import group_nodes, hpz_all_gather, secondary_slice
 from zeropp_jax.comm.transports.base import Buffers, WeightTransport
 from zeropp_jax.comm.transports.sliced import SlicedWeights
-from zeropp_jax.core.mesh import LOCAL, NODE
+from zeropp_jax.core.mesh import MeshInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class SecondaryRegather:
 
     def nodes(self) -> int:
         """Nodes per group, from the mesh's axis sizes (inside ``shard_map``)."""
-        return group_nodes(self.group_size, jax.lax.axis_size(NODE), jax.lax.axis_size(LOCAL))
+        return group_nodes(self.group_size, MeshInfo.inside())
 
     def gather(self, stored: Buffers, *, backward: bool = False) -> tuple[jax.Array, Buffers]:
         return self.inner.gather(stored, backward=backward)
@@ -69,10 +69,10 @@ class SecondaryRegather:
     def bucketable(self) -> bool:
         return self.inner.bucketable()
 
-    def secondary_devices(self, nodes: int, local: int) -> int:
+    def secondary_devices(self, mesh: MeshInfo) -> int:
         """``k * local``: the devices of ``k`` whole nodes (``group_size``; one node if
         None), checked against the mesh (raises naming the valid sizes)."""
-        return group_nodes(self.group_size, nodes, local) * local
+        return group_nodes(self.group_size, mesh) * mesh.local
 
 
 def wrap(inner: Any, config: Any) -> SecondaryRegather:

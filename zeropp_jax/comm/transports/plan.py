@@ -14,8 +14,11 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from zeropp_jax.comm.transports.hpz import secondary_of
+from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
 from zeropp_jax.comm.transports.sliced import SlicedGradients, SlicedWeights
 from zeropp_jax.comm.transports.base import GradientTransport, WeightTransport
+from zeropp_jax.core.mesh import MeshInfo
 from zeropp_jax.comm.transports.registry import (
     frozen_alignment,
     gradient_transport,
@@ -78,6 +81,17 @@ class TransportPlan:
             out[name] = t
         return out
 
+    def secondary(self, transport: WeightTransport) -> WeightTransport:
+        """``transport`` rebuilding from a secondary partition: itself with hpZ on (its
+        configured group), else wrapped to rebuild from one inside the node. Generation
+        reads every unit this way, whether training used hpZ or not."""
+        return secondary_of(transport)
+
+    def replicated_gradients(self) -> GradientTransport:
+        """How stages 1 and 2 reduce-scatter the gradients of replicated weights: one flat
+        reduce-scatter over all devices."""
+        return FlatReduceScatter()
+
     def frozen_alignment(self) -> int:
         """Each frozen primary shard's length is a multiple of this."""
         return frozen_alignment(self.config)
@@ -111,23 +125,23 @@ class TransportPlan:
         return (self.config.bucket and self.weights.bucketable()
                 and self.gradients.bucketable())
 
-    def secondary_devices(self, nodes: int, local: int) -> int:
-        """Devices in the group backward regathers trainable weights inside (hpZ), on a
-        ``nodes x local`` mesh; 0 when it regathers over the whole mesh. Raises naming
-        the valid group sizes when the mesh cannot hold the configured group."""
-        return self.weights.secondary_devices(nodes, local)
+    def secondary_devices(self, mesh: MeshInfo) -> int:
+        """Devices in the group backward regathers trainable weights inside (hpZ), on
+        ``mesh``; 0 when it regathers over the whole mesh. Raises naming the valid group
+        sizes when the mesh cannot hold the configured group."""
+        return self.weights.secondary_devices(mesh)
 
-    def feedback(self, n_pad: int, nodes: int, local: int) -> tuple[int, int, int]:
+    def feedback(self, n_pad: int, mesh: MeshInfo) -> tuple[int, int, int]:
         """What one device keeps between steps for a trainable unit of padded length
-        ``n_pad`` on a ``nodes x local`` mesh: (stored bytes, ``h1``, ``h2``), the
-        gradient transport's kept errors (``feedback_specs``, ``feedback_lengths``); all 0
-        when nothing is kept."""
-        specs = self.gradients.feedback_specs(n_pad, nodes, local)
-        h1, h2 = self.gradients.feedback_lengths(n_pad, nodes, local)
+        ``n_pad`` on ``mesh``: (stored bytes, ``h1``, ``h2``), the gradient transport's
+        kept errors (``feedback_specs``, ``feedback_lengths``); all 0 when nothing is
+        kept."""
+        specs = self.gradients.feedback_specs(n_pad, mesh)
+        h1, h2 = self.gradients.feedback_lengths(n_pad, mesh)
         return sum(math.prod(s.shape) * s.dtype.itemsize for s in specs), h1, h2
 
-    def quantized_elems(self, n: int, n_pad: int, gathers: int, reduced: bool, nodes: int,
-                        local: int) -> tuple[float, float]:
+    def quantized_elems(self, n: int, n_pad: int, gathers: int, reduced: bool,
+                        mesh: MeshInfo) -> tuple[float, float]:
         """Elements one device runs through quantization kernels for one unit of ``n``
         elements (padded ``n_pad``) per step, (weight path, gradient path): ``gathers``
         gathers, and its gradient's reduce-scatter if ``reduced``, with kept errors decoded
@@ -135,8 +149,8 @@ class TransportPlan:
         weights = gathers * self.weights.quantized_elems(n)
         grads = 0.0
         if reduced:
-            _, h1, h2 = self.feedback(n_pad, nodes, local)
-            grads = self.gradients.quantized_elems(n, nodes, local) + 2 * (h1 + h2)
+            _, h1, h2 = self.feedback(n_pad, mesh)
+            grads = self.gradients.quantized_elems(n, mesh) + 2 * (h1 + h2)
         return weights, grads
 
 

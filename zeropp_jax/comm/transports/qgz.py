@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,36 +20,17 @@ from zeropp_jax.comm.qgz import (
     qgz_reduce_scatter_feedback,
     staged,
 )
+from zeropp_jax.comm.transports import kept_errors
 from zeropp_jax.comm.transports.base import GradientFacts, GradientTransport
-from zeropp_jax.core.mesh import AXES
-from zeropp_jax.quant.fp8 import dequantize_fp8_flat, quantize_fp8_flat
+from zeropp_jax.comm.transports.kept_errors import (  # noqa: F401  (their home, re-exported)
+    FEEDBACK_BLOCK,
+    FEEDBACK_FORMAT,
+    Feedback,
+    decode_error,
+    encode_error,
+)
+from zeropp_jax.core.mesh import AXES, MeshInfo
 from zeropp_jax.quant.rotation import fixed_key
-
-# The kept errors are stored as FP8 e4m3 with one fp32 scale per this many elements:
-# 8 bits per element plus 32 / FEEDBACK_BLOCK for the scales (1.125 bits at 256).
-FEEDBACK_BLOCK = 256
-FEEDBACK_FORMAT = "e4m3"
-
-Feedback = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
-
-
-def _padded(n: int) -> int:
-    return -(-n // FEEDBACK_BLOCK) * FEEDBACK_BLOCK
-
-
-def encode_error(e: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """fp32 ``[h]`` -> (FP8 values ``[h_pad]``, fp32 scales ``[h_pad / FEEDBACK_BLOCK]``),
-    ``h_pad`` ``h`` rounded up to whole blocks (zeros after ``h``)."""
-    (h,) = e.shape
-    if _padded(h) != h:
-        e = jnp.pad(e, (0, _padded(h) - h))
-    return quantize_fp8_flat(e, block_size=FEEDBACK_BLOCK, fmt=FEEDBACK_FORMAT)
-
-
-def decode_error(values: jax.Array, scales: jax.Array, h: int) -> jax.Array:
-    """Inverse of ``encode_error``: fp32 ``[h]``."""
-    return dequantize_fp8_flat(values, scales, block_size=FEEDBACK_BLOCK)[:h]
-
 
 @dataclasses.dataclass(frozen=True)
 class QgzReduceScatter(GradientFacts):
@@ -104,14 +85,14 @@ class QgzReduceScatter(GradientFacts):
                 + ("-step" if self.per_step_signs else ""))
         return name + ("+EF" if self.error_feedback else "")
 
-    def quantized_elems(self, n: int, nodes: int, local: int) -> float:
+    def quantized_elems(self, n: int, mesh: MeshInfo) -> float:
         # The full gradient, then the node's partial sums requantized for the node hop
         # (``2 n / L``); a rotation reads the data once more. Kept errors: see the plan.
         # Cross-node only: just the partial sums (with one node, nothing at all).
-        if self.hops == "cross" and nodes == 1:
+        if self.hops == "cross" and mesh.nodes == 1:
             return 0.0
-        first = 0 if self.hops == "cross" and local > 1 else n
-        return (first + 2 * n / local) * (2 if self.hadamard else 1)
+        first = 0 if self.hops == "cross" and mesh.local > 1 else n
+        return (first + 2 * n / mesh.local) * (2 if self.hadamard else 1)
 
     def bucketable(self) -> bool:
         # Blocks never straddle members, but one scale per slice, the rotation's signs,
@@ -145,11 +126,11 @@ class QgzReduceScatter(GradientFacts):
 
     # -- in three phases (config.qgz_defer) ---------------------------------------------
 
-    def staged(self, nodes: int, local: int) -> bool:
+    def staged(self, mesh: MeshInfo) -> bool:
         """Whether ``reduce_sum`` (qgZ on, no error feedback) can run as ``phase_quantize``
-        -> ``phase_local`` -> ``phase_nodes`` on ``nodes x local`` devices: both hops
-        quantized and present (``comm.qgz.staged``)."""
-        return staged(nodes, local, self.hops) and not self.error_feedback
+        -> ``phase_local`` -> ``phase_nodes`` on ``mesh``: both hops quantized and present
+        (``comm.qgz.staged``)."""
+        return staged(mesh.nodes, mesh.local, self.hops) and not self.error_feedback
 
     def _phase_kwargs(self, n: int, step: jax.Array | None) -> dict:
         num_devices = jax.lax.axis_size(AXES[0]) * jax.lax.axis_size(AXES[1])
@@ -180,30 +161,34 @@ class QgzReduceScatter(GradientFacts):
 
     # -- error feedback --------------------------------------------------------------------
 
-    def feedback_lengths(self, n_pad: int, nodes: int, local: int) -> tuple[int, int]:
+    def feedback_lengths(self, n_pad: int, mesh: MeshInfo) -> tuple[int, int]:
         """Per-device fp32 lengths ``(h1, h2)`` of the errors kept for a unit of padded
         length ``n_pad`` (``comm.qgz.feedback_lengths``); ``(0, 0)`` without
         ``error_feedback``."""
         if not self.error_feedback:
             return 0, 0
-        return feedback_lengths(n_pad, nodes=nodes, local=local,
-                                block_size=self._block(n_pad, nodes * local),
+        return feedback_lengths(n_pad, nodes=mesh.nodes, local=mesh.local,
+                                block_size=self._block(n_pad, mesh.data),
                                 stages=self.stages)
 
-    def feedback_specs(self, n_pad: int, nodes: int, local: int
-                       ) -> tuple[jax.ShapeDtypeStruct, ...]:
+    def feedback_specs(self, n_pad: int, mesh: MeshInfo) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Per-device shapes of a unit's kept errors, as stored: FP8 values and fp32 scales
         of hop 1, the same of hop 2, and an fp32 ``[1]`` use count (``reduce_sum_feedback``);
         none when nothing is quantized (one node: the plain reduce-scatter). Global arrays
         put ``P`` of these end to end, split over ``("node", "local")``."""
-        lengths = self.feedback_lengths(n_pad, nodes, local)
-        if lengths == (0, 0):
-            return ()
-        out = []
-        for h in lengths:
-            out += [jax.ShapeDtypeStruct((_padded(h),), jnp.float8_e4m3fn),
-                    jax.ShapeDtypeStruct((_padded(h) // FEEDBACK_BLOCK,), jnp.float32)]
-        return (*out, jax.ShapeDtypeStruct((1,), jnp.float32))
+        return kept_errors.specs(self.feedback_lengths(n_pad, mesh))
+
+    def feedback_record(self, n: int, n_pad: int, mesh: MeshInfo) -> dict[str, Any] | None:
+        """What describes a unit's kept errors on ``mesh`` (``kept_errors.record``): the
+        record a checkpoint stores beside them; None when nothing is kept."""
+        return kept_errors.record(n, n_pad, self.feedback_lengths(n_pad, mesh), self.stages,
+                                  mesh)
+
+    def reshard_feedback(self, old: dict[str, Any], old_mesh: MeshInfo, new: dict[str, Any],
+                         mesh: MeshInfo) -> Callable[..., tuple[jax.Array, ...]] | None:
+        """Kept errors written on another mesh or layout -> this one's
+        (``kept_errors.reshard``): None when the stored buffers are the new ones."""
+        return kept_errors.reshard(old, old_mesh, new, mesh)
 
     def reduce_sum_feedback(self, g_full: jax.Array, kept: Feedback,
                             on: jax.Array | None = None, step: jax.Array | None = None
@@ -215,10 +200,10 @@ class QgzReduceScatter(GradientFacts):
 
         When qgZ is off for the step (``on`` False), the kept errors go into the plain
         reduce-scatter's input and the new ones are zero."""
-        nodes, local = jax.lax.axis_size(AXES[0]), jax.lax.axis_size(AXES[1])
-        num_devices = nodes * local
+        mesh = MeshInfo.inside()
+        num_devices = mesh.data
         (n,) = g_full.shape
-        h1, h2 = self.feedback_lengths(n, nodes, local)
+        h1, h2 = self.feedback_lengths(n, mesh)
         e1 = decode_error(kept[0], kept[1], h1)
         e2 = decode_error(kept[2], kept[3], h2)
         kw = self._kwargs(n, num_devices, self._key(step))
@@ -232,7 +217,7 @@ class QgzReduceScatter(GradientFacts):
             if h1:
                 x = x + e1
             if h2:
-                x = x + hop2_to_flat(e2, nodes=nodes, local=local, stages=self.stages,
+                x = x + hop2_to_flat(e2, nodes=mesh.nodes, local=mesh.local, stages=self.stages,
                                      m=n // num_devices,
                                      local_index=jax.lax.axis_index(AXES[1]))
             return (self.fallback.reduce_sum(x.astype(g.dtype)), jnp.zeros_like(e1),

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.core.mesh import MODEL
+from zeropp_jax.core.mesh import slice_axis
 
 PyTree = Any
 REST = "<rest>"
@@ -215,13 +215,14 @@ def _tp_constrained(x: jax.Array, dim: int) -> jax.Array:
     traced under a mesh whose ``"model"`` axis XLA partitions; as it is elsewhere (host
     values, a mesh without that axis)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if MODEL not in (mesh.axis_names or ()):
+    axis = slice_axis(mesh)
+    if axis is None:
         return x
-    if mesh.axis_types[mesh.axis_names.index(MODEL)] == jax.sharding.AxisType.Manual:
+    if mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Manual:
         return x
     spec = [None] * x.ndim
     if dim >= 0:
-        spec[dim] = MODEL
+        spec[dim] = axis
     return jax.lax.with_sharding_constraint(x, P(*spec))
 
 

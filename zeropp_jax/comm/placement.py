@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.comm.partition import unit_of
 from zeropp_jax.core import scopes
 from zeropp_jax.core.dtypes import accumulation_dtype
-from zeropp_jax.core.mesh import AXES, MODEL
+from zeropp_jax.core.mesh import AXES, MODEL, slice_axis
 
 PyTree = Any
 
@@ -27,8 +27,14 @@ PyTree = Any
 SHARDED = P(AXES)
 REPLICATED = P()
 # A tensor-parallel unit's global ``[T, n_pad]`` buffer: slices over "model", each slice's
-# primary shards over the data axes.
+# primary shards over the data axes (``sliced_sharded`` for any mesh's inner axis).
 SLICED_SHARDED = P(MODEL, AXES)
+
+
+def sliced_sharded(mesh: Any) -> P:
+    """A sliced unit's global ``[T, n_pad]`` buffer on ``mesh``: slices over its inner axis
+    (``"model"`` or ``"expert"``), each slice's primary shards over the data axes."""
+    return P(slice_axis(mesh), AXES)
 
 
 def sharded_spec(ndim: int) -> P:
@@ -42,8 +48,8 @@ def global_spec(spec: P, mesh: Any) -> P:
     """The global ``PartitionSpec`` of a buffer a step takes with ``spec`` (its in/out
     spec, manual over the data axes): a leading tensor-parallel axis (``sharded_spec`` of a
     2-D buffer) is split over ``"model"`` on a mesh that has one."""
-    if MODEL in mesh.axis_names and len(spec) == 2 and spec[0] is None and spec[1] == AXES:
-        return SLICED_SHARDED
+    if slice_axis(mesh) and len(spec) == 2 and spec[0] is None and spec[1] == AXES:
+        return sliced_sharded(mesh)
     return spec
 
 
@@ -53,7 +59,7 @@ def pin_slices(out: Any, specs: Any, mesh: Any) -> Any:
     ``sharded_spec(2)``) constrained to stay split over ``"model"``, as the state came in:
     XLA would be free to replicate the axis it partitions. Inside ``jit``; ``out`` as it
     is on a mesh without a ``"model"`` axis."""
-    if MODEL not in mesh.axis_names:
+    if not slice_axis(mesh):
         return out
 
     def pin(spec: P, x: Any) -> Any:

@@ -4,8 +4,9 @@ ZeRO shards over the data-parallel axes ``("node", "local")``. Device ``d = node
 local`` sits at ``mesh.devices[node, local]`` (node-major), so the flattened data axes
 enumerate devices in the order that owns flat parameter slices: device ``d`` owns slice
 ``d`` of every unit. A mesh may have a third axis, ``"model"`` (tensor parallelism,
-innermost: a tensor-parallel group is ``model`` consecutive devices of one node), which
-ZeRO leaves to XLA's partitioner: the step is manual over the data axes only.
+innermost: a tensor-parallel group is ``model`` consecutive devices of one node) or
+``"expert"`` (expert parallelism, in the same place), which ZeRO leaves to XLA's
+partitioner: the step is manual over the data axes only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from zeropp_jax.core.compat import backends_are_initialized
 NODE = "node"
 LOCAL = "local"
 MODEL = "model"
+EXPERT = "expert"
 AXES = (NODE, LOCAL)  # the data-parallel axes ZeRO shards over
+# The inner axis a mesh may have beside the data axes, which splits some parameters into
+# slices (tensor parallelism's "model", expert parallelism's "expert"); ZeRO leaves it to
+# XLA's partitioner. A mesh has at most one.
+SLICE_AXES = (MODEL, EXPERT)
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -118,9 +124,11 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     *,
     model: int = 1,
+    expert: int = 1,
 ) -> Mesh:
     """Builds the ``("node", "local")`` mesh, node-major, or with ``model > 1`` the
-    ``("node", "local", "model")`` mesh for tensor parallelism beside ZeRO.
+    ``("node", "local", "model")`` mesh for tensor parallelism beside ZeRO, or with
+    ``expert > 1`` the ``("node", "local", "expert")`` mesh for expert parallelism.
 
     Args:
       nodes: number of nodes. Default: ``jax.process_count()`` (one process per node).
@@ -131,20 +139,33 @@ def make_mesh(
       model: tensor-parallel degree: the size of the innermost ``"model"`` axis, whose
         devices (consecutive devices of one node) split each tensor-parallel layer. 1: no
         such axis.
+      expert: expert-parallel degree: the size of the innermost ``"expert"`` axis, whose
+        devices (consecutive devices of one node, so the tokens' all-to-alls stay inside
+        the node) each hold ``1 / expert`` of every mixture-of-experts layer's experts.
+        The batch is split over it too. 1: no such axis. Not with ``model > 1``.
 
     Returns:
       A ``Mesh`` of shape ``(nodes, local)`` with axis names ``("node", "local")``, or of
-      shape ``(nodes, local, model)`` with axis names ``("node", "local", "model")``.
+      shape ``(nodes, local, model)`` with axis names ``("node", "local", "model")``, or
+      ``(nodes, local, expert)`` with ``("node", "local", "expert")``.
     """
-    if not isinstance(model, int) or isinstance(model, bool) or model < 1:
-        raise ValueError(f"model must be a positive int (the tensor-parallel degree), "
-                         f"got {model!r}")
+    for name, v, what in (("model", model, "tensor"), ("expert", expert, "expert")):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int (the {what}-parallel degree), "
+                             f"got {v!r}")
+    if model > 1 and expert > 1:
+        raise NotImplementedError(
+            f"tensor parallelism (model={model}) beside expert parallelism "
+            f"(expert={expert}) is not supported yet: choose one inner axis, e.g. "
+            f"make_mesh(nodes, local, expert={expert}) with the attention ZeRO-sharded")
     given = devices is not None
     if devices is None:
         devices = jax.devices()
     devices = list(devices)
     if model > 1:
-        return _with_model_axis(nodes, local, devices, model, given)
+        return _with_inner_axis(nodes, local, devices, model, MODEL, given)
+    if expert > 1:
+        return _with_inner_axis(nodes, local, devices, expert, EXPERT, given)
     if nodes is None and local is None:
         nodes, local = jax.process_count(), jax.local_device_count()
         if nodes * local != len(devices):
@@ -167,31 +188,33 @@ def make_mesh(
     return Mesh(grid, AXES)
 
 
-def _with_model_axis(nodes: int | None, local: int | None, devices: list, model: int,
-                     given: bool) -> Mesh:
-    """The ``(nodes, local, model)`` mesh: the ``(nodes, local * model)`` grid of
-    ``make_mesh``, each node's devices split into ``local`` groups of ``model``."""
-    if len(devices) % model:
-        raise ValueError(f"model={model} does not divide the {len(devices)} devices")
+def _with_inner_axis(nodes: int | None, local: int | None, devices: list, size: int,
+                     name: str, given: bool) -> Mesh:
+    """The ``(nodes, local, size)`` mesh with inner axis ``name`` (``"model"`` or
+    ``"expert"``): the ``(nodes, local * size)`` grid of ``make_mesh``, each node's devices
+    split into ``local`` groups of ``size``."""
+    if len(devices) % size:
+        raise ValueError(f"{name}={size} does not divide the {len(devices)} devices")
     if local is not None and (not isinstance(local, int) or local < 1):
         raise ValueError(f"local must be a positive int, got {local!r}")
-    per_node = None if local is None else local * model
+    per_node = None if local is None else local * size
     try:
         grid = make_mesh(nodes, per_node, devices).devices
     except ValueError as e:
-        raise ValueError(f"{e} (with model={model}: local counts data-parallel devices, "
-                         f"so a node holds local * model devices)") from None
+        raise ValueError(f"{e} (with {name}={size}: local counts data-parallel devices, "
+                         f"so a node holds local * {name} devices)") from None
     n, per = grid.shape
-    if per % model:
+    if per % size:
         raise ValueError(
-            f"model={model} does not divide the {per} devices of a node; the "
-            "tensor-parallel group must sit inside one node")
-    return Mesh(grid.reshape(n, per // model, model), AXES + (MODEL,))
+            f"{name}={size} does not divide the {per} devices of a node; the "
+            f"{name} group must sit inside one node")
+    return Mesh(grid.reshape(n, per // size, size), AXES + (name,))
 
 
 def mesh_shape(mesh: Mesh) -> tuple[int, int]:
-    """``(nodes, local)`` of a ``("node", "local")`` or ``("node", "local", "model")``
-    mesh: the data-parallel axes ZeRO shards over (``MeshInfo.of(mesh).shape``)."""
+    """``(nodes, local)`` of a ``("node", "local")`` mesh, or one with an inner
+    ``"model"`` or ``"expert"`` axis: the data-parallel axes ZeRO shards over
+    (``MeshInfo.of(mesh).shape``)."""
     return MeshInfo.of(mesh).shape
 
 
@@ -207,14 +230,16 @@ class MeshInfo:
         share fast links).
       local: size of the ``"local"`` axis (data-parallel devices per node).
       model: size of the ``"model"`` axis (tensor-parallel degree), 1 without one.
+      expert: size of the ``"expert"`` axis (expert-parallel degree), 1 without one.
     """
 
     nodes: int
     local: int
     model: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "local", "model"):
+        for name in ("nodes", "local", "model", "expert"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MeshInfo.{name} must be a positive int, got {v!r}")
@@ -228,13 +253,14 @@ class MeshInfo:
         if isinstance(mesh, MeshInfo):
             return mesh
         names = tuple(mesh.axis_names)
-        if names not in (AXES, AXES + (MODEL,)):
+        if names not in (AXES, *(AXES + (a,) for a in SLICE_AXES)):
             raise ValueError(
-                f"zeropp_jax needs a mesh with axes {AXES} or {AXES + (MODEL,)}, got "
-                f"{names}; build it with zeropp_jax.make_mesh(nodes, local) "
-                "or make_mesh(nodes, local, model=...)")
+                f"zeropp_jax needs a mesh with axes {AXES}, {AXES + (MODEL,)} or "
+                f"{AXES + (EXPERT,)}, got {names}; build it with "
+                "zeropp_jax.make_mesh(nodes, local), make_mesh(nodes, local, model=...) or "
+                "make_mesh(nodes, local, expert=...)")
         sizes = dict(zip(names, mesh.axis_sizes))
-        return cls(sizes[NODE], sizes[LOCAL], sizes.get(MODEL, 1))
+        return cls(sizes[NODE], sizes[LOCAL], sizes.get(MODEL, 1), sizes.get(EXPERT, 1))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -249,8 +275,14 @@ class MeshInfo:
 
     @property
     def devices(self) -> int:
-        """Every device of the mesh: ``nodes * local * model``."""
-        return self.data * self.model
+        """Every device of the mesh: ``nodes * local * model * expert``."""
+        return self.data * self.model * self.expert
+
+    @property
+    def slices(self) -> int:
+        """The inner axis' size (``model`` or ``expert``; 1 without one): the slices a
+        split parameter is stored in."""
+        return self.model * self.expert
 
     @classmethod
     def inside(cls) -> "MeshInfo":
@@ -266,17 +298,33 @@ class MeshInfo:
         return dataclasses.replace(self, nodes=nodes or self.nodes, local=local or self.local)
 
 
-def model_size(mesh: Any) -> int:
-    """The tensor-parallel degree of ``mesh`` (its ``"model"`` axis size; 1 without one).
-    Takes a ``Mesh`` or an abstract mesh."""
-    return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(MODEL, 1) if mesh.axis_names else 1
+def slice_axis(mesh: Any) -> str | None:
+    """The inner axis of ``mesh`` that splits parameters into slices (``"model"`` or
+    ``"expert"``), None without one. Takes a ``Mesh`` or an abstract mesh."""
+    names = tuple(mesh.axis_names or ())
+    return next((a for a in SLICE_AXES if a in names), None)
+
+
+def slice_size(mesh: Any) -> int:
+    """The size of ``slice_axis(mesh)`` (1 without one). Takes a ``Mesh`` or an abstract
+    mesh."""
+    axis = slice_axis(mesh)
+    return 1 if axis is None else dict(zip(mesh.axis_names, mesh.axis_sizes))[axis]
+
+
+def batch_axes(mesh: Any) -> tuple[str, ...]:
+    """The mesh axes a batch's leading dimension is split over: the data axes, and
+    ``"expert"`` on an expert mesh (expert parallelism splits the tokens too; a
+    tensor-parallel group shares its batch)."""
+    return AXES + ((EXPERT,) if EXPERT in tuple(mesh.axis_names or ()) else ())
 
 
 def manual_axes(mesh: Mesh) -> dict[str, Any]:
     """``jax.shard_map`` keyword arguments for a step over ``mesh``: manual over the data
-    axes only when the mesh has a ``"model"`` axis (left to XLA's partitioner, so a
-    tensor-parallel model's own collectives are XLA's), otherwise nothing (all manual)."""
-    return {"axis_names": frozenset(AXES)} if MODEL in mesh.axis_names else {}
+    axes only when the mesh has an inner ``"model"`` or ``"expert"`` axis (left to XLA's
+    partitioner, so a tensor-parallel model's own collectives, or the tokens' all-to-alls
+    to their experts, are XLA's), otherwise nothing (all manual)."""
+    return {"axis_names": frozenset(AXES)} if slice_axis(mesh) else {}
 
 
 def _count_mismatch(nodes: int, local: int, devices: Sequence[jax.Device], given: bool) -> str:

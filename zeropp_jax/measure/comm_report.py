@@ -80,13 +80,15 @@ class CollectiveRow:
 @dataclasses.dataclass(frozen=True)
 class CommReport:
     """Rows plus totals; ``nodes``, ``local`` and ``model`` describe the mesh the ids map
-    onto (``model``: the tensor-parallel degree, 1 without a ``"model"`` axis; a node holds
-    ``local * model`` devices)."""
+    onto (``model``: the size of the inner axis, 1 without one; a node holds
+    ``local * model`` devices); ``inner``: that axis' name, ``"model"`` (tensor
+    parallelism) or ``"expert"`` (expert parallelism)."""
 
     rows: tuple[CollectiveRow, ...]
     nodes: int
     local: int
     model: int = 1
+    inner: str = "model"
 
     @property
     def per_node(self) -> int:
@@ -131,7 +133,8 @@ class CommReport:
 
     def by_axis(self) -> dict[str, dict[str, float]]:
         """Per ``CollectiveRow.axis`` (``"data"``: ZeRO's collectives; ``"model"``: tensor
-        parallelism's; ``"mixed"``): count and bytes inside and across nodes."""
+        parallelism's; ``"expert"``: the tokens' moves to their experts and back;
+        ``"mixed"``): count and bytes inside and across nodes."""
         out: dict[str, dict[str, float]] = {}
         for r in self.rows:
             d = out.setdefault(r.axis, {"count": 0, "cross_node_bytes": 0.0,
@@ -154,7 +157,7 @@ class CommReport:
                 lines.append(f"{'  over ' + axis + ' axes':<28} {d['count']:>5} "
                              f"{d['cross_node_bytes']:>14,.0f} {d['intra_node_bytes']:>14,.0f}")
         shape = (f"{self.nodes} nodes x {self.local} devices" if self.model == 1 else
-                 f"{self.nodes} nodes x {self.local} x {self.model} (model) devices")
+                 f"{self.nodes} nodes x {self.local} x {self.model} ({self.inner}) devices")
         lines.append(f"cross-node bytes per node: {self.cross_node_bytes_per_node:,.0f} "
                      f"({shape})")
         lines.append(f"collectives between nodes: {self.cross_node_collectives} of "
@@ -168,6 +171,7 @@ class CommReport:
             "nodes": self.nodes,
             "local": self.local,
             "model": self.model,
+            "inner": self.inner,
             "by_axis": self.by_axis(),
             "cross_node_bytes": self.cross_node_bytes,
             "cross_node_bytes_per_node": self.cross_node_bytes_per_node,
@@ -186,7 +190,8 @@ class CommReport:
                                    r["intra_node_bytes"], r["cross_node_bytes"], r["widened"],
                                    r["count"], r.get("axis", "data"))
                      for r in data["rows"])
-        return cls(rows, data["nodes"], data["local"], data.get("model", 1))
+        return cls(rows, data["nodes"], data["local"], data.get("model", 1),
+                   data.get("inner", "model"))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
@@ -653,33 +658,36 @@ def comm_report(program: Any, mesh: Any) -> CommReport:
       program: a ``jax.stages.Lowered`` (what the program asks for), a
         ``jax.stages.Compiled`` (what XLA actually moves), or the text of either
         (StableHLO MLIR or HLO).
-      mesh: the mesh the program runs on (``("node", "local")`` or ``("node", "local",
-        "model")``), or a ``(nodes, local)`` / ``(nodes, local, model)`` tuple.
+      mesh: the mesh the program runs on (``("node", "local")``, or with an inner
+        ``"model"`` or ``"expert"`` axis), or a ``(nodes, local)`` / ``(nodes, local,
+        model)`` tuple.
     """
-    from zeropp_jax.core.mesh import mesh_shape, model_size
+    from zeropp_jax.core.mesh import MODEL, mesh_shape, slice_axis, slice_size
 
+    inner = MODEL
     if isinstance(mesh, tuple):
         nodes, local, model = (tuple(mesh) + (1,))[:3]
     else:
-        (nodes, local), model = mesh_shape(mesh), model_size(mesh)
+        (nodes, local), model = mesh_shape(mesh), slice_size(mesh)
+        inner = slice_axis(mesh) or MODEL
     rows = []
     for c in collectives(program, nodes * local * model):
         intra, cross = count_bytes(c.kind, c.bytes, c.groups, local * model)
         rows.append(CollectiveRow(c.kind, c.dtype, c.shape, c.bytes, c.groups, intra, cross,
-                                  c.widened, c.count, _axis_of(c.groups, model)))
-    return CommReport(tuple(rows), nodes, local, model)
+                                  c.widened, c.count, _axis_of(c.groups, model, inner)))
+    return CommReport(tuple(rows), nodes, local, model, inner)
 
 
-def _axis_of(groups: Sequence[Sequence[int]], model: int) -> str:
-    """``"data"``, ``"model"`` or ``"mixed"``: whether every group (or permute pair) holds
-    devices of one tensor-parallel slice (same index ``d % model``), of one tensor-parallel
-    group (same ``d // model``), or neither. Device ``d`` sits at ``(node, local, model)``
-    row-major, ``"model"`` innermost."""
+def _axis_of(groups: Sequence[Sequence[int]], model: int, inner: str = "model") -> str:
+    """``"data"``, ``inner`` (``"model"`` or ``"expert"``) or ``"mixed"``: whether every
+    group (or permute pair) holds devices of one slice (same index ``d % model``), of one
+    inner group (same ``d // model``), or neither. Device ``d`` sits at ``(node, local,
+    inner)`` row-major, the inner axis innermost."""
     if model == 1:
         return "data"
     real = [g for g in groups if len(set(g)) > 1]
     if all(len({d % model for d in g}) == 1 for g in real):
         return "data"
     if all(len({d // model for d in g}) == 1 for g in real):
-        return "model"
+        return inner
     return "mixed"

@@ -36,12 +36,12 @@ from zeropp_jax.comm.partition import (
 from zeropp_jax.comm.placement import (
     REPLICATED,
     SHARDED,
-    SLICED_SHARDED,
     global_spec,
     offload_mask,
     place,
     place_replicated,
     sharded_spec,
+    sliced_sharded,
 )
 from zeropp_jax.core import compat
 from zeropp_jax.core.mesh import MeshInfo, manual_axes
@@ -253,7 +253,8 @@ def place_units(layouts: Mapping[str, UnitLayout], trees: Mapping[str, PyTree], 
         flat = flat_numpy(lay, trees[name], dtype)
         where = sharding
         if lay.tp > 1:  # tensor-parallel slices: over "model", each one's shards as usual
-            spec = SLICED_SHARDED if sharding.spec == SHARDED else P(None, *sharding.spec)
+            spec = (sliced_sharded(sharding.mesh) if sharding.spec == SHARDED
+                    else P(None, *sharding.spec))
             where = NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
         out[name] = place(flat if cast is None else cast_to(flat, cast), where)
     return out
@@ -341,7 +342,7 @@ def store_frozen(
     for name, lay in layouts.items():
         flat = flat_numpy(lay, trees[lay.path], config.param_jnp_dtype)
         stored = plan.store_frozen(flat, lay)
-        sharding = NamedSharding(mesh, SLICED_SHARDED if lay.tp > 1 else SHARDED)
+        sharding = NamedSharding(mesh, sliced_sharded(mesh) if lay.tp > 1 else SHARDED)
         values[name] = place(stored[0], sharding)
         if len(stored) > 1:
             scales[name] = place(stored[1], sharding)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from zeropp_jax.comm.partition import UnitLayout, padded_length, unit_of
 from zeropp_jax.comm.placement import REPLICATED, SHARDED, ShardedParams
 from zeropp_jax.core import compat
-from zeropp_jax.core.mesh import AXES, MODEL
+from zeropp_jax.core.mesh import AXES, slice_axis
 from zeropp_jax.train import build
 from zeropp_jax.train.engine import Engine
 from zeropp_jax.train.state import TrainState
@@ -38,10 +38,10 @@ def is_sliced(engine: Engine) -> bool:
 def data_mesh(mesh: Mesh) -> Mesh:
     """``mesh``'s devices as a ``(node, local * model)`` mesh (``mesh`` itself without a
     ``"model"`` axis)."""
-    if MODEL not in mesh.axis_names:
+    if not slice_axis(mesh):
         return mesh
-    nodes, local, model = mesh.devices.shape
-    return Mesh(mesh.devices.reshape(nodes, local * model), AXES)
+    nodes, local, inner = mesh.devices.shape
+    return Mesh(mesh.devices.reshape(nodes, local * inner), AXES)
 
 
 def canonical_engine(engine: Engine) -> Engine:

@@ -34,7 +34,7 @@ from zeropp_jax.units.adapters import ModelAdapter
 from zeropp_jax.units import deferral
 from zeropp_jax.units.apply import UnitInputs, UnitRun, apply_units
 from zeropp_jax.comm.frozen import FrozenShards, frozen_local_shards, merge_trees
-from zeropp_jax.core.mesh import AXES, MeshInfo
+from zeropp_jax.core.mesh import AXES, EXPERT, MeshInfo, batch_axes
 from zeropp_jax.comm.partition import (
     REST,
     UnitLayout,
@@ -601,7 +601,9 @@ class Engine:
                     check_processes: bool = True) -> PyTree:
         """Places every leaf of ``batch`` with ``PartitionSpec`` ``spec`` on the mesh.
 
-        The default splits the leading (batch) dimension over all devices. Sequence
+        The default splits the leading (batch) dimension over all devices (on an expert
+        mesh over ``("node", "local", "expert")``; on a tensor-parallel mesh a
+        ``"model"`` group shares its rows). Sequence
         parallelism passes ``P("node", "local")``: batch over nodes, sequence over the
         devices of a node. With several processes every process passes the same global
         batch (for example built from the same seed and step); each places only its own
@@ -609,6 +611,11 @@ class Engine:
         structure, an exchange every process must make: a step's lowering, which one
         process may do alone, skips it.
         """
+        if spec == SHARDED and EXPERT in self.mesh.axis_names:
+            # Expert parallelism splits the tokens over "expert" too (within each data
+            # device's share; the step is manual over the data axes only, and XLA keeps
+            # this split and moves the tokens to their experts).
+            spec = P(batch_axes(self.mesh))
         sharding = NamedSharding(self.mesh, spec)
         sizes = dict(self.mesh.shape)
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from zeropp_jax.comm.frozen import as_predicate, split_frozen
 from zeropp_jax.comm.transports import TransportPlan, frozen_format
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import AXES, MODEL, MeshInfo, model_size
+from zeropp_jax.core.mesh import AXES, MODEL, SLICE_AXES, MeshInfo, slice_axis, slice_size
 from zeropp_jax.units.adapters import ModelAdapter
 
 PyTree = Any
@@ -31,7 +31,8 @@ def layer_dim(dim: int, path: tuple[str, ...]) -> int:
     layer's."""
     if dim == 0:
         raise ValueError(
-            f"the layer axis of the nn.scan stack {'/'.join(path)!r} maps to {MODEL!r}; "
+            f"the layer axis of the nn.scan stack {'/'.join(path)!r} maps to the mesh's "
+            f"inner axis ({' or '.join(map(repr, SLICE_AXES))}); "
             "the layers are ZeRO's units, so map the scan's axis name (nn.scan's "
             "metadata_params={nn.PARTITION_NAME: ...}) to None")
     return dim - 1 if dim > 0 else dim
@@ -58,18 +59,18 @@ class TensorParallel:
     frozen_dims: PyTree = None
 
 
-def _model_dim(names: Any, mesh_axes: Any, where: str) -> int:
+def _model_dim(names: Any, mesh_axes: Any, where: str, axis: str = MODEL) -> int:
     """The dimension of a parameter whose sharding names ``mesh_axes`` (one entry per
-    dimension) that is split over ``"model"``; -1 if none."""
+    dimension) that is split over ``axis`` (the mesh's inner axis); -1 if none."""
     found = [i for i, a in enumerate(mesh_axes or ())
-             if a == MODEL or (isinstance(a, tuple) and MODEL in a)]
+             if a == axis or (isinstance(a, tuple) and axis in a)]
     if len(found) > 1:
-        raise ValueError(f"parameter {where} is split over {MODEL!r} on dimensions {found} "
+        raise ValueError(f"parameter {where} is split over {axis!r} on dimensions {found} "
                          f"({names}); at most one dimension can be")
     for i, a in enumerate(mesh_axes or ()):
-        if isinstance(a, tuple) and set(a) - {MODEL} and MODEL in a:
+        if isinstance(a, tuple) and set(a) - {axis} and axis in a:
             raise ValueError(f"parameter {where}: dimension {i} maps to {a}; ZeRO shards over "
-                             f"the data axes itself, so map it to {MODEL!r} alone")
+                             f"the data axes itself, so map it to {axis!r} alone")
     return found[0] if found else -1
 
 
@@ -136,7 +137,9 @@ def check_rules(rules: Any, param_axes: Any, mesh: Mesh) -> tuple[Rules, ParamAx
                 f"{arg}[{i}]={entry!r}: a rule is (logical name: str, mesh axes: None, an "
                 "axis name or a tuple of them); give " + _RULES_FORM)
         axes = tuple(axes) if isinstance(axes, list) else axes
-        known = tuple(mesh.axis_names) + (() if MODEL in mesh.axis_names else (MODEL,))
+        inner = slice_axis(mesh)
+        known = tuple(mesh.axis_names) + tuple(a for a in SLICE_AXES
+                                               if a not in mesh.axis_names)
         for a in (axes if isinstance(axes, tuple) else (axes,)):
             if isinstance(a, str) and a not in known:
                 close = difflib.get_close_matches(a, known, n=1)
@@ -145,8 +148,11 @@ def check_rules(rules: Any, param_axes: Any, mesh: Mesh) -> tuple[Rules, ParamAx
                     f"{arg}[{i}]=({name!r}, {axes!r}) names the mesh axis {a!r}, which the "
                     f"mesh does not have (its axes: {tuple(mesh.axis_names)}): Flax would "
                     f"leave every dimension named {name!r} whole on each device. {hint}"
-                    f"Tensor parallelism splits over {MODEL!r} (make_mesh(..., model=T)); "
-                    f"map {name!r} to {MODEL!r} or to None")
+                    + (f"This mesh splits parameters over {inner!r}: map {name!r} to "
+                       f"{inner!r} or to None" if inner else
+                       f"Tensor parallelism splits over {MODEL!r} (make_mesh(..., model=T)), "
+                       "expert parallelism over 'expert' (make_mesh(..., expert=E)); map "
+                       f"{name!r} to one of those or to None"))
         checked_rules.append((name, axes))
 
     checked_axes = []
@@ -182,8 +188,9 @@ def _data_axis_rule(names: Sequence[Any], axes: Sequence[Any], rules: Rules, whe
             f"logical_axis_rules entry {rule!r} maps {name!r} to the data axis "
             f"{data[0]!r}, and parameter {where} has a dimension named {name!r}: ZeRO "
             f"shards every parameter over the data axes {AXES} itself, so a parameter's "
-            f"logical names map to {MODEL!r} or to None. Map {name!r} to None (or to "
-            f"{MODEL!r} to split it); rules for activation names no parameter uses, such "
+            f"logical names map to {SLICE_AXES} or to None. Map {name!r} to None (or to "
+            f"the mesh's {MODEL!r} or 'expert' axis to split it); rules for activation "
+            "names no parameter uses, such "
             f"as MaxText's (\"batch\", {AXES!r}), may name the data axes")
 
 
@@ -207,7 +214,7 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
     ``"/"``-joined path. Raises for what tensor parallelism does not support yet, naming
     it."""
     rules, param_axes = check_rules(rules, param_axes, mesh)
-    size = model_size(mesh)
+    size, axis = slice_size(mesh), slice_axis(mesh)
     if size == 1:
         return None
     unsupported = [
@@ -217,7 +224,7 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
     missing = [need for need, bad in unsupported if bad]
     if missing:
         raise NotImplementedError(
-            f"tensor parallelism (a {MODEL!r} mesh axis of size {size}) needs "
+            f"an inner {axis!r} mesh axis (of size {size}) needs "
             f"{', '.join(missing)} for now")
     if isinstance(raw_params, Mapping) and "params" in raw_params and all(
             isinstance(v, Mapping) for v in raw_params.values()):
@@ -242,15 +249,15 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
             leaf = nn.LogicallyPartitioned(leaf, names)
         if isinstance(leaf, nn.LogicallyPartitioned):
             axes = nn.logical_to_mesh_axes(leaf.names, rules)
-            d = _model_dim(leaf.names, axes, where)
+            d = _model_dim(leaf.names, axes, where, axis)
             _data_axis_rule(leaf.names, axes, rules, where)
         else:
-            d = _model_dim(leaf.names, leaf.names, where)
+            d = _model_dim(leaf.names, leaf.names, where, axis)
         shape = np.shape(nn.meta.unbox(leaf))
         if d >= 0 and shape[d] % size:
             raise ValueError(
-                f"parameter {where} of shape {shape} is split over {MODEL!r} on dimension {d}, "
-                f"which {size} devices do not divide; pick a {MODEL!r} axis size dividing "
+                f"parameter {where} of shape {shape} is split over {axis!r} on dimension {d}, "
+                f"which {size} devices do not divide; pick an {axis!r} axis size dividing "
                 f"{shape[d]}, or map that dimension's logical name to None")
         return d
 
@@ -265,9 +272,8 @@ def tensor_parallel(raw_params: PyTree, rules: Sequence[tuple[str, Any]] | None,
                 f"an earlier entry names ({len(unannotated)} paths, such as: "
                 f"{shown or 'none'}), so it splits nothing. Fix the regex (re.search on "
                 "the '/'-joined path) or remove the entry", UserWarning, stacklevel=3)
-    model_rules = tuple((name, MODEL if axis == MODEL or (isinstance(axis, tuple) and
-                                                           MODEL in axis) else None)
-                        for name, axis in rules)
+    model_rules = tuple((name, axis if a == axis or (isinstance(a, tuple) and axis in a)
+                         else None) for name, a in rules)
     frozen_dims = None
     if frozen is not None:
         dims, frozen_dims = split_frozen(dims, as_predicate(frozen))

@@ -20,9 +20,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.comm.transports.base import Buffers
-from zeropp_jax.core.mesh import MODEL
+from zeropp_jax.core.mesh import slice_axis
 
-SLICED = P(MODEL)
 WHOLE = P()
 
 
@@ -37,9 +36,10 @@ def per_slice(fn: Callable[..., Any], sliced: tuple, whole: tuple = ()) -> Any:
         return jax.tree_util.tree_map(lambda y: y[None], out)
 
     mesh = jax.sharding.get_abstract_mesh()
-    specs = (SLICED,) * len(sliced) + (WHOLE,) * len(whole)
-    return jax.shard_map(inner, mesh=mesh, in_specs=specs, out_specs=SLICED,
-                         axis_names=frozenset({MODEL}), check_vma=False)(*sliced, *whole)
+    axis = slice_axis(mesh)
+    specs = (P(axis),) * len(sliced) + (WHOLE,) * len(whole)
+    return jax.shard_map(inner, mesh=mesh, in_specs=specs, out_specs=P(axis),
+                         axis_names=frozenset({axis}), check_vma=False)(*sliced, *whole)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,8 +115,13 @@ def _stepped(model_of, mesh, seed):
 
 def test_nnx_scan_stack_is_a_unit_per_layer_and_exact(mesh):
     seed = fresh_seed()
+    before = {k: dict(vars(k)) for k in (Block, ScanNet)}
     with float64_run():
-        _, _, _, out, grads, ref_loss, ref_grads = _stepped(ScanNet, mesh, seed)
+        state, _, _, out, grads, ref_loss, ref_grads = _stepped(ScanNet, mesh, seed)
+    # The step routed the units through subclasses of the user's classes, kept by the
+    # run's adapter: nothing was written on the classes themselves.
+    assert {k: dict(vars(k)) for k in (Block, ScanNet)} == before
+    assert Block in state.engine.adapter.routed
     # float64 on both sides; only the summation order differs (8 row slices vs one batch):
     # each within the derived float64 rounding of the exact values.
     with seed_on_failure(seed):

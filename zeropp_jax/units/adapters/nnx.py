@@ -100,6 +100,9 @@ class NNXModel:
     keys: dict[Path, tuple]
     modules: dict[Path, tuple[tuple, str]]
     kind: str = "nnx"
+    # The routed subclass of each unit class (``_route``), made once for this run and kept
+    # here, not on the user's class: it is freed with the run.
+    routed: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def module(self) -> "NNXModel":
@@ -403,13 +406,6 @@ def _scan_layers(me: nnx.Module, path: Path, name: str, method: Callable, args: 
         cell.cell_contents = holder
 
 
-# The routed subclass of a module class is kept on that class itself (its own __dict__,
-# so a subclass never finds its parent's), not in a module-level cache: a class defined
-# in a function is freed with it (the two refer to each other, a cycle the collector
-# frees).
-_ROUTED_ATTR = "_zeropp_routed_class"
-
-
 def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
            order: Any) -> None:
     """Makes ``sub``'s public methods run through ``make_call`` (one unit's gather).
@@ -494,7 +490,7 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
             order.record(out)
         return out
 
-    routed = original.__dict__.get(_ROUTED_ATTR)
+    routed = model.routed.get(original)
     if routed is None:
         def method(name: str) -> Callable:
             def call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -506,6 +502,6 @@ def _route(sub: nnx.Module, path: Path, make_call: Callable, model: NNXModel,
                  if callable(v) and (not n.startswith("_") or n == "__call__")}
         routed = type(f"ZeroUnit{original.__name__}", (original,),
                       {n: method(n) for n in names})
-        setattr(original, _ROUTED_ATTR, routed)
+        model.routed[original] = routed
     object.__setattr__(sub, "_zeropp_run", run)
     object.__setattr__(sub, "__class__", routed)

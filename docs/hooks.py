@@ -835,6 +835,26 @@ def tensor_parallel(data: dict, view: str | None) -> str:
               f"{c['nodes']} nodes x {c['gpus_per_node']} GPUs (`{c['preset']}`).")
 
 
+def experts(data: dict, view: str | None) -> str:
+    """``benchmarks/experts.py``: a compiled MoE step's memory and bytes per device, with and
+    without an expert axis, against a plain ``jax.jit`` step."""
+    _no_view(view, "experts")
+    rows = []
+    for r in data["experts_rows"]:
+        rows.append([r["setup"], r["mesh"], f"{r['arguments'] / 2**20:.2f}",
+                     f"{r['temporaries'] / 2**20:.2f}", f"{r['gathered_experts'] / 2**10:.0f}",
+                     _int(r["cross_node_bytes_per_node"]), _int(r["intra_node_bytes"]),
+                     _int(r["by_axis"].get("expert", {}).get("intra_node_bytes", 0.0))])
+    m = data["model"]
+    return (_table(["setup", "mesh", "arguments MiB", "temporaries MiB",
+                    "a layer's experts gathered, KiB", "cross-node B / node", "intra-node B",
+                    "of it on the expert axis"], rows)
+            + f"\n\nCompiled for {data['devices']} simulated {data['platform'].upper()} "
+              f"devices, not timed: {m['experts']} experts a layer, {m['layers']} MoE layers, "
+              f"d_model {m['d_model']}, expert width {m['hidden']}, {data['batch']} "
+              f"sequences of {m['seq_len']} tokens a step, fp32.")
+
+
 def int4_weights(data: dict, view: str | None) -> str:
     """``benchmarks/int4_weights.py``: final loss of each config against zero3 per model
     (no view), and the INT4 round trip of each model's weights (``round_trip``)."""
@@ -1458,6 +1478,7 @@ SHAPES: list[tuple[str, set[str], Callable[[dict, str | None], str]]] = [
     ("feedback_cost", {"settings", "variants", "params", "cpu"}, feedback_cost),
     ("offload", {"settings", "variants", "params", "cpu", "memory_spaces"}, offload),
     ("tensor_parallel_70b", {"tp_rows", "model", "cluster", "predicted"}, tensor_parallel),
+    ("experts", {"experts_rows", "model", "batch", "devices"}, experts),
     ("quantization", {"block_vs_tensor", "sweep", "default_block_size"}, quantization),
     ("int4_weights", {"settings", "summary", "models", "configs", "cpu"}, int4_weights),
     ("ulysses", {"all_to_all", "longest_sequence", "step_time"}, ulysses),

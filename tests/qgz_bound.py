@@ -4,6 +4,8 @@ check of a step's gradients against it."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -92,3 +94,38 @@ def assert_within_bound(got, ref, bound, where):
         held += float(np.sum(e[np.abs(e) > 4 * b] ** 2))
         total += float(np.sum(e ** 2))
     assert held >= 0.1 * total, f"{where}: the bound guards {held / total:.2g} of the gradient"
+
+
+def sliced_int_round_trip(flat, *, bits, block):
+    """qwZ's INT``bits`` blocks of ``block`` through Q and Q^-1 (fp32 values) on a unit's
+    flat buffer, ``[n_pad]`` or ``[T, n_pad]`` slices (a slice's blocks never straddle
+    slices): the weights a qwZ step computes with, as numpy."""
+    return np.asarray(_round_trip(jax.numpy.asarray(flat), bits=bits, block=block))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "block"))
+def _round_trip(flat, *, bits, block):
+    # Jitted: one program per unit shape instead of one per primitive.
+    import jax.numpy as jnp
+
+    from pallas_kernels.quantize import dequantize_reference, quantize_reference
+
+    kw = dict(bits=bits, block_size=block)
+    deq = dequantize_reference(*quantize_reference(flat.reshape(-1), **kw),
+                               dtype=jnp.float32, **kw)
+    return deq.reshape(flat.shape)
+
+
+def check_qgz_step(state, out, ref_loss, ref, per_group, config, *, nodes, local, rho, where):
+    """One ZeRO++ step's outputs against the one-device float64 reference at the weights
+    it computed with: the loss within ``rho`` of ``ref_loss`` (rounding), the consolidated
+    gradient within qgZ's derived bound (``qgz_error_bounds`` from ``per_group``, the data
+    groups' own gradients) of ``ref``."""
+    from helpers import assert_rounding_close
+
+    got = state.engine.consolidate(out["grads"])
+    assert_rounding_close(float(out["loss"]), float(ref_loss), rho)
+    bound = qgz_error_bounds(state.engine.layouts, per_group, nodes=nodes, local=local,
+                             block=config.block_size, bits=config.grad_bits)
+    assert_within_bound(got, ref, bound, where)
+    return got

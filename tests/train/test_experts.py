@@ -35,7 +35,7 @@ from helpers import (
     reference_loss_and_grads,
     seed_on_failure,
 )
-from qgz_bound import assert_within_bound, qgz_error_bounds
+from qgz_bound import check_qgz_step, sliced_int_round_trip
 from zeropp_demo.moe import MOE_RULES, MoEConfig, MoELM, top2_masks
 from zeropp_jax.inference.generate import greedy_reference
 from zeropp_jax.measure.comm_report import comm_report
@@ -137,13 +137,17 @@ def test_step_matches_one_device(shape, step):
     float64 rounding (``FLOAT64_RHO`` each), at fresh parameters and batch."""
     seed = fresh_seed()
     values = _params(seed)
-    batch = _tokens(16, seed + 1)
     with float64_run(gpt):
         state = _state(shape, zpp.ZeroPPConfig.zero3(**FLOAT64), as_float64(values))
-        _, out = step(state, batch)
-        grads = state.engine.consolidate(out["grads"])
-        ref_loss, ref_grads = reference_loss_and_grads(MoELM(CFG64), as_float64(values),
-                                                       batch)
+        _assert_one_device_step(state, step, MoELM(CFG64), values, _tokens(16, seed + 1), seed)
+
+
+def _assert_one_device_step(state, step, model64, values, batch, seed):
+    """One step of ``state`` on ``batch`` gives ``model64``'s one-device loss and gradients
+    at ``values`` within ``FLOAT64_RHO`` each (inside ``float64_run``)."""
+    _, out = step(state, batch)
+    grads = state.engine.consolidate(out["grads"])
+    ref_loss, ref_grads = reference_loss_and_grads(model64, as_float64(values), batch)
     with seed_on_failure(seed):
         assert_loss_and_grads_close(out["loss"], grads, ref_loss, ref_grads, FLOAT64_RHO)
 
@@ -189,29 +193,15 @@ def test_zeropp_on_experts_trains(step):
             batch = _tokens(16, seed + 1 + t)
             deq = as_float64(dequantized_params(
                 state, config.block_size, config.weight_bits,
-                functools.partial(_slices_roundtrip, bits=config.weight_bits,
+                functools.partial(sliced_int_round_trip, bits=config.weight_bits,
                                   block=config.block_size)))
             ref_loss, ref = reference_loss_and_grads(MoELM(CFG64), deq, batch)
             per = [jax.tree_util.tree_map(np.asarray, reference_loss_and_grads(
                 MoELM(CFG64), deq, batch[4 * d:4 * d + 4])[1]) for d in range(4)]
             state, out = step(state, batch)
-            got = state.engine.consolidate(out["grads"])
             with seed_on_failure(seed):
-                assert_rounding_close(float(out["loss"]), float(ref_loss), FLOAT64_RHO)
-                bound = qgz_error_bounds(state.engine.layouts, per, nodes=2, local=2,
-                                          block=config.block_size, bits=config.grad_bits)
-                assert_within_bound(got, ref, bound, f"step {t + 1}")
-
-
-def _slices_roundtrip(flat, *, bits, block):
-    """qwZ's INT``bits`` blocks of ``block`` through Q and Q^-1 on a unit's ``[E, n_pad]``
-    slices (a slice's blocks never straddle slices): the weights the step computes with."""
-    from pallas_kernels.quantize import dequantize_reference, quantize_reference
-
-    kw = dict(bits=bits, block_size=block)
-    deq = dequantize_reference(*quantize_reference(jnp.asarray(flat).reshape(-1), **kw),
-                               dtype=jnp.float32, **kw)
-    return np.asarray(deq).reshape(np.shape(flat))
+                check_qgz_step(state, out, ref_loss, ref, per, config, nodes=2, local=2,
+                               rho=FLOAT64_RHO, where=f"step {t + 1}")
 
 
 def test_checkpoint_restores_across_expert_degrees(tmp_path, step):
@@ -277,12 +267,7 @@ def test_scanned_moe_stack_matches_one_device(step):
                                       mesh=_mesh((2, 2, 2)), config=zpp.ZeroPPConfig.zero3(
                                           **FLOAT64), logical_axis_rules=MOE_RULES)
         assert sum(lay.layer is not None for lay in state.engine.layouts.values()) == 2
-        _, out = step(state, batch)
-        grads = state.engine.consolidate(out["grads"])
-        ref_loss, ref_grads = reference_loss_and_grads(MoELM(cfg64), as_float64(values),
-                                                       batch)
-    with seed_on_failure(seed):
-        assert_loss_and_grads_close(out["loss"], grads, ref_loss, ref_grads, FLOAT64_RHO)
+        _assert_one_device_step(state, step, MoELM(cfg64), values, batch, seed)
 
 
 def _nnx_moe(seed: int, dtype=jnp.float64):

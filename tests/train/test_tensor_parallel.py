@@ -26,7 +26,7 @@ import pytest
 
 import zeropp_jax as zpp
 from zeropp_jax.core.mesh import MeshInfo
-from qgz_bound import assert_within_bound, qgz_error_bounds
+from qgz_bound import check_qgz_step, sliced_int_round_trip
 from helpers import (
     FLOAT64,
     FLOAT64_RHO,
@@ -256,8 +256,8 @@ def test_zeropp_under_tensor_parallelism_trains(step):
         for t in range(3):
             batch = tokens(16, seed=seed + 1 + t)
             deq = as_float64(dequantized_params(
-                state, config.block_size, config.weight_bits, lambda flat: np.asarray(
-                    _slices_roundtrip(flat, bits=config.weight_bits, block=config.block_size))))
+                state, config.block_size, config.weight_bits, functools.partial(
+                    sliced_int_round_trip, bits=config.weight_bits, block=config.block_size)))
             ref_loss, ref = reference_loss_and_grads(GPT(SMALL64), deq, batch)
             # Data group d = (node, local) holds rows 4d..4d+3 (the batch split over the
             # data axes in device order); its tensor-parallel devices compute that
@@ -269,12 +269,9 @@ def test_zeropp_under_tensor_parallelism_trains(step):
                        for m in (adam.mu, adam.nu)]
             before = state.consolidate()
             state, out = step(state, batch)
-            got = state.engine.consolidate(out["grads"])
             with seed_on_failure(seed):
-                assert_rounding_close(float(out["loss"]), float(ref_loss), FLOAT64_RHO)
-                bound = qgz_error_bounds(state.engine.layouts, per, nodes=2, local=2,
-                                          block=config.block_size, bits=config.grad_bits)
-                assert_within_bound(got, ref, bound, f"step {t + 1}")
+                got = check_qgz_step(state, out, ref_loss, ref, per, config, nodes=2, local=2,
+                                     rho=FLOAT64_RHO, where=f"step {t + 1}")
             # The update: optax's adamw on one device, from the same gradient, weights,
             # moments and count (float64 both).
             with jax.default_device(jax.devices()[0]):
@@ -327,19 +324,6 @@ def _adamw_rounding(g, p, mu, nu, count, *, lr, b1=0.9, b2=0.999, eps=1e-8, wd=1
         return 2 * d_p
 
     return jax.tree_util.tree_map(one, g, p, mu, nu)
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "block"))
-def _slices_roundtrip(flat, *, bits, block):
-    """qwZ's INT``bits`` blocks of ``block`` through Q and Q^-1 (fp32 values) on a unit's
-    ``[T, n_pad]`` slices (a slice's blocks never straddle slices): the weights the step
-    computes with."""
-    from pallas_kernels.quantize import dequantize_reference, quantize_reference
-
-    kw = dict(bits=bits, block_size=block)
-    deq = dequantize_reference(*quantize_reference(flat.reshape(-1), **kw),
-                               dtype=jnp.float32, **kw)
-    return deq.reshape(flat.shape)
 
 
 def test_checkpoint_restores_across_tensor_parallel_meshes(tmp_path, step):
@@ -664,8 +648,8 @@ def test_qwz_and_hpz_under_tensor_parallelism_are_exact_at_dequantized_weights()
         _, out = make_step(with_grads=True)(state, batch)
         # As numpy: the units are cut into their leaves on the host (views, no device
         # programs).
-        deq = as_float64(dequantized_params(state, block, 8, lambda flat: np.asarray(
-            _slices_roundtrip(flat, bits=8, block=block))))
+        deq = as_float64(dequantized_params(state, block, 8, functools.partial(
+            sliced_int_round_trip, bits=8, block=block)))
         ref_loss, ref_grads = reference_loss_and_grads(GPT(SMALL64), deq, batch)
         grads = state.engine.consolidate(out["grads"])
     with seed_on_failure(seed):

@@ -138,7 +138,9 @@ class Plan:
 
     def table(self) -> str:
         hw = self.hardware
-        lines = [f"zeropp_jax plan: {self.shape.name or 'model'} ({self.shape.params:,} params) on "
+        sliced = self.shape.tensor_parallel * self.shape.expert_parallel > 1
+        lines = [f"zeropp_jax plan: {self.shape.name or 'model'} ({self.shape.params:,} params"
+                 f"{' in a slice' if sliced else ''}) on "
                  f"{hw.nodes} nodes x {hw.local} devices; {hw.name}",
                  f"  links: inside a node {hw.intra.bytes_per_s * 8 / 1e9:,.0f} Gbit/s per device "
                  f"(+{hw.intra.latency_s * 1e6:,.0f} us per collective), between nodes "
@@ -282,15 +284,18 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
     shape, backend, memory_tokens, activations, compiled = _activations(
         state_or_model, shape, lowered, tokens_per_device)
     shapes = _tensor_parallel_shapes(shape, tensor_parallel, hw.local)
+    # The data axes each shape is priced on: a node's devices over the devices one
+    # data-parallel rank spans (its tensor-parallel or expert slices: a state's own).
+    data_local = {t: _data_local(s, hw.local) for t, s in shapes.items()}
     given = configs is not None
     per_degree = {t: list(configs) if given else candidate_configs(
-        hw.nodes, hw.local // t, base, allow_int4_weights=bool(allow_int4_weights))
+        hw.nodes, data_local[t], base, allow_int4_weights=bool(allow_int4_weights))
         for t in shapes}
 
     memo: dict = {}  # traced transports, shared by every candidate of this call
 
     def costed(config: ZeroPPConfig, t: int = 1) -> Candidate:
-        w = config_workload(config, shapes[t], MeshInfo(hw.nodes, hw.local // t),
+        w = config_workload(config, shapes[t], MeshInfo(hw.nodes, data_local[t]),
                             memory_tokens, memo=memo, backend=backend)
         if memory_tokens != tokens_per_device:  # memory at the lowered step's tokens alone
             w = dataclasses.replace(w, flops_per_device=tokens_per_device
@@ -340,6 +345,14 @@ def plan(state_or_model: Any, *, nodes: int | None = None, local: int | None = N
               "; no tokens_per_device given, so compute is not counted"))
     if activations:
         why += "\n" + activations
+    if shape.expert_parallel > 1:
+        e = shape.expert_parallel
+        why += (f"\nexpert mesh (expert={e}): ZeRO's collectives and memory are priced on "
+                f"the data axes ({hw.nodes} x {data_local[1]}); the expert groups' own "
+                "collectives (the tokens' all-to-alls, the dense weights' gathers inside a "
+                "group) are the same for every candidate and not priced, nor are the "
+                "experts' flops (a token runs a few experts, not a device's slice): the step "
+                "times leave them out")
     if chosen.tensor_parallel > 1:
         t = chosen.tensor_parallel
         why += (f"\ntensor parallel {t}: build the mesh with zpp.make_mesh({hw.nodes}, "
@@ -445,6 +458,18 @@ def _tensor_parallel_shapes(shape: ModelShape, given: Mapping[int, ModelShape] |
         if t > 1 and local % t == 0:
             out[t] = s
     return out
+
+
+def _data_local(shape: ModelShape, local: int) -> int:
+    """Data-parallel devices per node for ``shape`` on nodes of ``local`` devices: ``local``
+    over the devices one rank spans (its tensor-parallel or expert slices). Raises naming
+    the fix when they do not divide it."""
+    per_rank = shape.tensor_parallel * shape.expert_parallel
+    if local % per_rank:
+        what = ("tensor-parallel" if shape.tensor_parallel > 1 else "expert") + " degree"
+        raise ValueError(f"the model's {what} {per_rank} does not divide local={local} "
+                         "devices per node: give local as every device of a node")
+    return local // per_rank
 
 
 def _int4(config: ZeroPPConfig) -> bool:

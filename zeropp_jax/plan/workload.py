@@ -44,7 +44,7 @@ from zeropp_jax.comm.transports import TransportPlan, plan_of
 from zeropp_jax.comm.transports.base import gradient_collectives, weight_collectives
 from zeropp_jax.comm.wire import TracedCollective, axis_groups, count_bytes
 from zeropp_jax.core.config import ZeroPPConfig
-from zeropp_jax.core.mesh import AXES, MeshInfo
+from zeropp_jax.core.mesh import AXES, EXPERT, MeshInfo, slice_axis
 from zeropp_jax.measure.comm_report import CommReport
 from zeropp_jax.plan.cost_model import CollectiveCost, Workload
 from zeropp_jax.units.apply import first_unit, kept_unit
@@ -115,6 +115,11 @@ class ModelShape:
       tp_allreduces: all-reduces over the tensor-parallel group per step (Megatron's: two
         per block in forward, two in backward, and the embedding's).
       tp_elems_per_token: elements per token each of them reduces (``d_model``).
+      expert_parallel: the expert-parallel degree ``E`` the shape describes one device of
+        (a state on ``make_mesh(..., expert=E)``): unit sizes are one device's slices
+        (its experts, a piece of the dense weights); 1: no expert axis. The expert
+        group's own collectives (the tokens' all-to-alls, the dense weights' gathers
+        inside the group) are not priced.
     """
 
     units: tuple[tuple[str, int], ...]
@@ -142,6 +147,7 @@ class ModelShape:
     tensor_parallel: int = 1
     tp_allreduces: int = 0
     tp_elems_per_token: float = 0.0
+    expert_parallel: int = 1
 
     @property
     def params(self) -> int:
@@ -337,10 +343,14 @@ def shape_of_state(state: Any, *, flops_per_token: float | None = None,
     single = frozenset(name for name, lay in engine.layouts.items() if len(lay.shapes) == 1)
     # A tensor-parallel state's units are one slice each (``lay.n``): one rank's shape.
     # The model's own tensor-parallel all-reduces are not known from the state (0 here;
-    # ``transformer_shape(tensor_parallel=T)`` counts a decoder's).
-    tp = max((lay.tp for lay in engine.layouts.values()), default=1)
+    # ``transformer_shape(tensor_parallel=T)`` counts a decoder's). On an expert mesh the
+    # slices are one device's experts (and a piece of the dense weights).
+    slices = max((lay.tp for lay in engine.layouts.values()), default=1)
+    expert = slice_axis(engine.mesh) == EXPERT
     return dataclasses.replace(shape, resident=resident_names, small_weights=small,
-                               single_weight=single, tensor_parallel=tp,
+                               single_weight=single,
+                               tensor_parallel=1 if expert else slices,
+                               expert_parallel=slices if expert else 1,
                                scanned=any(lay.layer is not None
                                            for lay in engine.layouts.values()))
 
@@ -906,11 +916,13 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, mesh: MeshInfo,
     costs.append(CollectiveCost("loss and metrics", "all-reduce", cross / mesh.nodes,
                                 intra / devices, mesh.nodes > 1))
     t = shape.tensor_parallel
+    groups = t * shape.expert_parallel
+    if groups > 1:
+        # ``local`` counts data-parallel devices: a node holds ``groups`` data groups (one
+        # per tensor-parallel or expert slice), whose cross-node bytes share its link.
+        costs = [dataclasses.replace(c, cross_bytes_per_node=c.cross_bytes_per_node
+                                     * groups) for c in costs]
     if t > 1:
-        # ``local`` counts data-parallel devices: a node holds ``t`` data groups (one per
-        # tensor-parallel slice), whose cross-node bytes share its network link.
-        costs = [dataclasses.replace(c, cross_bytes_per_node=c.cross_bytes_per_node * t)
-                 for c in costs]
         # Tensor parallelism's own all-reduces, inside the node (a ring: each device
         # sends and receives 2 (t - 1) / t of the buffer).
         size = tokens_per_device * shape.tp_elems_per_token * config.compute_jnp_dtype.itemsize

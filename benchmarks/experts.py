@@ -13,10 +13,10 @@ for:
 * ZeRO++ (qwZ, hpZ, qgZ) with experts on ``(2, 2, 2)``.
 
 Per device: the compiled step's argument and temporary bytes (XLA's memory analysis), and
-one MoE layer's expert weights it holds gathered while the layer runs; per step: the bytes moved inside and across
-nodes, from the compiled program (``comm_report``), split by the axes the collectives span
-(``"data"``: ZeRO's, ``"expert"``: the tokens' all-to-alls and the dense weights' gathers
-inside an expert group).
+one MoE layer's expert weights it holds gathered while the layer runs; per step: the bytes
+moved inside and across nodes, from the compiled program (``comm_report``), split by the
+axes the collectives span (``"data"``: ZeRO's, ``"expert"``: the tokens' all-to-alls and
+the dense weights' gathers inside an expert group).
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ def test_bytes_cross_nodes_as_qgz_and_16_bit_inside(mesh_shape):
     cross = gradient_transport(zpp.ZeroPPConfig(**base, qgz_hops="cross"))
     hier = gradient_transport(zpp.ZeroPPConfig(reduce_scatter="hierarchical"))
     assert cross.label() == "qgz-int4-cross" and both.label() == "qgz-int4"
-    b, c, h = (gradient_bytes(t, n_pad, "bfloat16", MeshInfo(nodes, local)) for t in (both, cross, hier))
+    mesh = MeshInfo(nodes, local)
+    b, c, h = (gradient_bytes(t, n_pad, "bfloat16", mesh) for t in (both, cross, hier))
     assert c.cross == b.cross < h.cross / 3.5  # INT4 + scales against bf16
     assert c.intra == h.intra > 3.5 * b.intra  # bf16 inside the node, as unquantized
 

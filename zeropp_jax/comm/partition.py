@@ -345,20 +345,3 @@ def unit_of(path: tuple, units: Mapping[str, Any]) -> str | None:
         if isinstance(key, str) and key in units:
             return key
     return None
-
-
-def offloaded_units(units: Iterable[tuple[str, int]], ratio: float) -> frozenset[str]:
-    """The units whose optimizer state lives in host memory when a fraction ``ratio`` of
-    it does (``config.offload_ratio``): ``(name, parameters)`` taken in name order, each
-    while the ones taken so far hold less than ``ratio`` of all the parameters, so whole
-    units reach at least that fraction (all of them at 1)."""
-    units = sorted(units)
-    total = sum(n for _, n in units)
-    taken: list[str] = []
-    held = 0
-    for name, n in units:
-        if held >= ratio * total:
-            break
-        taken.append(name)
-        held += n
-    return frozenset(taken)

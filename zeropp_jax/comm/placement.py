@@ -16,7 +16,6 @@ from flax import struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.comm.partition import unit_of
 from zeropp_jax.core import scopes
 from zeropp_jax.core.dtypes import accumulation_dtype
 from zeropp_jax.core.mesh import AXES, MODEL, slice_axis
@@ -70,19 +69,6 @@ def pin_slices(out: Any, specs: Any, mesh: Any) -> Any:
             lambda y: jax.lax.with_sharding_constraint(y, NamedSharding(mesh, wanted)), x)
 
     return jax.tree_util.tree_map(pin, specs, out, is_leaf=lambda x: isinstance(x, P))
-
-
-def offload_mask(tree: Any, units: Any, offloaded: frozenset[str]) -> Any:
-    """A tree like ``tree`` (an optimizer state, or its specs) of bools: True for the
-    leaves kept in host memory, those of the ``offloaded`` units (``unit_of``), and the
-    leaves of no unit (a step count) when every one of ``units`` is offloaded."""
-    every = set(units) <= set(offloaded)
-
-    def leaf(path: tuple, _: Any) -> bool:
-        unit = unit_of(path, units)
-        return every if unit is None else unit in offloaded
-
-    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def place(x: Any, sharding: NamedSharding) -> jax.Array:

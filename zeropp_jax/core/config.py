@@ -283,7 +283,7 @@ class ZeroPPConfig:
         in host memory, in (0, 1] (DeepSpeed's ``offload_optimizer.ratio``; ZeRO-Offload++
         keeps the rest on the GPU): whole units' state, the units taken in order until
         their parameters reach this fraction of the trainable ones
-        (``placement.offloaded_units``); the others' state stays on the device. 1.0
+        (``comm.offload.OffloadPolicy.units``); the others' state stays on the device. 1.0
         (default): all of it, the step count too.
     """
 

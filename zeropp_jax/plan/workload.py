@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 import jax
 
-from zeropp_jax.comm.partition import REST, UnitLayout, offloaded_units, padded_length
+from zeropp_jax.comm.partition import REST, UnitLayout, padded_length
 from zeropp_jax.comm.transports import TransportPlan, plan_of
 from zeropp_jax.comm.transports.base import gradient_collectives, weight_collectives
 from zeropp_jax.comm.wire import TracedCollective, axis_groups, count_bytes
@@ -628,7 +628,7 @@ def memory_breakdown(config: ZeroPPConfig, shape: ModelShape, mesh: MeshInfo,
     # Offloaded: Adam's moments (of the units ``offload_ratio`` picks) and/or the primary
     # shards, in host memory between steps; at the update two units' worth on the device
     # at once (streamed, ``host``).
-    off = _offloaded(config, shape)
+    off = plan.offload.units(shape.units)
     hosted = {u: pad(n) * (ADAM_BYTES_PER_PARAM * (u in off) + p * config.offload_params)
               for u, n in shape.units}
     host = sum(hosted.values()) / devices
@@ -933,7 +933,7 @@ def config_workload(config: ZeroPPConfig, shape: ModelShape, mesh: MeshInfo,
     # Offloaded state over the host link per step: Adam's moments in and out at the
     # update; primary shards to the device for each gather (forward, backward's regather:
     # 2) and for the update, the new ones back, their gradient out and in again (6 in all).
-    off = _offloaded(config, shape)
+    off = plan.offload.units(shape.units)
     host = sum(padded_length(n, devices, config.flat_alignment)
                * (2 * ADAM_BYTES_PER_PARAM * (u in off)
                   + 6 * config.param_jnp_dtype.itemsize * config.offload_params)
@@ -955,14 +955,6 @@ def report_workload(report: CommReport, flops_per_device: float = 0.0,
                   for r in report.rows)
     return Workload(costs, flops_per_device, quant_elems_per_device, memory_bytes_per_device,
                     label)
-
-
-def _offloaded(config: ZeroPPConfig, shape: ModelShape) -> frozenset[str]:
-    """The units whose optimizer state lives in host memory, as the engine picks them
-    (``partition.offloaded_units``)."""
-    if not config.offload_optimizer:
-        return frozenset()
-    return offloaded_units(shape.units, config.offload_ratio)
 
 
 def config_label(config: ZeroPPConfig) -> str:

@@ -23,12 +23,12 @@ from zeropp_jax.comm.frozen import (
     as_predicate,
     split_frozen,
 )
+from zeropp_jax.comm.offload import OffloadPolicy, offload_mask
 from zeropp_jax.comm.transports import TransportPlan, frozen_format
 from zeropp_jax.comm.partition import (
     REST,
     UnitLayout,
     make_unit_layout,
-    offloaded_units,
     split_units,
     stack_layers,
     unit_name,
@@ -37,7 +37,6 @@ from zeropp_jax.comm.placement import (
     REPLICATED,
     SHARDED,
     global_spec,
-    offload_mask,
     place,
     place_replicated,
     sharded_spec,
@@ -237,11 +236,11 @@ def cast_to(x: np.ndarray | jax.ShapeDtypeStruct, dtype: Any
     return x.astype(dtype)
 
 
-def master_sharding(mesh: Mesh, config: ZeroPPConfig) -> NamedSharding:
+def master_sharding(mesh: Mesh, offload: OffloadPolicy) -> NamedSharding:
     """Where the primary shards live: split over ``("node", "local")``, in each device's
-    pinned host memory with ``config.offload_params``."""
+    pinned host memory with ``offload.params``."""
     return NamedSharding(mesh, SHARDED,
-                         memory_kind=compat.HOST_MEMORY if config.offload_params else None)
+                         memory_kind=compat.HOST_MEMORY if offload.params else None)
 
 
 def place_units(layouts: Mapping[str, UnitLayout], trees: Mapping[str, PyTree], dtype: Any,
@@ -284,7 +283,7 @@ def init_opt_state(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree,
                    offloaded: frozenset[str] = frozenset()) -> PyTree:
     """``tx.init`` on each device's primary shards of ``master``; leaves placed per
     ``specs`` over ``("node", "local")``, those of the ``offloaded`` units
-    (``placement.offload_mask``: ``config.offload_optimizer`` and ``offload_ratio``) in
+    (``offload.offload_mask``; ``OffloadPolicy.units`` picks them) in
     each device's pinned host memory."""
     host = offload_mask(specs, master, offloaded)
 
@@ -306,14 +305,6 @@ def init_opt_state(tx: optax.GradientTransformation, mesh: Mesh, specs: PyTree,
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             jax.eval_shape(init_all, master), out)
     return init_all(master)
-
-
-def offloaded(config: ZeroPPConfig, layouts: Mapping[str, UnitLayout]) -> frozenset[str]:
-    """The units whose optimizer state lives in host memory (``config.offload_optimizer``,
-    ``config.offload_ratio``: ``partition.offloaded_units``)."""
-    if not config.offload_optimizer:
-        return frozenset()
-    return offloaded_units(((n, lay.n) for n, lay in layouts.items()), config.offload_ratio)
 
 
 def replicated_zero(mesh: Mesh, abstract: bool = False) -> jax.Array | jax.ShapeDtypeStruct:

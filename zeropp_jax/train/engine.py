@@ -45,10 +45,10 @@ from zeropp_jax.comm.placement import (
     SHARDED,
     ShardedParams,
     global_norm,
-    offload_mask,
     place,
     to_host,
 )
+from zeropp_jax.comm.offload import offload_mask
 from zeropp_jax.comm.transports import (
     TransportPlan,
     UnitTransports,
@@ -218,7 +218,7 @@ class Engine:
     def offloaded(self) -> frozenset[str]:
         """The units whose optimizer state lives in host memory (``offload_optimizer``,
         ``offload_ratio``)."""
-        return build.offloaded(self.config, self.layouts)
+        return self.plan.offload.units((n, lay.n) for n, lay in self.layouts.items())
 
     @property
     def has_frozen(self) -> bool:
@@ -461,13 +461,15 @@ class Engine:
             g = {}
             for name, full in grads.units.items():
                 if cfg.stage == 2:
-                    g[name] = reduce_gradient(self.plan.replicated_gradients(), full, cfg.param_jnp_dtype)
+                    g[name] = reduce_gradient(self.plan.replicated_gradients(), full,
+                                              cfg.param_jnp_dtype)
                 else:
                     summed = (jax.lax.psum(full, AXES).astype(accumulation_dtype(full.dtype))
                               / self.num_devices)
                     g[name] = collectives.own_slice(summed, AXES).astype(cfg.param_jnp_dtype)
         g, finite = self._clip_and_check(g)
-        if cfg.offload_optimizer:  # kept in host memory: the update runs on the device
+        # Kept in host memory: the update runs on the device.
+        if self.plan.offload.optimizer:
             opt_state = compat.on_device(opt_state)
         old_opt_state = opt_state
         updates, opt_state = self.tx.update(g, opt_state, master.units)
@@ -480,10 +482,10 @@ class Engine:
             new_master = jax.tree_util.tree_map(keep, new_master, master.units)
             opt_state = jax.tree_util.tree_map(keep, opt_state, old_opt_state)
             skipped = skipped + jnp.where(finite, 0, 1).astype(skipped.dtype)
-        if cfg.offload_optimizer:  # back to the host: the offloaded units' state
+        if self.plan.offload.optimizer:  # back to the host: the offloaded units' state
             opt_state = compat.in_host_memory(
                 opt_state, offload_mask(opt_state, self.layouts, self.offloaded))
-        if cfg.offload_params:
+        if self.plan.offload.params:
             new_master = compat.in_host_memory(new_master)
         if cfg.stage == 3:
             feedback = self._next_feedback(grads.feedback, params.feedback, finite)

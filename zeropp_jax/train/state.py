@@ -247,10 +247,12 @@ class TrainState:
         frozen_layouts = build.frozen_layouts(frozen_trees, info.data, plan, tp)
 
         pdt = config.param_jnp_dtype
-        master = build.place_units(layouts, trees, pdt, build.master_sharding(mesh, config))
+        master = build.place_units(layouts, trees, pdt,
+                                   build.master_sharding(mesh, plan.offload))
         opt_specs = build.opt_state_specs(tx, layouts, pdt)
         opt_state = build.init_opt_state(tx, mesh, opt_specs, master,
-                                         build.offloaded(config, layouts))
+                                         plan.offload.units(
+                                             (n, lay.n) for n, lay in layouts.items()))
         engine = Engine(adapter, tx, mesh, config, layouts, opt_specs, frozen_layouts,
                         explicit_units=units is not None and units != "auto",
                         tensor_rules=() if tp is None else tp.rules, plan=plan)

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from zeropp_jax.comm.offload import OffloadPolicy
 from zeropp_jax.comm.transports.hpz import secondary_of
 from zeropp_jax.comm.transports.reduce_scatter import FlatReduceScatter
 from zeropp_jax.comm.transports.sliced import SlicedGradients, SlicedWeights
@@ -51,11 +52,13 @@ class TransportPlan:
         on each frozen layout, so they are resolved per unit from it).
       weights: how trainable weights travel (hpZ-wrapped when configured).
       gradients: how gradients leave.
+      offload: what lives in host memory between steps (``comm.offload``).
     """
 
     config: Any
     weights: WeightTransport
     gradients: GradientTransport
+    offload: OffloadPolicy = OffloadPolicy()
 
     def unit(self, layout: Any = None, frozen_layout: Any = None) -> UnitTransports:
         """The transports of a unit with trainable part ``layout`` and frozen part
@@ -109,11 +112,7 @@ class TransportPlan:
         """A short name: ``zero3``, or the techniques on (``qwz-int4+hpz[16]+qgz-int4-had``,
         ``+EF`` for kept errors), ``+offload`` with the optimizer state in host memory
         (``+offload0.5`` for half of it), `` unbucketed`` with buckets turned off."""
-        ratio = self.config.offload_ratio
-        offload = "+".join(w for w, on in ((f"offload{ratio:g}" if ratio < 1 else "offload",
-                                             self.config.offload_optimizer),
-                                            ("offload-params", self.config.offload_params))
-                           if on)
+        offload = self.offload.label()
         name = "+".join(p for p in (self.weights.label(), self.gradients.label()) if p)
         name = "+".join(p for p in (name or "zero3", offload) if p)
         return name + ("" if self.config.bucket else " unbucketed")
@@ -157,4 +156,5 @@ class TransportPlan:
 def plan_of(config: Any) -> TransportPlan:
     """The plan of ``config`` (a ``ZeroPPConfig``), resolved from the registry. Cheap (a
     few small dataclasses), so it is not cached: nothing global holds configs."""
-    return TransportPlan(config, weight_transport(config), gradient_transport(config))
+    return TransportPlan(config, weight_transport(config), gradient_transport(config),
+                         OffloadPolicy.of(config))

@@ -23,7 +23,7 @@ from pallas_kernels.quantize import (dequantize_reference, quantize_reference,
 from zeropp_jax.comm.qgz import (feedback_lengths, hop2_to_flat, qgz_reduce_scatter,
                                  qgz_reduce_scatter_feedback)
 from zeropp_jax.comm.transports import gradient_transport
-from zeropp_jax.comm.transports.qgz import FEEDBACK_BLOCK, encode_error
+from zeropp_jax.comm.transports.kept_errors import FEEDBACK_BLOCK, encode_error
 from zeropp_jax.comm.wire import traced_collectives
 from zeropp_jax.quant.rotation import hadamard_signs
 

@@ -19,7 +19,7 @@ import zeropp_jax as zpp
 from zeropp_jax.core.mesh import MeshInfo
 from helpers import U32, fresh_seed
 from zeropp_jax.comm.qgz import hop2_to_flat
-from zeropp_jax.comm.transports.qgz import FEEDBACK_BLOCK, decode_error
+from zeropp_jax.comm.transports.kept_errors import FEEDBACK_BLOCK, decode_error
 
 K = 300  # weights per unit: with 8 devices and block_size 16, slices need padding
 NODES, LOCAL = 2, 4

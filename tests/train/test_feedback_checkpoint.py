@@ -15,7 +15,7 @@ import pytest
 
 import zeropp_jax as zpp
 from zeropp_jax.comm.qgz import hop2_to_flat
-from zeropp_jax.comm.transports.qgz import FEEDBACK_BLOCK, decode_error
+from zeropp_jax.comm.transports.kept_errors import FEEDBACK_BLOCK, decode_error
 from zeropp_jax.core.mesh import MeshInfo, mesh_shape
 from zeropp_jax.train import checkpoint as ckpt
 

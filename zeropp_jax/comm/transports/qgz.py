@@ -22,13 +22,7 @@ from zeropp_jax.comm.qgz import (
 )
 from zeropp_jax.comm.transports import kept_errors
 from zeropp_jax.comm.transports.base import GradientFacts, GradientTransport
-from zeropp_jax.comm.transports.kept_errors import (  # noqa: F401  (their home, re-exported)
-    FEEDBACK_BLOCK,
-    FEEDBACK_FORMAT,
-    Feedback,
-    decode_error,
-    encode_error,
-)
+from zeropp_jax.comm.transports.kept_errors import Feedback, decode_error, encode_error
 from zeropp_jax.core.mesh import AXES, MeshInfo
 from zeropp_jax.quant.rotation import fixed_key
 
